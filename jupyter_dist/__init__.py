@@ -1,0 +1,33 @@
+"""jupyter-dist: plan, compile, run and watch distributed PyTorch training from a notebook.
+
+Importing the package is cheap: the planner is stdlib only, and notebook pieces load when the extension does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "plan", "load_ipython_extension", "unload_ipython_extension"]
+
+
+def plan(*args: Any, **kwargs: Any) -> Any:
+    """Plan distributed training; see :func:`jupyter_dist.plan.planner.plan`."""
+    from .plan.planner import plan as _plan
+
+    return _plan(*args, **kwargs)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext jupyter_dist``: register the magics (imported lazily)."""
+    from .magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext jupyter_dist``: remove the magics again."""
+    from .magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

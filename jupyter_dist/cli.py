@@ -1,0 +1,221 @@
+"""``jupyter-dist`` command line: mirrors the magics. ``plan`` today; ``--json`` prints one JSON object.
+
+Exit codes: 0 success, 2 bad input (one line on stderr saying what is wrong and what is valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from .errors import JupyterDistError
+
+__all__ = ["main", "build_parser", "plan_from_args"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                        default=default, help=help)  # fmt: skip
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The plan inputs as flags; shared by ``jupyter-dist plan`` and ``%dist_plan``."""
+    model = p.add_argument_group("model (one of)")
+    model.add_argument("--model", help="preset name, e.g. llama-2-7b, gpt2, mixtral-8x7b (see --list-models)")
+    model.add_argument("--params", help="bare parameter count, e.g. 7.5e9 or 7B (shape is guessed)")
+    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder); no network")
+    model.add_argument("--module", metavar="MOD:CALLABLE",
+                       help="import a torch nn.Module class/factory and measure it on the meta device")
+    dims = p.add_argument_group("model dimensions (instead of, or overriding, a preset)")
+    for flag, hlp in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
+                      ("kv-heads", "key/value heads (GQA)"), ("ffn", "MLP width"), ("vocab", "vocabulary size"),
+                      ("experts", "MoE experts"), ("top-k", "experts per token")):
+        dims.add_argument(f"--{flag}", type=int, help=hlp)
+    dims.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                      help="input and output embeddings share weights")
+    dims.add_argument("--gated-mlp", action=argparse.BooleanOptionalAction, default=None,
+                      help="SwiGLU-style gated MLP (default for dimension-given models)")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--gpu", default="h100-80gb", help="accelerator (see --list-gpus); default h100-80gb")
+    hw.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the node size of --gpu, e.g. 8)")
+    hw.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    hw.add_argument("--interconnect", help="inter-node network (see --list-gpus); default: typical for --gpu")
+    hw.add_argument("--gpu-memory", metavar="SIZE", help="override device memory, e.g. 48GiB")
+    hw.add_argument("--gpu-tflops", type=float, help="override peak dense bf16/fp16 TFLOPS")
+    tr = p.add_argument_group("training shape")
+    tr.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    g = tr.add_mutually_exclusive_group()
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets grad-accum per candidate)")
+    tr.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default), fp16-mixed, bf16-true, fp32")
+    tr.add_argument("--optimizer", default="adamw", help="adamw (default), adamw-8bit, sgd")
+    tr.add_argument("--checkpointing", default="none", help="activation checkpointing: none (default), selective, full")
+    _bool_flag(tr, "flash-attn", True, "fused attention that never stores seq x seq scores (default on)")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--strategy", help="evaluate only this strategy (ddp, zero1..zero3, fsdp-*, fsdp2, ...)")
+    for flag in ("tp", "pp", "cp", "ep"):
+        par.add_argument(f"--{flag}", type=int, help=f"fix the {flag.upper()} degree (data parallel takes the rest)")
+    par.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                     help="sequence parallelism with TP (default on when tp > 1)")
+    par.add_argument("--min-headroom", type=float, help="free memory fraction a recommendation must leave (0.10)")
+    par.add_argument("--efficiency", type=float, help="assumed fraction of peak FLOPs matmuls reach (0.5)")
+
+
+def _load_module(target: str) -> Any:
+    import importlib
+
+    mod_name, _, attr = target.partition(":")
+    if not mod_name or not attr:
+        raise JupyterDistError(f"--module wants MODULE:CALLABLE (e.g. mypkg.model:GPT), got {target!r}")
+    try:
+        obj = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise JupyterDistError(f"--module: cannot import {mod_name!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise JupyterDistError(f"--module: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def plan_from_args(args: argparse.Namespace) -> Any:
+    """Turn parsed plan flags into a :class:`~jupyter_dist.plan.Plan` (raises JupyterDistError on bad input)."""
+    from dataclasses import replace
+
+    from .plan import Assumptions, Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+    from .plan.units import parse_bytes
+
+    sources = [n for n in ("model", "params", "hf_config", "module") if getattr(args, n)]
+    if len(sources) > 1:
+        raise JupyterDistError(f"give one model source, not {' and '.join('--' + s.replace('_', '-') for s in sources)}")
+    overrides = {
+        k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "experts")
+        if getattr(args, k) is not None
+    }  # fmt: skip
+    if args.kv_heads is not None:
+        overrides["kv_heads"] = args.kv_heads
+    if args.top_k is not None:
+        overrides["top_k"] = args.top_k
+    if args.tied_embeddings is not None:
+        overrides["tied_embeddings"] = args.tied_embeddings
+    if args.gated_mlp is not None:
+        overrides["gated_mlp"] = args.gated_mlp
+    if args.model:
+        spec = ModelSpec.from_preset(args.model)
+    elif args.params:
+        spec = ModelSpec.from_params(args.params)
+    elif args.hf_config:
+        spec = ModelSpec.from_hf_config(args.hf_config)
+    elif args.module:
+        spec = ModelSpec.from_module(_load_module(args.module))
+    elif overrides:
+        missing = [f for f in ("layers", "hidden", "heads", "vocab") if f not in overrides]
+        if missing:
+            raise JupyterDistError(
+                f"a model from dimensions needs --{' --'.join(missing)} too (or use --model/--params/--hf-config)"
+            )
+        spec = ModelSpec(name="custom", **overrides)
+        overrides = {}
+    else:
+        raise JupyterDistError("say which model: --model NAME, --params N, --hf-config PATH or --layers/--hidden/...")
+    if overrides:
+        spec = spec.with_(**overrides, params_override=0, source="dims")
+
+    acc = get_accelerator(args.gpu)
+    if args.gpu_memory:
+        acc = replace(acc, memory_bytes=parse_bytes(args.gpu_memory, what="--gpu-memory"))
+    if args.gpu_tflops is not None:
+        if args.gpu_tflops <= 0:
+            raise JupyterDistError(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
+        acc = replace(acc, bf16_flops=args.gpu_tflops * 1e12 if acc.supports_bf16 else 0.0,
+                      fp16_flops=args.gpu_tflops * 1e12)  # fmt: skip
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise JupyterDistError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    hardware = Hardware.from_names(acc, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
+                                   interconnect=args.interconnect)  # fmt: skip
+    training = TrainingShape(
+        micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
+        global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
+        checkpointing=args.checkpointing, flash_attention=args.flash_attn,
+    )  # fmt: skip
+    assume: dict[str, float] = {}
+    if args.min_headroom is not None:
+        assume["min_headroom"] = args.min_headroom
+    if args.efficiency is not None:
+        assume["compute_efficiency"] = args.efficiency
+    return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                sp=args.sp, assumptions=Assumptions(**assume))  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jupyter-dist`` parser with its sub-commands."""
+    parser = _Parser(prog="jupyter-dist", description="Plan, compile, run and watch distributed PyTorch training.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"jupyter-dist {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("plan", help="which strategy, will it fit, how fast, and why",
+                       description="Per-GPU memory, step time and a recommendation for every strategy. Memory in "
+                                   "--json output is in bytes; the table is in GiB.")  # fmt: skip
+    add_plan_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes)")
+    p.add_argument("--all", action="store_true", help="show every candidate in the table, not the first 12")
+    p.add_argument("--list-models", action="store_true", help="list model presets and exit")
+    p.add_argument("--list-gpus", action="store_true", help="list accelerators and interconnects and exit")
+    return parser
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.list_models:
+        from .plan import PRESETS
+        from .plan.units import fmt_count
+
+        for name, spec in PRESETS.items():
+            print(f"{name:16} {fmt_count(spec.params):>8}  ({spec.params:,} params)")
+        return 0
+    if args.list_gpus:
+        from .plan import ACCELERATORS, INTERCONNECTS
+        from .plan.units import fmt_gib
+
+        for acc in ACCELERATORS.values():
+            print(f"{acc.name:12} {acc.label:28} {fmt_gib(acc.memory_bytes):>10}  "
+                  f"{acc.peak_flops('bf16') / 1e12:7.0f} TFLOPS  {acc.intra_node_link}")  # fmt: skip
+        print()
+        for ic in INTERCONNECTS.values():
+            print(f"{ic.name:16} {ic.label}")
+        return 0
+    result = plan_from_args(args)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.to_text(limit=None if args.all else 12))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jupyter-dist`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {"plan": _cmd_plan}[args.command](args)
+    except JupyterDistError as exc:
+        print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

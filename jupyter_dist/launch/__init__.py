@@ -1,0 +1,1 @@
+"""Layer `launch` (see ARCHITECTURE.md)."""

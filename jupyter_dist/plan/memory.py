@@ -1,0 +1,419 @@
+"""Per-GPU memory model: model states, activations and overhead, with the published formulas (stdlib only).
+
+Sources, cited where each is used:
+
+* Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", Sec. 3.1 and
+  Table 1: mixed-precision Adam keeps 2 (fp16 params) + 2 (fp16 grads) + K (fp32 master, momentum, variance;
+  K = 12) bytes per parameter; ZeRO-1 divides the K part by N_d, ZeRO-2 also the gradients, ZeRO-3 everything.
+* Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4, Table 2:
+  activations per layer ``s*b*h*(34 + 5*a*s/h)`` bytes, ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` with tensor
+  parallelism, ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, ``34*s*b*h/t`` with selective
+  recomputation, ``2*s*b*h`` with full recomputation; the first pipeline stage holds ``p`` micro-batches in
+  flight (1F1B); the output layer stores ``4*s*b*v/t`` bytes of fp32 logits.
+* DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
+  (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py): the CPU memory that offload needs, and a cross-check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .hardware import Hardware
+from .model import ModelSpec
+from .parallel import ParallelDims
+from .strategies import StrategySpec
+from .training import Checkpointing, OptimizerKind, Precision, TrainingShape
+from .units import GiB, MiB
+
+__all__ = [
+    "Assumptions",
+    "MemoryBreakdown",
+    "state_bytes_per_param",
+    "zero_paper_model_states",
+    "activation_bytes_per_layer",
+    "korthikanti_per_layer",
+    "estimate_memory",
+    "deepspeed_zero2_estimate",
+    "deepspeed_zero3_estimate",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Assumptions:
+    """Calibration knobs of the memory and time model; every one is shown in the plan."""
+
+    compute_efficiency: float = 0.5
+    """Fraction of peak dense FLOP/s the matrix multiplies reach (large-model training reaches 0.4-0.55 MFU)."""
+    overlap: float = 0.8
+    """Fraction of the backward pass that data-parallel communication can hide behind."""
+    cuda_context_bytes: int = 1 * GiB
+    """CUDA/ROCm context plus NCCL buffers per process (not seen by ``torch.cuda.memory_allocated``)."""
+    fragmentation: float = 0.05
+    """Caching-allocator fragmentation as a fraction of the other memory."""
+    min_headroom: float = 0.10
+    """Free fraction of device memory a recommended candidate must leave (for spikes, evaluation, etc.)."""
+    cpu_optimizer_params_per_s: float = 1.0e9
+    """Parameters per second one GPU's share of the host cores updates with DeepSpeed's CPU Adam."""
+
+    def __post_init__(self) -> None:
+        from ..errors import PlanInputError
+
+        for f in ("compute_efficiency", "overlap", "min_headroom", "fragmentation"):
+            v = getattr(self, f)
+            if not 0 <= v <= 1 or (f == "compute_efficiency" and v == 0):
+                raise PlanInputError(f"assumption {f} must be in (0, 1], got {v}")
+        if self.cuda_context_bytes < 0 or self.cpu_optimizer_params_per_s <= 0:
+            raise PlanInputError("cuda_context_bytes must be >= 0 and cpu_optimizer_params_per_s > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Peak memory of one GPU (the worst rank), in bytes, split the way the ZeRO paper does."""
+
+    params: int
+    """Parameters resident on the GPU (working copy, or the shard)."""
+    grads: int
+    """Gradients resident on the GPU."""
+    optimizer: int
+    """Optimizer states, including fp32 master weights in mixed precision."""
+    activations: int
+    """Activations saved for backward at the peak (worst pipeline stage)."""
+    overhead: int
+    """CUDA context, communication buffers, gathered parameters, autocast copies, fragmentation."""
+    capacity: int
+    """Device memory."""
+    detail: dict[str, int] = field(default_factory=dict)
+    """The parts of ``overhead`` (and other sub-figures) by name, bytes."""
+    cpu_bytes_per_node: int = 0
+    """Host memory per node that offload needs (DeepSpeed's estimator, 1.5x buffer factor)."""
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer states (the ZeRO paper's "model states")."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Peak per-GPU bytes."""
+        return self.model_states + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak is within device memory."""
+        return self.total <= self.capacity
+
+    @property
+    def headroom(self) -> float:
+        """Free fraction of device memory at the peak (negative when it does not fit)."""
+        return 1 - self.total / self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        """Bytes as integers: ``params, grads, optimizer, activations, overhead, total`` and more."""
+        return {
+            "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+            "activations": self.activations, "overhead": self.overhead, "total": self.total,
+            "model_states": self.model_states, "capacity": self.capacity, "headroom": round(self.headroom, 4),
+            "cpu_bytes_per_node": self.cpu_bytes_per_node, "detail": dict(self.detail),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryBreakdown:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            params=int(data["params"]), grads=int(data["grads"]), optimizer=int(data["optimizer"]),
+            activations=int(data["activations"]), overhead=int(data["overhead"]), capacity=int(data["capacity"]),
+            detail={k: int(v) for k, v in data.get("detail", {}).items()},
+            cpu_bytes_per_node=int(data.get("cpu_bytes_per_node", 0)),
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model states
+# ---------------------------------------------------------------------------------------------------------------
+_OPT_STATE_BYTES = {OptimizerKind.ADAMW: 8, OptimizerKind.ADAMW_8BIT: 2, OptimizerKind.SGD: 4}
+
+
+def state_bytes_per_param(precision: Precision, optimizer: OptimizerKind, family: str) -> tuple[int, int, int]:
+    """Bytes per parameter of (params, grads, optimizer) before sharding.
+
+    Mixed precision, DeepSpeed's layout (ZeRO paper Sec. 3.1): fp16/bf16 params 2, grads 2, and ``K`` = fp32 master
+    copy 4 + states (Adam 8, 8-bit Adam 2 (Dettmers et al. 2022), SGD momentum 4); K = 12 for Adam.
+    Mixed precision, PyTorch's layout (DDP with autocast, FSDP with ``MixedPrecision``): the fp32 weights *are*
+    the parameters (4) and gradients are fp32 (4), so the optimizer holds only its states; the totals are equal.
+    Pure bf16 keeps everything in 2 bytes (Adam states in bf16: 4); fp32 keeps 4 + 4 + states.
+    """
+    states = _OPT_STATE_BYTES[optimizer]
+    if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+        if family == "deepspeed":
+            return 2, 2, 4 + states
+        return 4, 4, states
+    if precision is Precision.BF16_TRUE:
+        return 2, 2, states // 2
+    return 4, 4, states
+
+
+def zero_paper_model_states(params: int, stage: int, dp: int, k: int = 12) -> int:
+    """Model-state bytes per device from the ZeRO paper, Sec. 3.1 / Table 1 (fp16 params and grads, K bytes)."""
+    if stage == 0:
+        return (2 + 2 + k) * params
+    if stage == 1:
+        return 4 * params + k * params // dp
+    if stage == 2:
+        return 2 * params + (2 + k) * params // dp
+    if stage == 3:
+        return (2 + 2 + k) * params // dp
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, float]:
+    """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline stage.
+
+    Blocks are split ``pp`` ways (the first stage also holds the input embedding, the last the output projection
+    and final norm); TP splits block and embedding matrices ``tp`` ways (Megatron-LM); EP splits experts ``ep``
+    ways. ``block`` is one block's share, the unit that ZeRO-3/FSDP gather at a time.
+    """
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    blocks = math.ceil(model.layers / dims.pp)
+    expert_per_block = model.experts * model.expert_params if model.is_moe else 0
+    dense_per_block = model.layer_params - expert_per_block
+    first = model.embedding_params + (model.lm_head_params + model.norm_params if dims.pp == 1 else 0)
+    last = model.lm_head_params + model.norm_params + (model.embedding_params if model.tied_embeddings else 0)
+    edge = max(first, last) if dims.pp > 1 else first
+    dense = (blocks * dense_per_block + edge) / dims.tp
+    expert = blocks * expert_per_block / dims.ep
+    block = (dense_per_block / dims.tp + expert_per_block / dims.ep) * scale
+    return dense * scale, expert * scale, block
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022, generalised to GQA, gated MLPs, MoE, FlashAttention, CP)
+# ---------------------------------------------------------------------------------------------------------------
+def korthikanti_per_layer(
+    s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Activation bytes of one GPT layer exactly as in Korthikanti et al. 2022, Table 2 (fp16, with dropout)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attn_core = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + attn_core)
+    return s * b * h * (10 + 24 / t + attn_core / t)
+
+
+def activation_bytes_per_layer(
+    model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None
+) -> float:
+    """Bytes one transformer block saves for backward, per micro-batch, on one rank.
+
+    Follows Korthikanti et al.'s accounting term by term (fp16 activations, 1-byte dropout masks) so that a GPT
+    layer (MHA, 4h GeLU MLP, dropout, no FlashAttention) gives exactly their Table 2; the terms are generalised:
+    Q is ``2sb*q_dim`` and K, V ``2sb*kv_dim`` each (grouped-query attention); a GeLU MLP of width F stores
+    ``4sbF`` (activation input and second-linear input), a gated (SwiGLU) one ``8sbF`` (gate, up, act(gate) and
+    their product); MoE multiplies the MLP term by top-k and adds fp32 router logits ``4sbE``; FlashAttention
+    replaces the ``a*s^2*b`` score terms by its fp32 log-sum-exp ``4sba``; context parallelism divides ``s``.
+    """
+    recompute = training.checkpointing if recompute is None else recompute
+    s = training.seq_len / dims.cp
+    b = training.micro_batch
+    h = model.hidden
+    t = dims.tp
+    scale = 2.0 if training.precision is Precision.FP32 else 1.0  # the paper assumes 2-byte activations
+    if recompute is Checkpointing.FULL:
+        return 2 * s * b * h * scale / (t if dims.sp else 1)
+    masks = 2 * s * b * h if model.dropout else 0.0  # attention-output and MLP-output dropout masks
+    replicated = 4 * s * b * h + 2 * s * b * h + 2 * s * b * h  # two norm inputs, QKV input, MLP input
+    ffn = model.d_ffn
+    mlp = (8 if model.gated_mlp else 4) * s * b * ffn * model.top_k
+    if model.is_moe:
+        mlp += 4 * s * b * model.experts
+    parallel = 2 * s * b * model.q_dim + 4 * s * b * model.kv_dim + 2 * s * b * model.q_dim + mlp
+    a = model.heads
+    if recompute is Checkpointing.SELECTIVE:
+        core = 0.0
+    elif training.flash_attention:
+        core = 4 * s * b * a  # fp32 log-sum-exp per query and head
+    elif model.dropout:
+        core = (2 * scale + 1 + 2 * scale) * a * s * s * b  # softmax output, dropout mask, dropout output
+    else:
+        core = 2 * scale * a * s * s * b  # softmax output
+    replicated_total = (replicated * scale + masks) / (t if dims.sp else 1)
+    return replicated_total + (parallel * scale + core) / t
+
+
+def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int) -> dict[str, int]:
+    """Peak activation bytes of the worst pipeline stage, and its parts."""
+    s = training.seq_len / dims.cp
+    b = training.micro_batch
+    h, v, t = model.hidden, model.vocab, dims.tp
+    blocks = math.ceil(model.layers / dims.pp)
+    per_layer = activation_bytes_per_layer(model, training, dims)
+    in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
+    # Korthikanti Sec. 4.3: input-embedding dropout mask, final norm + output projection input, fp32 logits
+    embed = s * b * h * in_flight if model.dropout else 0.0
+    output = (4 * s * b * h) / (t if dims.sp else 1) + 4 * s * b * v / t
+    # full recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5)
+    recompute_peak = 0.0
+    if training.checkpointing is Checkpointing.FULL:
+        recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
+    first = blocks * per_layer * in_flight + embed
+    last = blocks * per_layer + output
+    total = first + output if dims.pp == 1 else max(first, last)
+    return {
+        "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,
+        "activations_logits": int(4 * s * b * v / t), "activations_recompute_peak": int(recompute_peak),
+        "activations": int(total + recompute_peak),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed's own estimators, re-implemented from deepspeed 0.19 (see module docstring) and checked against it.
+# ---------------------------------------------------------------------------------------------------------------
+def deepspeed_zero2_estimate(
+    total_params: int, *, gpus_per_node: int = 1, nodes: int = 1, cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
+    """(CPU bytes per node, GPU bytes) of ZeRO-2 model states, as ``estimate_zero2_model_states_mem_needs``."""
+    total_gpus = nodes * gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def deepspeed_zero3_estimate(
+    total_params: int, largest_layer_params: int, *, gpus_per_node: int = 1, nodes: int = 1,
+    cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """(CPU bytes per node, GPU bytes, largest layer bytes), as ``estimate_zero3_model_states_mem_needs``."""
+    total_gpus = nodes * gpus_per_node
+    gpus_factor = 1 / nodes
+    largest = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu = largest
+            factor = 18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor)
+        else:
+            gpu = largest + int(2 * total_params / total_gpus)
+            factor = 16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor)
+        cpu = total_params * factor * additional_buffer_factor
+    else:
+        gpu = largest + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu = largest_layer_params * 4 * gpus_per_node * additional_buffer_factor
+        else:
+            cpu = total_params * 4 * gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu), largest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole breakdown
+# ---------------------------------------------------------------------------------------------------------------
+def comm_settings(model: ModelSpec, strategy: StrategySpec) -> dict[str, int]:
+    """Bucket sizes the plan decides and the compiler writes (elements), so memory and configs agree.
+
+    DeepSpeed's defaults (5e8-element buckets) cost 1 GB each; we use the sizes the Hugging Face integration
+    derives from the model ("auto"): reduce bucket h^2, ZeRO-3 prefetch 0.9 h^2, persistence threshold 10 h.
+    """
+    h2 = model.hidden * model.hidden
+    if strategy.family == "deepspeed":
+        out = {"reduce_bucket_size": h2, "allgather_bucket_size": h2}
+        if strategy.shard_params:
+            out.update(stage3_prefetch_bucket_size=int(0.9 * h2), stage3_param_persistence_threshold=10 * model.hidden,
+                       stage3_max_live_parameters=int(1e9), stage3_max_reuse_distance=int(1e9))  # fmt: skip
+        return out
+    if strategy.family == "ddp":
+        return {"bucket_cap_mb": 25}
+    return {}
+
+
+def estimate_memory(
+    model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
+    *, grad_accum: int, assumptions: Assumptions,
+) -> MemoryBreakdown:
+    """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank)."""
+    pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
+    dense, expert, block = _stage_params(model, dims)
+
+    shard = dims.shard_size
+    eshard = dims.expert_shard_size
+    if strategy.hybrid:  # shard inside a node, replicate across nodes
+        per_node = max(1, hardware.gpus_per_node // (dims.tp * dims.pp))
+        shard = math.gcd(shard, per_node)
+        eshard = max(1, math.gcd(eshard, per_node))
+
+    def sharded(bytes_per_param: int, on: bool) -> int:
+        if not on:
+            return int(bytes_per_param * (dense + expert))
+        return int(bytes_per_param * (dense / shard + expert / eshard))
+
+    params = sharded(pb, strategy.shard_params)
+    grads = sharded(gb, strategy.shard_grads)
+    optimizer = sharded(ob, strategy.shard_optimizer)
+    detail: dict[str, int] = {}
+    compute_bytes = 4 if training.precision is Precision.FP32 else 2
+    local = dense + expert
+
+    cpu = 0
+    if strategy.offload_optimizer or strategy.offload_params:
+        # what leaves the GPU goes to host memory; size the host side with DeepSpeed's own estimator
+        detail["offloaded_to_cpu"] = optimizer + grads + (params if strategy.offload_params else 0)
+        if strategy.shard_params:
+            cpu = deepspeed_zero3_estimate(
+                model.params, model.largest_module_params, gpus_per_node=hardware.gpus_per_node,
+                nodes=hardware.nodes, cpu_offload=True, cpu_offload_params=strategy.offload_params,
+            )[0]  # fmt: skip
+        else:
+            cpu = deepspeed_zero2_estimate(
+                model.params, gpus_per_node=hardware.gpus_per_node, nodes=hardware.nodes, cpu_offload=True
+            )[0]
+        optimizer = 0
+        grads = 0
+        if strategy.offload_params:
+            params = 0
+
+    # ---- overhead -------------------------------------------------------------------------------------------
+    detail["cuda_context"] = assumptions.cuda_context_bytes
+    settings = comm_settings(model, strategy)
+    if strategy.family == "ddp":
+        detail["comm_buckets"] = 2 * settings["bucket_cap_mb"] * MiB
+        if training.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+            # autocast's low-precision weight copies are saved for backward (one per weight)
+            detail["autocast_weight_copies"] = int(2 * local)
+    elif strategy.family == "deepspeed":
+        detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
+    elif strategy.family == "fsdp" and not strategy.shard_params and not strategy.keeps_gathered_params:
+        detail["comm_buckets"] = int(gb * local / max(model.layers, 1))  # one flat-parameter's gradient
+    largest_unit = max(block, model.vocab * model.hidden / dims.tp * (model.params / model.params_from_dims
+                                                                      if model.params_override else 1))
+    if strategy.shard_params:
+        # the unit being used plus the one prefetched, in the compute dtype, and one unit's unsharded gradient
+        # in the reduce dtype before reduce-scatter (fp32 for PyTorch mixed precision)
+        reduce_bytes = gb if strategy.family != "deepspeed" else compute_bytes
+        detail["gathered_params"] = int(2 * largest_unit * compute_bytes + largest_unit * reduce_bytes)
+    elif strategy.keeps_gathered_params:
+        # SHARD_GRAD_OP keeps every gathered unit from forward until its backward
+        detail["gathered_params"] = int(local * compute_bytes + largest_unit * gb)
+    if strategy.offload_params:
+        detail["gathered_params"] = detail.get("gathered_params", 0) + int(largest_unit * compute_bytes)
+
+    acts = _activation_bytes(model, training, dims, grad_accum)
+    activations = acts.pop("activations")
+    detail.update(acts)
+    overhead_parts = ("cuda_context", "comm_buckets", "autocast_weight_copies", "gathered_params")
+    before_frag = params + grads + optimizer + activations + sum(detail.get(k, 0) for k in overhead_parts)
+    detail["fragmentation"] = int(assumptions.fragmentation * (before_frag - assumptions.cuda_context_bytes))
+    overhead = sum(detail.get(k, 0) for k in (*overhead_parts, "fragmentation"))
+    return MemoryBreakdown(
+        params=params, grads=grads, optimizer=optimizer, activations=activations, overhead=overhead,
+        capacity=hardware.accelerator.memory_bytes, detail=detail, cpu_bytes_per_node=cpu,
+    )  # fmt: skip

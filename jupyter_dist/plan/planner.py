@@ -1,0 +1,435 @@
+"""The planner: enumerate candidates, evaluate memory and time, choose one and explain why (stdlib only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..errors import ParallelismError, PlanInputError
+from .hardware import Hardware
+from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per_param
+from .model import ModelSpec, get_preset
+from .parallel import ParallelDims
+from .perf import estimate_time
+from .plan import Candidate, Plan
+from .strategies import STRATEGIES, StrategySpec, get_strategy
+from .training import Checkpointing, Precision, TrainingShape
+from .units import fmt_count, fmt_gib
+
+__all__ = ["plan", "resolve_model", "LONG_SEQUENCE"]
+
+LONG_SEQUENCE = 16384
+"""Sequence length from which context-parallel candidates are considered."""
+
+_DP_ONLY = [s for s in STRATEGIES.values() if not s.model_parallel or s.name in ("zero1", "fsdp2")]
+_MODEL_PARALLEL = [s for s in STRATEGIES.values() if s.model_parallel]
+
+
+def resolve_model(model: ModelSpec | str | int | float | Mapping[str, Any]) -> ModelSpec:
+    """Accept a ``ModelSpec``, a preset name, a bare parameter count, or a Hugging Face config dict."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        try:
+            return get_preset(model)
+        except PlanInputError:
+            if model.replace(".", "").replace("e", "").replace("B", "").replace("M", "").isdigit():
+                return ModelSpec.from_params(model)
+            raise
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return ModelSpec.from_params(model)
+    if isinstance(model, Mapping):
+        return ModelSpec.from_hf_config(model)
+    if hasattr(model, "parameters"):
+        return ModelSpec.from_module(model)
+    raise PlanInputError(f"cannot plan for a {type(model).__name__}: give a preset name, ModelSpec, count or config")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(1, int(math.log2(limit)) + 1)] if limit >= 2 else []
+
+
+def _dims_problem(model: ModelSpec, training: TrainingShape, dims: ParallelDims) -> str | None:
+    """Why these degrees cannot work for this model, or ``None``."""
+    if model.heads % dims.tp or (model.n_kv_heads % dims.tp and dims.tp % model.n_kv_heads):
+        return f"tp ({dims.tp}) must divide the attention heads ({model.heads}, {model.n_kv_heads} kv)"
+    if model.d_ffn % dims.tp:
+        return f"tp ({dims.tp}) must divide the MLP width ({model.d_ffn})"
+    if dims.pp > model.layers:
+        return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers})"
+    if dims.cp > 1 and training.seq_len % (2 * dims.cp):
+        return f"seq-len ({training.seq_len}) must be a multiple of 2 x cp ({2 * dims.cp}) for load-balanced ring attention"
+    if dims.ep > 1 and (not model.is_moe or model.experts % dims.ep):
+        return (
+            f"ep ({dims.ep}) needs a mixture-of-experts model whose experts ({model.experts}) it divides"
+        )
+    return None
+
+
+def _enumerate(
+    model: ModelSpec, training: TrainingShape, hardware: Hardware, fixed: dict[str, int], sp: bool | None
+) -> list[tuple[StrategySpec, ParallelDims]]:
+    world = hardware.world_size
+    gpn = hardware.gpus_per_node
+    if fixed:
+        dims = ParallelDims.from_world(world, gpus_per_node=gpn, sp=True if sp is None else sp, **fixed)
+        problem = _dims_problem(model, training, dims)
+        if problem:
+            raise ParallelismError(problem)
+        strategies = _DP_ONLY if dims.is_data_parallel_only else _MODEL_PARALLEL
+        return [(s, dims) for s in strategies if not (s.name == "fsdp2" and False)]
+
+    out: list[tuple[StrategySpec, ParallelDims]] = []
+    base = ParallelDims(dp=world)
+    out += [(s, base) for s in _DP_ONLY if not (s.hybrid and hardware.nodes == 1)]
+    seen = {base}
+    use_sp = True if sp is None else sp
+
+    def add(**kw: int) -> None:
+        try:
+            dims = ParallelDims.from_world(world, sp=use_sp, **kw)
+        except ParallelismError:
+            return
+        if dims in seen or _dims_problem(model, training, dims):
+            return
+        seen.add(dims)
+        out.extend((s, dims) for s in _MODEL_PARALLEL)
+
+    tps = [1] + [t for t in _powers_of_two(min(gpn, 8)) if world % t == 0]
+    pps = [1] + [p for p in _powers_of_two(min(world, 64)) if p <= model.layers]
+    for tp in tps:
+        for pp in pps:
+            if tp * pp > 1 and world % (tp * pp) == 0:
+                add(tp=tp, pp=pp)
+    if model.is_moe:
+        for ep in _powers_of_two(model.experts):
+            for pp in (1, 2, 4):
+                if world % pp == 0 and (world // pp) % ep == 0:
+                    add(ep=ep, pp=pp)
+    if training.seq_len >= LONG_SEQUENCE:
+        for cp in _powers_of_two(min(world, 16)):
+            for tp in tps:
+                add(cp=cp, tp=tp)
+    return out
+
+
+def _evaluate(
+    model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
+    assumptions: Assumptions,
+) -> Candidate | None:
+    try:
+        grad_accum = training.accumulation_for(dims.dp)
+    except PlanInputError:
+        return None
+    memory = estimate_memory(model, training, hardware, strategy, dims, grad_accum=grad_accum,
+                             assumptions=assumptions)  # fmt: skip
+    time = estimate_time(model, training, hardware, strategy, dims, grad_accum=grad_accum, assumptions=assumptions)
+    suffix = dims.label()
+    settings: dict[str, Any] = dict(comm_settings(model, strategy))
+    settings["shard_group_size"] = (
+        math.gcd(dims.shard_size, max(1, hardware.gpus_per_node // dims.tp)) if strategy.hybrid
+        else dims.shard_size if strategy.shard_optimizer else 1
+    )  # fmt: skip
+    notes: list[str] = []
+    if strategy.offload_optimizer:
+        per_node_cpu = hardware.accelerator.node_cpu_memory_bytes
+        notes.append(
+            f"needs {fmt_gib(memory.cpu_bytes_per_node)} of host memory per node "
+            f"(DeepSpeed's estimator; a typical node has {fmt_gib(per_node_cpu, 0)})"
+        )
+    if dims.pp > 1 and model.layers % dims.pp:
+        notes.append(f"{model.layers} layers do not split evenly into {dims.pp} stages")
+    return Candidate(
+        name=f"{strategy.name}+{suffix}" if suffix else strategy.name, strategy=strategy.name, dims=dims,
+        grad_accum=grad_accum, memory=memory, time=time, settings=settings, notes=tuple(notes),
+    )  # fmt: skip
+
+
+def _cpu_ok(c: Candidate, hardware: Hardware) -> bool:
+    return c.memory.cpu_bytes_per_node <= hardware.accelerator.node_cpu_memory_bytes
+
+
+def _rank(cands: Iterable[Candidate], hardware: Hardware, min_headroom: float) -> list[Candidate]:
+    """Candidates that fit with headroom, fastest first; within 3% of the fastest the simplest first."""
+    pool = [c for c in cands if c.fits and c.memory.headroom >= min_headroom and _cpu_ok(c, hardware)]
+    if not pool:
+        return []
+    best = max(c.time.tokens_per_s for c in pool)
+
+    def key(c: Candidate) -> tuple[int, int, float]:
+        near = c.time.tokens_per_s >= 0.97 * best
+        complexity = STRATEGIES[c.strategy].complexity + 2 * (c.dims.world_size != c.dims.dp)
+        return (0 if near else 1, complexity if near else 0, -c.time.tokens_per_s)
+
+    return sorted(pool, key=key)
+
+
+def plan(
+    model: ModelSpec | str | int | float | Mapping[str, Any],
+    hardware: Hardware | str = "h100-80gb",
+    training: TrainingShape | None = None,
+    *,
+    strategy: str | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
+    ep: int | None = None,
+    sp: bool | None = None,
+    assumptions: Assumptions | None = None,
+) -> Plan:
+    """Plan distributed training of ``model`` on ``hardware``: which strategy, will it fit, how fast, and why.
+
+    Parameters
+    ----------
+    model
+        A :class:`ModelSpec`, a preset name (``"llama-2-7b"``), a parameter count, or a Hugging Face config dict.
+    hardware
+        A :class:`Hardware`, or an accelerator name for one node of it.
+    training
+        The training shape; defaults to micro-batch 1, sequence 2048, bf16-mixed AdamW.
+    strategy
+        Evaluate only this strategy (e.g. ``"zero3"``); the plan still says what else would fit.
+    tp, pp, cp, ep, sp
+        Fix model-parallel degrees; data parallelism takes the rest of the world.
+    assumptions
+        Calibration of the memory/time model.
+    """
+    spec = resolve_model(model)
+    hw = Hardware.from_names(hardware) if isinstance(hardware, str) else hardware
+    shape = training or TrainingShape()
+    assume = assumptions or Assumptions()
+    requested = get_strategy(strategy) if strategy else None
+    fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v is not None}
+    for k, v in fixed.items():
+        if not isinstance(v, int) or v < 1:
+            raise ParallelismError(f"{k} must be a positive integer, got {v!r}")
+    fixed = {k: v for k, v in fixed.items() if v != 1} or ({} if not fixed else {"tp": 1})
+    if fixed == {"tp": 1}:
+        fixed = {}
+
+    pairs = _enumerate(spec, shape, hw, fixed, sp)
+    evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume)) is not None]
+    if not evaluated:
+        dp = hw.world_size // math.prod(fixed.values() or [1])
+        shape.accumulation_for(dp)  # raises the explanatory error
+        raise PlanInputError("no candidate could be evaluated for these inputs")
+    if requested is not None:
+        if fixed and not requested.model_parallel and not ParallelDims.from_world(hw.world_size, **fixed).is_data_parallel_only:
+            raise ParallelismError(
+                f"strategy {requested.name} does not combine with tp/pp/cp/ep here; use fsdp2 or zero1 "
+                "(torchtitan-style 2-D/3-D parallelism), or drop the degrees"
+            )
+        shown = [c for c in evaluated if c.strategy == requested.name]
+        if not shown:  # e.g. a hybrid strategy on one node: evaluate it anyway on the base dims
+            c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume)
+            shown = [c] if c else []
+    else:
+        shown = evaluated
+
+    ranked = _rank(shown, hw, assume.min_headroom) or _rank(shown, hw, 0.0)
+    rest = sorted((c for c in shown if c not in ranked), key=lambda c: (not c.fits, c.memory.total))
+    candidates = tuple(ranked + rest)
+    best = ranked[0] if ranked else None
+    reasons = _reasons(spec, shape, hw, assume, evaluated, best, ranked, requested)
+    warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
+    return Plan(
+        model=spec, hardware=hw, training=shape, assumptions=assume, candidates=candidates,
+        recommended=best.name if best else None, reasons=tuple(reasons), warnings=tuple(warnings),
+        requested_strategy=requested.name if requested else None,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Explanations
+# ---------------------------------------------------------------------------------------------------------------
+def _fit_sentence(c: Candidate) -> str:
+    mem = c.memory
+    verdict = (
+        f"fits with {100 * mem.headroom:.0f}% headroom" if mem.fits else f"does not fit ({fmt_gib(mem.total - mem.capacity)} over)"
+    )
+    return (
+        f"{c.label} needs {fmt_gib(mem.total)} per GPU (model states {fmt_gib(mem.model_states)}, activations "
+        f"{fmt_gib(mem.activations)}, overhead {fmt_gib(mem.overhead)}) of {fmt_gib(mem.capacity)}: {verdict}."
+    )
+
+
+def _by_name(cands: list[Candidate], name: str) -> Candidate | None:
+    return next((c for c in cands if c.name == name), None)
+
+
+def _reasons(
+    model: ModelSpec, t: TrainingShape, hw: Hardware, a: Assumptions, cands: list[Candidate],
+    best: Candidate | None, ranked: list[Candidate], requested: StrategySpec | None,
+) -> list[str]:
+    out: list[str] = []
+    pb, gb, ob = state_bytes_per_param(t.precision, t.optimizer, "deepspeed")
+    per_param = pb + gb + ob
+    out.append(
+        f"{model.name} has {fmt_count(model.params)} parameters; {t.precision.value} with {t.optimizer.value} keeps "
+        f"{per_param} bytes of model states per parameter ({pb} params + {gb} grads + {ob} optimizer; ZeRO paper "
+        f"Sec. 3.1) = {fmt_gib(per_param * model.params)} before sharding, across {hw.world_size} GPU(s)."
+    )
+    # the decision flow: the least sharding that fits
+    flow = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-offload-params"]
+    for name in flow:
+        c = _by_name(cands, name)
+        if c is None:
+            continue
+        out.append(_fit_sentence(c))
+        if c.fits and c.memory.headroom >= a.min_headroom:
+            break
+    mp = [c for c in ranked if c.dims.world_size != c.dims.dp]
+    if mp and not any(c.dims.is_data_parallel_only for c in ranked):
+        out.append(
+            f"No data-parallel strategy fits, so model parallelism is needed: {mp[0].name} splits the model "
+            f"tp={mp[0].dims.tp} x pp={mp[0].dims.pp} and fits in {fmt_gib(mp[0].memory.total)}."
+        )
+    if model.is_moe:
+        ep = [c for c in cands if c.dims.ep > 1 and c.fits]
+        if ep:
+            e = max(ep, key=lambda c: c.time.tokens_per_s)
+            out.append(
+                f"{model.name} is a mixture of experts ({model.experts} experts, top-{model.top_k}; "
+                f"{fmt_count(model.total_expert_params)} of its parameters are experts, "
+                f"{fmt_count(model.active_params)} active per token): expert parallelism ep={e.dims.ep} splits the "
+                f"experts across GPUs ({fmt_gib(e.memory.total)} per GPU, {e.time.tokens_per_s:,.0f} tokens/s)."
+            )
+    if t.seq_len >= LONG_SEQUENCE:
+        base = min((c for c in cands if c.dims.cp == 1), key=lambda c: c.memory.activations, default=None)
+        cpc = min((c for c in cands if c.dims.cp > 1), key=lambda c: c.memory.total, default=None)
+        if base and cpc:
+            out.append(
+                f"Sequence length {t.seq_len:,} is long: activations take {fmt_gib(base.memory.activations)} per GPU "
+                f"without context parallelism; cp={cpc.dims.cp} splits the sequence and brings them to "
+                f"{fmt_gib(cpc.memory.activations)}."
+            )
+    if hw.nodes > 1:
+        full = _by_name(cands, "fsdp-full-shard") or _by_name(cands, "fsdp2")
+        hyb = _by_name(cands, "fsdp-hybrid-shard") or _by_name(cands, "fsdp2-hybrid")
+        if full and hyb and hyb.fits:
+            faster = hyb.time.step_time_s < full.time.step_time_s
+            out.append(
+                f"{hw.nodes} nodes over {hw.interconnect.label}: sharding across all {hw.world_size} GPUs takes "
+                f"{full.time.step_time_s:.3g} s/step, sharding inside each node and replicating across nodes "
+                f"(hybrid) {hyb.time.step_time_s:.3g} s/step"
+                + (" — hybrid keeps the per-layer all-gathers on the intra-node link." if faster else ".")
+            )
+    if best is not None:
+        tm = best.time
+        pool = len(ranked)
+        out.append(
+            f"Recommended {best.name}: the fastest of {pool} candidate(s) that fit with >= "
+            f"{100 * a.min_headroom:.0f}% headroom (simplest within 3%): {tm.step_time_s:.3g} s/step, "
+            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}% (at an assumed {100 * a.compute_efficiency:.0f}% "
+            f"of peak for matmuls), bound by {tm.bound_label}."
+        )
+        dp = best.dims.dp
+        gbatch = t.micro_batch * best.grad_accum * dp
+        out.append(
+            f"Effective batch = micro-batch {t.micro_batch} x accumulation {best.grad_accum} x data-parallel {dp} = "
+            f"{gbatch:,} sequences = {gbatch * t.seq_len:,} tokens per step."
+        )
+        out.append(
+            "If the learning rate was tuned at another batch size B0, scale it by B/B0 for SGD (Goyal et al. 2017) "
+            "or by sqrt(B/B0) for Adam-type optimizers (Malladi et al. 2022), with a linear warm-up over the first "
+            "~1-2% of steps (at least a few hundred)."
+        )
+    else:
+        smallest = min(cands, key=lambda c: c.memory.total)
+        need = math.ceil(hw.world_size * smallest.memory.model_states / max(1, smallest.memory.capacity * 0.6))
+        out.append(
+            f"Nothing fits: the smallest candidate, {smallest.name}, needs {fmt_gib(smallest.memory.total)} per GPU "
+            f"of {fmt_gib(smallest.memory.capacity)}. Options: more GPUs (roughly {need} for these model states), "
+            "a smaller micro-batch or sequence, activation checkpointing (--checkpointing full), CPU offload, "
+            "or tensor/pipeline parallelism (--tp/--pp)."
+        )
+        if requested is not None:
+            alt = _rank(cands, hw, a.min_headroom)
+            if alt:
+                out.append(f"{requested.name} does not fit, but {alt[0].name} would ({fmt_gib(alt[0].memory.total)}).")
+    return out
+
+
+def _warnings(
+    model: ModelSpec, t: TrainingShape, hw: Hardware, a: Assumptions, cands: list[Candidate],
+    best: Candidate | None, requested: StrategySpec | None, fixed: dict[str, int],
+) -> list[str]:
+    out: list[str] = []
+    acc = hw.accelerator
+    if t.precision is Precision.FP32:
+        out.append(
+            f"fp32 training: twice the bytes of bf16 for parameters, gradients and activations, and "
+            f"{acc.peak_flops('fp32') / 1e12:.0f} vs {acc.peak_flops('bf16' if acc.supports_bf16 else 'fp16') / 1e12:.0f} "
+            f"TFLOPS on {acc.label}; use --precision {'bf16-mixed' if acc.supports_bf16 else 'fp16-mixed'}."
+        )
+    if t.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not acc.supports_bf16:
+        out.append(f"{acc.label} has no bf16 tensor cores: use --precision fp16-mixed (with loss scaling).")
+    if t.precision is Precision.FP16_MIXED and acc.supports_bf16:
+        out.append(f"fp16 needs loss scaling and can overflow; {acc.label} supports bf16: prefer --precision bf16-mixed.")
+    ddp = _by_name(cands, "ddp")
+    if ddp is not None and not ddp.fits and (requested is None or requested.name in ("ddp", "fsdp-no-shard")):
+        out.append(
+            f"DDP replicates all model states and needs {fmt_gib(ddp.memory.total)} per GPU: it cannot train this "
+            "model here; use a sharded strategy."
+        )
+    if t.checkpointing is Checkpointing.NONE:
+        heavy = best if best else min(cands, key=lambda c: c.memory.total)
+        if t.seq_len >= 8192 or heavy.memory.activations > 0.5 * heavy.memory.capacity:
+            out.append(
+                f"No activation checkpointing with seq-len {t.seq_len}: activations take "
+                f"{fmt_gib(heavy.memory.activations)} per GPU; --checkpointing selective (or full) cuts them "
+                "(Korthikanti et al. 2022)."
+            )
+    z2 = _by_name(cands, "zero2")
+    if requested is not None and requested.offload_optimizer and z2 is not None and z2.fits:
+        out.append(
+            f"{requested.name} offloads to the CPU although ZeRO-2 fits on the GPUs ({fmt_gib(z2.memory.total)}); "
+            "offload costs PCIe transfers and a CPU optimizer step every iteration."
+        )
+    if requested is not None and requested.name == "fsdp-no-shard" and model.params > 1e9:
+        out.append(
+            f"NO_SHARD replicates all {fmt_count(model.params)} parameters' states on every GPU; "
+            "use SHARD_GRAD_OP or FULL_SHARD for models over ~1B parameters."
+        )
+    if hw.nodes > 1 and not hw.interconnect.fast:
+        out.append(
+            f"Multi-node over {hw.interconnect.label} (no RDMA): gradient and parameter collectives will dominate; "
+            "use InfiniBand/RoCE/EFA, or hybrid sharding with a large accumulation."
+        )
+    tokens_per_gpu = t.micro_batch * t.seq_len
+    if hw.world_size > 1 and tokens_per_gpu < 2048:
+        out.append(
+            f"Only {tokens_per_gpu} tokens per GPU per micro-batch across {hw.world_size} GPUs: the GPUs will be "
+            "under-used and communication will dominate; raise --micro-batch or --seq-len."
+        )
+    if best is not None and best.grad_accum * t.micro_batch * best.dims.dp * t.seq_len < 64 * 1024 and hw.world_size > 8:
+        out.append(
+            f"The global batch ({best.grad_accum * t.micro_batch * best.dims.dp} sequences) is small for "
+            f"{hw.world_size} GPUs; large runs usually take 0.5-4M tokens per step."
+        )
+    if best is not None and best.dims.pp > 1 and best.grad_accum < 4 * best.dims.pp:
+        bubble = (best.dims.pp - 1) / best.grad_accum
+        out.append(
+            f"Pipeline bubble: {best.grad_accum} micro-batches for {best.dims.pp} stages wastes {100 * bubble:.0f}% of "
+            f"compute; use at least {4 * best.dims.pp} micro-batches (--grad-accum)."
+        )
+    if fixed:
+        tp = fixed.get("tp", 1)
+        if tp > hw.gpus_per_node:
+            out.append(f"tp={tp} spans nodes: tensor-parallel all-reduces run over the network every layer.")
+    if model.dims_assumed:
+        out.append(
+            f"The shape of {model.name} was guessed ({model.layers} layers, hidden {model.hidden}); give "
+            "--layers/--hidden/--heads or --hf-config for exact activation memory."
+        )
+    if best is not None and best.memory.cpu_bytes_per_node > acc.node_cpu_memory_bytes:
+        out.append(f"{best.name} needs more host memory than a typical {acc.label} node has.")
+    if best is not None and best.memory.headroom < a.min_headroom:
+        out.append(
+            f"{best.name} fits with only {100 * best.memory.headroom:.0f}% headroom; fragmentation or an evaluation "
+            "pass may push it over."
+        )
+    return out
+
+

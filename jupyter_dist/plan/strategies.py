@@ -1,0 +1,113 @@
+"""The candidate strategies as data: what each one shards, offloads and how it communicates (stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PlanInputError
+from .units import close_match_hint
+
+__all__ = ["StrategySpec", "STRATEGIES", "get_strategy", "strategy_names"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategySpec:
+    """One way of distributing model states (ZeRO stage / FSDP sharding strategy / DDP)."""
+
+    name: str
+    """CLI name, e.g. ``"zero2"``."""
+    label: str
+    """Human name, e.g. ``"DeepSpeed ZeRO-2"``."""
+    family: str
+    """Implementation: ``"ddp"`` (torch DDP), ``"deepspeed"``, ``"fsdp"`` (FSDP1 wrapper) or ``"fsdp2"``."""
+    shard_optimizer: bool = False
+    """Optimizer states (and fp32 master weights) are partitioned across the data-parallel ranks."""
+    shard_grads: bool = False
+    """Gradients are reduce-scattered and partitioned."""
+    shard_params: bool = False
+    """Parameters are partitioned and all-gathered around each use."""
+    hybrid: bool = False
+    """Shard within a node only and replicate across nodes (FSDP HYBRID_SHARD / HSDP)."""
+    keeps_gathered_params: bool = False
+    """Gathered parameters stay alive from forward to backward (FSDP SHARD_GRAD_OP)."""
+    offload_optimizer: bool = False
+    """Optimizer states, master weights and gradient partitions live in CPU memory; the step runs on CPU."""
+    offload_params: bool = False
+    """Parameters live in CPU memory and are fetched for each use."""
+    model_parallel: bool = False
+    """Can be combined with tensor/pipeline/context/expert parallelism (torchtitan FSDP2, Megatron ZeRO-1)."""
+    complexity: int = 0
+    """Tie-breaker: among candidates within 3% of the best throughput the simplest wins."""
+    summary: str = ""
+    """One sentence on what it does."""
+
+
+STRATEGIES: dict[str, StrategySpec] = {
+    s.name: s
+    for s in (
+        StrategySpec(name="ddp", label="PyTorch DDP", family="ddp", complexity=0,
+                     summary="every GPU holds all model states; gradients are all-reduced"),
+        StrategySpec(name="zero1", label="DeepSpeed ZeRO-1", family="deepspeed", shard_optimizer=True,
+                     model_parallel=True, complexity=1,
+                     summary="optimizer states partitioned across data-parallel ranks"),
+        StrategySpec(name="zero2", label="DeepSpeed ZeRO-2", family="deepspeed", shard_optimizer=True,
+                     shard_grads=True, complexity=2,
+                     summary="optimizer states and gradients partitioned"),
+        StrategySpec(name="zero3", label="DeepSpeed ZeRO-3", family="deepspeed", shard_optimizer=True,
+                     shard_grads=True, shard_params=True, complexity=3,
+                     summary="optimizer states, gradients and parameters partitioned; parameters gathered per layer"),
+        StrategySpec(name="zero2-offload", label="DeepSpeed ZeRO-2 + optimizer offload", family="deepspeed",
+                     shard_optimizer=True, shard_grads=True, offload_optimizer=True, complexity=5,
+                     summary="ZeRO-2 with optimizer states and step on the CPU (ZeRO-Offload)"),
+        StrategySpec(name="zero3-offload", label="DeepSpeed ZeRO-3 + optimizer offload", family="deepspeed",
+                     shard_optimizer=True, shard_grads=True, shard_params=True, offload_optimizer=True,
+                     complexity=6, summary="ZeRO-3 with optimizer states and step on the CPU"),
+        StrategySpec(name="zero3-offload-params", label="DeepSpeed ZeRO-3 + optimizer and parameter offload",
+                     family="deepspeed", shard_optimizer=True, shard_grads=True, shard_params=True,
+                     offload_optimizer=True, offload_params=True, complexity=7,
+                     summary="ZeRO-Infinity style: parameters and optimizer in CPU memory"),
+        StrategySpec(name="fsdp-no-shard", label="FSDP NO_SHARD", family="fsdp", complexity=1,
+                     summary="FSDP wrapper without sharding (equivalent to DDP)"),
+        StrategySpec(name="fsdp-shard-grad-op", label="FSDP SHARD_GRAD_OP", family="fsdp", shard_optimizer=True,
+                     shard_grads=True, keeps_gathered_params=True, complexity=2,
+                     summary="gradients and optimizer sharded; parameters gathered once and kept until backward"),
+        StrategySpec(name="fsdp-full-shard", label="FSDP FULL_SHARD", family="fsdp", shard_optimizer=True,
+                     shard_grads=True, shard_params=True, complexity=3,
+                     summary="everything sharded; parameters gathered per unit in forward and again in backward"),
+        StrategySpec(name="fsdp-hybrid-shard", label="FSDP HYBRID_SHARD", family="fsdp", shard_optimizer=True,
+                     shard_grads=True, shard_params=True, hybrid=True, complexity=3,
+                     summary="FULL_SHARD inside each node, replicas across nodes"),
+        StrategySpec(name="fsdp2", label="FSDP2 fully_shard", family="fsdp2", shard_optimizer=True,
+                     shard_grads=True, shard_params=True, model_parallel=True, complexity=3,
+                     summary="per-parameter (DTensor) sharding with fully_shard; composes with TP/PP/CP/EP"),
+        StrategySpec(name="fsdp2-hybrid", label="FSDP2 HSDP (2-D mesh)", family="fsdp2", shard_optimizer=True,
+                     shard_grads=True, shard_params=True, hybrid=True, complexity=3,
+                     summary="fully_shard on a (replicate, shard) mesh: shard inside a node, replicate across"),
+    )
+}  # fmt: skip
+
+
+def strategy_names() -> list[str]:
+    """CLI names of every strategy."""
+    return list(STRATEGIES)
+
+
+_ALIASES = {
+    "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3", "zero3-offload-optimizer": "zero3-offload",
+    "zero2-offload-optimizer": "zero2-offload", "zero-infinity": "zero3-offload-params", "no-shard": "fsdp-no-shard",
+    "shard-grad-op": "fsdp-shard-grad-op", "full-shard": "fsdp-full-shard", "fsdp": "fsdp-full-shard",
+    "hybrid-shard": "fsdp-hybrid-shard", "hsdp": "fsdp2-hybrid", "fsdp1": "fsdp-full-shard",
+}  # fmt: skip
+
+
+def get_strategy(name: str | StrategySpec) -> StrategySpec:
+    """Look a strategy up by CLI name or alias (``"zero-3"``, ``"full_shard"``, ``"hsdp"``)."""
+    if isinstance(name, StrategySpec):
+        return name
+    key = name.strip().lower().replace("_", "-")
+    key = _ALIASES.get(key, key)
+    if key not in STRATEGIES:
+        raise PlanInputError(
+            f"unknown strategy {name!r}{close_match_hint(key, list(STRATEGIES))}; valid: {', '.join(STRATEGIES)}"
+        )
+    return STRATEGIES[key]

@@ -1,0 +1,140 @@
+"""The training shape: batch, sequence, precision, optimizer, recomputation (stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, TypeVar
+
+from ..errors import PlanInputError
+
+__all__ = ["Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "parse_enum"]
+
+E = TypeVar("E", bound=Enum)
+
+
+class Precision(str, Enum):
+    """Numeric format of training (names follow PyTorch Lightning's ``precision=`` values)."""
+
+    BF16_MIXED = "bf16-mixed"
+    """bf16 compute, fp32 master weights and optimizer states."""
+    FP16_MIXED = "fp16-mixed"
+    """fp16 compute with dynamic loss scaling, fp32 master weights and optimizer states."""
+    BF16_TRUE = "bf16-true"
+    """Everything in bf16 (no fp32 master copy)."""
+    FP32 = "fp32"
+    """Everything in fp32."""
+
+    @property
+    def compute_dtype(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``: the dtype matrix multiplies run in."""
+        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16", "fp32": "fp32"}[self.value]
+
+    @property
+    def bytes_per_activation(self) -> int:
+        """Bytes of one activation element."""
+        return 4 if self is Precision.FP32 else 2
+
+
+class OptimizerKind(str, Enum):
+    """Optimizer, which sets the bytes of state per parameter."""
+
+    ADAMW = "adamw"
+    """Adam with decoupled weight decay: two states (momentum, variance)."""
+    ADAMW_8BIT = "adamw-8bit"
+    """bitsandbytes 8-bit AdamW: two 1-byte states (Dettmers et al. 2022)."""
+    SGD = "sgd"
+    """SGD with momentum: one state."""
+
+
+class Checkpointing(str, Enum):
+    """Activation checkpointing (recomputation), as in Korthikanti et al. 2022."""
+
+    NONE = "none"
+    """Store every activation."""
+    SELECTIVE = "selective"
+    """Recompute the attention core only (softmax, dropout, scores)."""
+    FULL = "full"
+    """Store only each block's input; recompute the block in backward."""
+
+
+_ALIASES: dict[str, str] = {
+    "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed", "bf16-pure": "bf16-true",
+    "pure-bf16": "bf16-true", "32": "fp32", "32-true": "fp32", "float32": "fp32", "adam": "adamw",
+    "adamw8bit": "adamw-8bit", "adamw-8": "adamw-8bit", "8bit-adamw": "adamw-8bit", "sgd-momentum": "sgd",
+    "off": "none", "no": "none", "false": "none", "on": "full", "true": "full",
+}  # fmt: skip
+
+
+def parse_enum(enum: type[E], value: str | E, *, what: str) -> E:
+    """Parse a user string into ``enum`` with aliases; the error lists the valid values."""
+    if isinstance(value, enum):
+        return value
+    key = str(value).strip().lower().replace("_", "-")
+    key = _ALIASES.get(key, key)
+    for member in enum:
+        if member.value == key:
+            return member
+    valid = ", ".join(m.value for m in enum)
+    raise PlanInputError(f"unknown {what} {value!r}; valid: {valid}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingShape:
+    """What one optimizer step looks like."""
+
+    micro_batch: int = 1
+    """Sequences per GPU per forward/backward pass."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    grad_accum: int | None = None
+    """Micro-batches accumulated per optimizer step; ``None`` derives it from ``global_batch`` (or 1)."""
+    global_batch: int | None = None
+    """Sequences per optimizer step across all data-parallel ranks; exclusive with ``grad_accum``."""
+    precision: Precision = Precision.BF16_MIXED
+    """Numeric format (see :class:`Precision`)."""
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    """Optimizer (see :class:`OptimizerKind`)."""
+    checkpointing: Checkpointing = Checkpointing.NONE
+    """Activation checkpointing (see :class:`Checkpointing`)."""
+    flash_attention: bool = True
+    """Fused attention that never stores the seq x seq score matrix (FlashAttention, SDPA)."""
+
+    def __post_init__(self) -> None:
+        for f in ("micro_batch", "seq_len"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanInputError(f"{f.replace('_', '-')} must be a positive integer, got {value!r}")
+        for f in ("grad_accum", "global_batch"):
+            value = getattr(self, f)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise PlanInputError(f"{f.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.grad_accum is not None and self.global_batch is not None:
+            raise PlanInputError("give grad-accum or global-batch, not both (global = micro x accum x dp)")
+        object.__setattr__(self, "precision", parse_enum(Precision, self.precision, what="precision"))
+        object.__setattr__(self, "optimizer", parse_enum(OptimizerKind, self.optimizer, what="optimizer"))
+        object.__setattr__(
+            self, "checkpointing", parse_enum(Checkpointing, self.checkpointing, what="checkpointing")
+        )
+
+    def accumulation_for(self, dp: int) -> int:
+        """Micro-batches per step for ``dp`` data-parallel ranks; raises when the global batch does not split."""
+        if self.global_batch is None:
+            return self.grad_accum or 1
+        per_step = self.micro_batch * dp
+        if self.global_batch % per_step:
+            raise PlanInputError(
+                f"global batch {self.global_batch} is not a multiple of micro-batch {self.micro_batch} x "
+                f"data-parallel size {dp} = {per_step}; use a multiple of {per_step}"
+            )
+        return self.global_batch // per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-ready dict (enums as their string values)."""
+        return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainingShape:
+        """Inverse of :meth:`to_dict`."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,1 @@
+"""Layer `render` (see ARCHITECTURE.md)."""

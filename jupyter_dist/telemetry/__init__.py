@@ -1,0 +1,1 @@
+"""Layer `telemetry` (see ARCHITECTURE.md)."""

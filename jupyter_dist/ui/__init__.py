@@ -1,0 +1,1 @@
+"""Layer `ui` (see ARCHITECTURE.md)."""

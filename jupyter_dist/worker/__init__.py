@@ -1,0 +1,1 @@
+"""Layer `worker` (see ARCHITECTURE.md)."""
