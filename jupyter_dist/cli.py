@@ -98,7 +98,8 @@ def plan_from_args(args: argparse.Namespace) -> Any:
 
     sources = [n for n in ("model", "params", "hf_config", "module") if getattr(args, n)]
     if len(sources) > 1:
-        raise JupyterDistError(f"give one model source, not {' and '.join('--' + s.replace('_', '-') for s in sources)}")
+        flags = " and ".join("--" + s.replace("_", "-") for s in sources)
+        raise JupyterDistError(f"give one model source, not {flags}")
     overrides = {
         k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab", "experts")
         if getattr(args, k) is not None

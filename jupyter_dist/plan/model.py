@@ -236,7 +236,9 @@ class ModelSpec:
         """
         n = parse_count(count, what="params")
         layers = max(1, round((n / (12 * 128**2)) ** (1 / 3)))
-        hidden = max(128, int(round(math.sqrt(n / (12 * layers)) / 128)) * 128)
+        # widths in multiples of 1024 (128 below 1B) so heads of 128 divide by the usual TP degrees
+        step = 1024 if n >= 1e9 else 128
+        hidden = max(128, int(round(math.sqrt(n / (12 * layers)) / step)) * step)
         heads = max(1, hidden // 128)
         default_name = f"{n / 1e9:.3g}B params" if n >= 1e9 else f"{n / 1e6:.3g}M params"
         return cls(
@@ -256,11 +258,21 @@ class ModelSpec:
                 with open(path, encoding="utf-8") as fh:
                     data = json.load(fh)
             except FileNotFoundError:
-                raise PlanInputError(f"Hugging Face config not found: {path}") from None
+                raise PlanInputError(
+                    f"Hugging Face config not found: {path}; give a config.json, the folder holding it, or a dict"
+                ) from None
             except json.JSONDecodeError as exc:
                 raise PlanInputError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-        else:
+            except UnicodeDecodeError:
+                raise PlanInputError(f"{path} is not valid JSON: it is not UTF-8 text") from None
+            except OSError as exc:
+                raise PlanInputError(f"cannot read Hugging Face config {path}: {exc.strerror or exc}") from None
+        elif isinstance(config, Mapping):
             data = dict(config)
+        else:
+            raise PlanInputError(
+                f"expected a config.json path, a folder holding one, or a dict, got {type(config).__name__}"
+            )
         if not isinstance(data, dict):
             raise PlanInputError("a Hugging Face config must be a JSON object")
         return _spec_from_hf(data)
@@ -310,29 +322,38 @@ def _first(data: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+def _hf_int(data: Mapping[str, Any], field: str, *keys: str, default: int | None = None) -> int:
+    """Read an integer dimension stored under the first present key; name the field and keys on failure."""
+    raw = _first(data, *keys)
+    if raw is None:
+        if default is not None:
+            return default
+        raise PlanInputError(
+            f"Hugging Face config has no {field}: expected one of the keys {', '.join(keys)}"
+        )
+    key = next(k for k in keys if data.get(k) is not None)
+    if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer())):
+        raise PlanInputError(f"Hugging Face config {key} ({field}) must be an integer, got {raw!r}")
+    return int(raw)
+
+
 def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
     if isinstance(data.get("text_config"), dict):  # multimodal wrappers keep the language model here
         data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
     mtype = str(data.get("model_type", "")).lower()
-    try:
-        layers = int(_first(data, "num_hidden_layers", "n_layer", "num_layers"))
-        hidden = int(_first(data, "hidden_size", "n_embd", "d_model"))
-        heads = int(_first(data, "num_attention_heads", "n_head", "num_heads"))
-        vocab = int(_first(data, "vocab_size"))
-    except TypeError:
-        raise PlanInputError(
-            "Hugging Face config lacks one of num_hidden_layers/n_layer, hidden_size/n_embd, "
-            "num_attention_heads/n_head, vocab_size"
-        ) from None
+    layers = _hf_int(data, "layers", "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _hf_int(data, "hidden", "hidden_size", "n_embd", "d_model")
+    heads = _hf_int(data, "heads", "num_attention_heads", "n_head", "num_heads")
+    vocab = _hf_int(data, "vocab", "vocab_size")
     gpt2_like = mtype in _GPT2_LIKE or "n_embd" in data
-    kv_heads = int(_first(data, "num_key_value_heads", "num_kv_heads", default=0) or 0)
+    kv_heads = _hf_int(data, "kv_heads", "num_key_value_heads", "num_kv_heads", default=0)
     if data.get("multi_query") is True:
         kv_heads = 1
-    ffn = int(_first(data, "intermediate_size", "n_inner", "ffn_dim", default=0) or 0)
-    experts = int(_first(data, "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1)
-    top_k = int(_first(data, "num_experts_per_tok", "top_k", "moe_topk", default=1) or 1) if experts > 1 else 1
+    ffn = _hf_int(data, "ffn", "intermediate_size", "n_inner", "ffn_dim", default=0)
+    experts = _hf_int(data, "experts", "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1
+    top_k = _hf_int(data, "top_k", "num_experts_per_tok", "top_k", "moe_topk", default=1) or 1 if experts > 1 else 1
     if experts > 1 and data.get("moe_intermediate_size"):
-        ffn = int(data["moe_intermediate_size"])
+        ffn = _hf_int(data, "ffn", "moe_intermediate_size")
     act = str(_first(data, "hidden_act", "activation_function", default="")).lower()
     gated = not gpt2_like and (act in ("silu", "swiglu", "swish", "gelu_pytorch_tanh", "geglu") or not act)
     if gpt2_like:
@@ -345,7 +366,7 @@ def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
     dropout_keys = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout", "hidden_dropout", "dropout")
     dropout = any(float(data.get(k) or 0) > 0 for k in dropout_keys)
     tied = bool(data.get("tie_word_embeddings", gpt2_like))
-    head_dim = int(data.get("head_dim") or 0)
+    head_dim = _hf_int(data, "head_dim", "head_dim", default=0)
     if head_dim and head_dim * heads == hidden:
         head_dim = 0
     name = str(_first(data, "_name_or_path", "name", default="") or mtype or "hf-model")
@@ -353,8 +374,8 @@ def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
         name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads if kv_heads != heads else 0,
         head_dim=head_dim, ffn=ffn, vocab=vocab, tied_embeddings=tied, gated_mlp=gated, experts=experts,
         top_k=top_k, norm="layernorm" if gpt2_like else "rmsnorm", qkv_bias=qkv_bias, out_bias=out_bias,
-        mlp_bias=mlp_bias, max_positions=int(_first(data, "n_positions", "max_position_embeddings", default=0))
-        if gpt2_like else 0, dropout=dropout, source="hf-config",
+        mlp_bias=mlp_bias, max_positions=_hf_int(data, "max_positions", "n_positions", "max_position_embeddings",
+        default=0) if gpt2_like else 0, dropout=dropout, source="hf-config",
     )  # fmt: skip
 
 

@@ -20,6 +20,11 @@ __all__ = ["Candidate", "Plan", "SCHEMA_VERSION"]
 SCHEMA_VERSION = 1
 
 
+def _row(cells: list[str], widths: list[int]) -> str:
+    """One table line: the first column left-aligned, the others right-aligned."""
+    return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(cells, widths, strict=True)))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
     """One strategy with its parallel degrees, evaluated: memory, fit and speed."""
@@ -173,10 +178,15 @@ class Plan:
                 ("* " if c.name == self.recommended else "  ") + c.name,
                 f"{mem.params / GiB:.1f}", f"{mem.grads / GiB:.1f}", f"{mem.optimizer / GiB:.1f}",
                 f"{mem.activations / GiB:.1f}", f"{mem.overhead / GiB:.1f}", f"{mem.total / GiB:.1f}",
-                ("yes" if mem.headroom >= self.assumptions.min_headroom else "tight") if c.fits else "NO", f"{c.time.step_time_s:.3g}", f"{c.time.tokens_per_s:,.0f}",
+                self._fit_word(c), f"{c.time.step_time_s:.3g}", f"{c.time.tokens_per_s:,.0f}",
                 f"{100 * c.time.mfu:.0f}%",
             ])  # fmt: skip
         return rows
+
+    def _fit_word(self, c: Candidate) -> str:
+        if not c.fits:
+            return "NO"
+        return "yes" if c.memory.headroom >= self.assumptions.min_headroom else "tight"
 
     _COLUMNS = ["candidate", "params", "grads", "optim", "activ", "overhead", "total", "fits", "step s", "tok/s",
                 "MFU"]  # fmt: skip
@@ -185,11 +195,11 @@ class Plan:
         """Plain-text report: header, per-GPU memory table (GiB), recommendation, reasons, warnings."""
         rows = self.table_rows(limit)
         widths = [max(len(r[i]) for r in [self._COLUMNS, *rows]) for i in range(len(self._COLUMNS))]
-        line = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(self._COLUMNS, widths)))
+        line = _row(self._COLUMNS, widths)
         out = [self._header(), "", "Per-GPU memory in GiB (1 GiB = 2^30 bytes); fits: yes, tight (under "
                f"{100 * self.assumptions.min_headroom:.0f}% headroom) or NO:", line, "-" * len(line)]
         for r in rows:
-            out.append("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))))
+            out.append(_row(r, widths))
         if limit and len(self.candidates) > limit:
             out.append(f"... {len(self.candidates) - limit} more candidates (all of them with --json / to_dict())")
         out.append("")

@@ -59,7 +59,10 @@ def _dims_problem(model: ModelSpec, training: TrainingShape, dims: ParallelDims)
     if dims.pp > model.layers:
         return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers})"
     if dims.cp > 1 and training.seq_len % (2 * dims.cp):
-        return f"seq-len ({training.seq_len}) must be a multiple of 2 x cp ({2 * dims.cp}) for load-balanced ring attention"
+        return (
+            f"seq-len ({training.seq_len}) must be a multiple of 2 x cp ({2 * dims.cp}) "
+            "for load-balanced ring attention"
+        )
     if dims.ep > 1 and (not model.is_moe or model.experts % dims.ep):
         return (
             f"ep ({dims.ep}) needs a mixture-of-experts model whose experts ({model.experts}) it divides"
@@ -215,7 +218,7 @@ def plan(
         shape.accumulation_for(dp)  # raises the explanatory error
         raise PlanInputError("no candidate could be evaluated for these inputs")
     if requested is not None:
-        if fixed and not requested.model_parallel and not ParallelDims.from_world(hw.world_size, **fixed).is_data_parallel_only:
+        if fixed and not requested.model_parallel:
             raise ParallelismError(
                 f"strategy {requested.name} does not combine with tp/pp/cp/ep here; use fsdp2 or zero1 "
                 "(torchtitan-style 2-D/3-D parallelism), or drop the degrees"
@@ -245,9 +248,10 @@ def plan(
 # ---------------------------------------------------------------------------------------------------------------
 def _fit_sentence(c: Candidate) -> str:
     mem = c.memory
-    verdict = (
-        f"fits with {100 * mem.headroom:.0f}% headroom" if mem.fits else f"does not fit ({fmt_gib(mem.total - mem.capacity)} over)"
-    )
+    if mem.fits:
+        verdict = f"fits with {100 * mem.headroom:.0f}% headroom"
+    else:
+        verdict = f"does not fit ({fmt_gib(mem.total - mem.capacity)} over)"
     return (
         f"{c.label} needs {fmt_gib(mem.total)} per GPU (model states {fmt_gib(mem.model_states)}, activations "
         f"{fmt_gib(mem.activations)}, overhead {fmt_gib(mem.overhead)}) of {fmt_gib(mem.capacity)}: {verdict}."
@@ -321,8 +325,8 @@ def _reasons(
         out.append(
             f"Recommended {best.name}: the fastest of {pool} candidate(s) that fit with >= "
             f"{100 * a.min_headroom:.0f}% headroom (simplest within 3%): {tm.step_time_s:.3g} s/step, "
-            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}% (at an assumed {100 * a.compute_efficiency:.0f}% "
-            f"of peak for matmuls), bound by {tm.bound_label}."
+            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}% (at an assumed "
+            f"{100 * a.compute_efficiency:.0f}% of peak for matmuls), bound by {tm.bound_label}."
         )
         dp = best.dims.dp
         gbatch = t.micro_batch * best.grad_accum * dp
@@ -357,16 +361,19 @@ def _warnings(
 ) -> list[str]:
     out: list[str] = []
     acc = hw.accelerator
+    half = "bf16" if acc.supports_bf16 else "fp16"
     if t.precision is Precision.FP32:
         out.append(
             f"fp32 training: twice the bytes of bf16 for parameters, gradients and activations, and "
-            f"{acc.peak_flops('fp32') / 1e12:.0f} vs {acc.peak_flops('bf16' if acc.supports_bf16 else 'fp16') / 1e12:.0f} "
-            f"TFLOPS on {acc.label}; use --precision {'bf16-mixed' if acc.supports_bf16 else 'fp16-mixed'}."
+            f"{acc.peak_flops('fp32') / 1e12:.0f} vs {acc.peak_flops(half) / 1e12:.0f} TFLOPS on {acc.label}; "
+            f"use --precision {half}-mixed."
         )
     if t.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not acc.supports_bf16:
         out.append(f"{acc.label} has no bf16 tensor cores: use --precision fp16-mixed (with loss scaling).")
     if t.precision is Precision.FP16_MIXED and acc.supports_bf16:
-        out.append(f"fp16 needs loss scaling and can overflow; {acc.label} supports bf16: prefer --precision bf16-mixed.")
+        out.append(
+            f"fp16 needs loss scaling and can overflow; {acc.label} supports bf16: prefer --precision bf16-mixed."
+        )
     ddp = _by_name(cands, "ddp")
     if ddp is not None and not ddp.fits and (requested is None or requested.name in ("ddp", "fsdp-no-shard")):
         out.append(
@@ -403,9 +410,10 @@ def _warnings(
             f"Only {tokens_per_gpu} tokens per GPU per micro-batch across {hw.world_size} GPUs: the GPUs will be "
             "under-used and communication will dominate; raise --micro-batch or --seq-len."
         )
-    if best is not None and best.grad_accum * t.micro_batch * best.dims.dp * t.seq_len < 64 * 1024 and hw.world_size > 8:
+    global_seqs = best.grad_accum * t.micro_batch * best.dims.dp if best is not None else 0
+    if best is not None and global_seqs * t.seq_len < 64 * 1024 and hw.world_size > 8:
         out.append(
-            f"The global batch ({best.grad_accum * t.micro_batch * best.dims.dp} sequences) is small for "
+            f"The global batch ({global_seqs} sequences) is small for "
             f"{hw.world_size} GPUs; large runs usually take 0.5-4M tokens per step."
         )
     if best is not None and best.dims.pp > 1 and best.grad_accum < 4 * best.dims.pp:

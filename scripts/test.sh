@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install jupyter-dist with its test tools into ./.venv and run the whole test suite.
+# This is the README's test command, and exactly what .ci/run runs on a fresh clone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_CONSTRAINT="$PWD/constraints-cpu.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first, the CPU build (any other torch spec would pull gigabytes of CUDA packages on this kind of machine)
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
+python -m pytest "$@"

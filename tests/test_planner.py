@@ -1,0 +1,213 @@
+"""The planner's decisions, explanations and warnings, and the Plan value object."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jupyter_dist.errors import ParallelismError, PlanInputError
+from jupyter_dist.plan import Assumptions, Hardware, ModelSpec, Plan, TrainingShape, plan
+from jupyter_dist.plan.planner import LONG_SEQUENCE
+from jupyter_dist.plan.units import GiB
+
+
+def h100(nodes: int = 1, **kw: object) -> Hardware:
+    return Hardware.from_names("h100-80gb", nodes=nodes, **kw)  # type: ignore[arg-type]
+
+
+def test_small_model_gets_ddp() -> None:
+    p = plan("gpt2", Hardware.from_names("a100-80gb"), TrainingShape(micro_batch=8, seq_len=1024))
+    assert p.recommended == "ddp"
+    assert any("PyTorch DDP needs" in r and "fits with" in r for r in p.reasons)
+
+
+def test_7b_on_8_h100_shards_and_explains_why_ddp_does_not_fit() -> None:
+    p = plan("llama-2-7b", h100(), TrainingShape(micro_batch=1, seq_len=2048))
+    ddp = p.candidate("ddp")
+    # 16 bytes per parameter of model states (ZeRO paper) = 107.8e9 bytes > 80 GB
+    assert ddp.memory.model_states == 16 * 6_738_415_616
+    assert not ddp.fits
+    assert p.recommended not in (None, "ddp", "fsdp-no-shard")
+    best = p.best
+    assert best is not None and best.fits and best.memory.headroom >= 0.10
+    assert any(r.startswith("PyTorch DDP needs") and "does not fit" in r for r in p.reasons)
+    assert any("Recommended" in r and "tokens/s" in r and "MFU" in r for r in p.reasons)
+    assert any("DDP replicates all model states" in w for w in p.warnings)
+
+
+def test_recommended_is_fastest_fitting_or_simplest_within_3_percent() -> None:
+    p = plan("llama-2-13b", h100(), TrainingShape(micro_batch=2, seq_len=4096, checkpointing="selective"))
+    best = p.best
+    assert best is not None
+    pool = [c for c in p.candidates if c.fits and c.memory.headroom >= p.assumptions.min_headroom]
+    fastest = max(c.time.tokens_per_s for c in pool)
+    assert best.time.tokens_per_s >= 0.97 * fastest
+    assert p.candidates[0] is best
+
+
+def test_nothing_fits_says_so_with_options() -> None:
+    p = plan("llama-3.1-405b", Hardware.from_names("l4", gpus_per_node=1))
+    assert p.recommended is None and p.best is None
+    assert any(r.startswith("Nothing fits") and "more GPUs" in r for r in p.reasons)
+    assert "nothing fits" in p.to_text()
+
+
+def test_moe_gets_expert_parallel_candidates_and_reason() -> None:
+    p = plan("mixtral-8x7b", h100(nodes=2), TrainingShape(seq_len=4096, checkpointing="full"))
+    assert any(c.dims.ep > 1 for c in p.candidates)
+    assert any("mixture of experts" in r and "expert parallelism" in r for r in p.reasons)
+
+
+def test_long_sequence_gets_context_parallel() -> None:
+    p = plan("llama-3-8b", h100(), TrainingShape(seq_len=4 * LONG_SEQUENCE, checkpointing="full"))
+    cps = [c for c in p.candidates if c.dims.cp > 1]
+    assert cps
+    base = p.candidate("fsdp2")
+    cp4 = p.candidate("fsdp2+cp4")
+    # every activation term is linear in the local sequence s/cp with FlashAttention, so cp=4 stores a quarter
+    assert cp4.memory.activations == pytest.approx(base.memory.activations / 4, rel=1e-6)
+    assert cp4.memory.model_states < base.memory.model_states * 1.001  # states sharded over dp x cp, as before
+    assert any("context parallelism" in r for r in p.reasons)
+
+
+def test_multi_node_compares_hybrid_sharding() -> None:
+    p = plan("llama-2-7b", h100(nodes=4, interconnect="efa-400"), TrainingShape(seq_len=4096, checkpointing="full"))
+    names = {c.name for c in p.candidates}
+    assert {"fsdp-hybrid-shard", "fsdp2-hybrid"} <= names
+    full, hyb = p.candidate("fsdp-full-shard"), p.candidate("fsdp-hybrid-shard")
+    assert hyb.time.step_time_s < full.time.step_time_s  # all-gathers stay on NVLink
+    assert any("hybrid" in r for r in p.reasons)
+
+
+def test_hybrid_only_offered_on_multiple_nodes() -> None:
+    names = {c.name for c in plan("gpt2", h100()).candidates}
+    assert "fsdp-hybrid-shard" not in names and "fsdp2-hybrid" not in names
+
+
+def test_fixed_degrees_apply_to_every_candidate() -> None:
+    p = plan("llama-2-70b", h100(nodes=2), TrainingShape(grad_accum=16), tp=8, pp=2)
+    assert p.candidates and all((c.dims.tp, c.dims.pp, c.dims.dp) == (8, 2, 1) for c in p.candidates)
+    assert all(c.dims.sp for c in p.candidates)  # sequence parallel defaults on with TP
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 3}, r"tp \(3\) x pp \(1\) x cp \(1\) = 3 does not divide world size 8"),
+        ({"tp": 16}, "does not divide world size 8"),
+        ({"pp": 4, "tp": 4}, "does not divide world size 8"),
+        ({"ep": 2}, "mixture-of-experts"),
+        ({"tp": 0}, "tp must be a positive integer"),
+    ],
+)
+def test_bad_degrees_raise(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ParallelismError, match=message):
+        plan("llama-2-7b", h100(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_tp_must_divide_heads() -> None:
+    spec = ModelSpec(name="odd", layers=4, hidden=768, heads=12, vocab=1000)
+    with pytest.raises(ParallelismError, match=r"tp \(8\) must divide the attention heads \(12"):
+        plan(spec, h100(), tp=8)
+
+
+def test_global_batch_sets_accumulation_per_candidate() -> None:
+    p = plan("llama-2-7b", h100(), TrainingShape(micro_batch=4, global_batch=512))
+    for c in p.candidates:
+        assert c.grad_accum * 4 * c.dims.dp == 512
+    best = p.best
+    assert best is not None
+    assert any(f"accumulation {best.grad_accum} x data-parallel {best.dims.dp} = 512 sequences" in r for r in p.reasons)
+
+
+def test_global_batch_that_does_not_split_raises() -> None:
+    with pytest.raises(PlanInputError, match="not a multiple of micro-batch 3 x data-parallel size 8 = 24"):
+        plan("gpt2", h100(), TrainingShape(micro_batch=3, global_batch=100))
+
+
+@pytest.mark.parametrize(
+    ("model", "hardware", "training", "kwargs", "needle"),
+    [
+        ("gpt2", "a100-80gb", {"precision": "fp32"}, {}, "fp32 training"),
+        ("gpt2", "a100-80gb", {"precision": "fp16-mixed"}, {}, "prefer --precision bf16-mixed"),
+        ("gpt2", "v100-32gb", {"precision": "bf16-mixed"}, {}, "no bf16 tensor cores"),
+        ("llama-2-7b", "h100-80gb", {"seq_len": 16384}, {}, "No activation checkpointing with seq-len 16384"),
+        ("llama-2-7b", "h100-80gb", {}, {"strategy": "zero3-offload"}, "although ZeRO-2 fits"),
+        ("llama-2-7b", "h100-80gb", {}, {"strategy": "fsdp-no-shard"}, "NO_SHARD replicates"),
+        ("gpt2", "h100-80gb", {"seq_len": 128}, {}, "Only 128 tokens per GPU"),
+    ],
+)
+def test_anti_pattern_warnings(
+    model: str, hardware: str, training: dict[str, object], kwargs: dict[str, str], needle: str
+) -> None:
+    p = plan(model, Hardware.from_names(hardware), TrainingShape(**training), **kwargs)  # type: ignore[arg-type]
+    assert any(needle in w for w in p.warnings), p.warnings
+
+
+def test_warning_multi_node_without_fast_network() -> None:
+    p = plan("llama-2-7b", h100(nodes=2, interconnect="ethernet-25"))
+    assert any("no RDMA" in w for w in p.warnings)
+
+
+def test_no_spurious_warnings_for_a_sane_setup() -> None:
+    p = plan("llama-2-7b", h100(), TrainingShape(micro_batch=2, seq_len=4096, checkpointing="selective",
+                                                 grad_accum=8))  # fmt: skip
+    assert not [w for w in p.warnings if "DDP" not in w], p.warnings
+
+
+def test_pipeline_bubble_warning() -> None:
+    p = plan("llama-2-70b", h100(nodes=2), TrainingShape(grad_accum=2), tp=8, pp=2)
+    assert any("Pipeline bubble" in w for w in p.warnings)
+
+
+def test_requested_strategy_that_does_not_fit_points_to_one_that_does() -> None:
+    p = plan("llama-2-13b", h100(), strategy="ddp")
+    assert [c.strategy for c in p.candidates] == ["ddp"] and p.recommended is None
+    assert any("ddp does not fit, but" in r for r in p.reasons)
+
+
+def test_plan_round_trips_through_json() -> None:
+    p = plan("mixtral-8x7b", h100(nodes=2), TrainingShape(micro_batch=2, seq_len=4096, global_batch=256))
+    again = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert again == p
+    assert again.to_dict() == p.to_dict()
+
+
+def test_plan_from_newer_schema_is_refused() -> None:
+    data = plan("gpt2").to_dict()
+    data["schema"] = 99
+    with pytest.raises(PlanInputError, match="newer than this jupyter-dist"):
+        Plan.from_dict(data)
+
+
+def test_plan_displays_itself() -> None:
+    p = plan("llama-2-7b", h100())
+    bundle = p._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert "GiB" in bundle["text/plain"] and "<table>" in bundle["text/html"]
+    assert p.recommended is not None and p.recommended in bundle["text/html"]
+    assert repr(p).startswith("Plan(model='llama-2-7b'")
+
+
+def test_min_headroom_assumption_changes_the_pool() -> None:
+    shape = TrainingShape(micro_batch=4, seq_len=4096, checkpointing="selective")
+    loose = plan("llama-2-7b", h100(), shape, assumptions=Assumptions(min_headroom=0.0))
+    strict = plan("llama-2-7b", h100(), shape, assumptions=Assumptions(min_headroom=0.5))
+    assert loose.best is not None and strict.best is not None
+    assert strict.best.memory.total <= 0.5 * 80 * GiB < loose.best.memory.total or loose.best == strict.best
+
+
+@pytest.mark.parametrize("field", ["compute_efficiency", "overlap", "min_headroom", "fragmentation"])
+def test_assumptions_are_validated(field: str) -> None:
+    with pytest.raises(PlanInputError, match=f"assumption {field} must be in"):
+        Assumptions(**{field: 1.5})
+
+
+def test_plan_accepts_names_counts_and_configs() -> None:
+    assert plan("llama-2-7b").model.params == 6_738_415_616
+    assert plan(7.5e9).model.params == 7_500_000_000
+    cfg = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+    assert plan(cfg).model.params == 124_439_808
+    with pytest.raises(PlanInputError, match="cannot plan for a list"):
+        plan([1, 2])  # type: ignore[arg-type]
