@@ -43,15 +43,17 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
     total = sum(int(p.numel()) for p in params)
     if total == 0:
         raise PlanInputError(f"{type(mod).__name__} has no trainable parameters")
-    largest = max(
-        (sum(int(p.numel()) for p in m.parameters(recurse=False)) for m in mod.modules()), default=0
-    )
+    largest = max((sum(int(p.numel()) for p in m.parameters(recurse=False)) for m in mod.modules()), default=0)
     label = name or type(mod).__name__
 
     hf_config = getattr(mod, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_dict"):
-        spec = cls.from_hf_config(hf_config.to_dict())
-        return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module")
+        try:
+            spec = cls.from_hf_config(hf_config.to_dict())
+        except PlanInputError:
+            pass  # a ``config`` that is not a transformer's Hugging Face config: measure the structure instead
+        else:
+            return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module")
 
     dims = _infer_dims(mod, nn)
     assumed = dims.pop("assumed")
@@ -61,13 +63,14 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
 
 def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
     """Guess layers / hidden / heads / ffn / vocab from the module tree (documented heuristics)."""
-    # layers: the longest ModuleList whose children share one type (the transformer blocks)
-    layers, block = 1, None
+    # layers: the ModuleList of one child type that holds the most parameters (the transformer blocks). Not the
+    # longest one: a MoE block's list of experts can be longer than the list of blocks (64 experts, 27 layers).
+    layers, block, most = 1, None, 0
     for m in mod.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > layers:
-            kinds = Counter(type(c) for c in m)
-            if len(kinds) == 1:
-                layers, block = len(m), m[0]
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            n = sum(int(p.numel()) for p in m.parameters())
+            if n > most:
+                layers, block, most = len(m), m[0], n
     embeddings = [m for m in mod.modules() if isinstance(m, nn.Embedding)]
     vocab = max((e.num_embeddings for e in embeddings), default=0)
     hidden = 0
@@ -95,11 +98,47 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
                 break
         if heads:
             break
+    kv_heads = 0
+    if heads:
+        kv_heads = _int_attr(block or mod, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head"))
+        if kv_heads and (kv_heads > heads or heads % kv_heads):
+            kv_heads = 0
     if not heads:
         heads = max(1, hidden // 64) if hidden % 64 == 0 else 1
         assumed = True
     gated = sum(1 for lin in linears if lin.in_features == hidden and lin.out_features == ffn) >= 2
+    # MoE: a list of identical MLPs inside a block (the experts; not a list of attention heads, whose linear
+    # layers do not widen to ffn); top-k from the router's attribute
+    experts, top_k = 1, 1
+    if block is not None:
+        for m in block.modules():
+            if (
+                isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1
+                and any(isinstance(x, nn.Linear) and x.in_features == hidden and x.out_features == ffn
+                        for x in m[0].modules())
+            ):  # fmt: skip
+                experts = len(m)
+                break
+    if experts > 1:
+        top_k = _int_attr(block, ("num_experts_per_tok", "top_k", "topk", "moe_topk", "n_activated_experts"))
+        if not 1 <= top_k <= experts:
+            top_k, assumed = 1, True
+    # tied: the output projection's weight is the token embedding's (parameters() yields it once)
+    token = max(embeddings, key=lambda e: e.num_embeddings) if embeddings else None
+    tied = token is not None and any(lin.weight is token.weight for lin in mod.modules() if isinstance(lin, nn.Linear))
+    norm = "layernorm" if any(isinstance(m, nn.LayerNorm) for m in (block or mod).modules()) else "rmsnorm"
     return {
-        "layers": layers, "hidden": hidden, "heads": heads, "ffn": ffn if ffn != hidden else 4 * hidden,
-        "vocab": vocab or 32000, "gated_mlp": gated, "assumed": assumed,
+        "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads if kv_heads != heads else 0,
+        "ffn": ffn if ffn != hidden else 4 * hidden, "vocab": vocab or 32000, "gated_mlp": gated,
+        "experts": experts, "top_k": top_k, "tied_embeddings": tied, "norm": norm, "assumed": assumed,
     }  # fmt: skip
+
+
+def _int_attr(root: Any, names: tuple[str, ...]) -> int:
+    """The first positive integer attribute among ``names`` on ``root`` or its submodules (0 if none)."""
+    for m in root.modules():
+        for attr in names:
+            value = getattr(m, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0

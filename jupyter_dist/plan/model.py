@@ -278,9 +278,7 @@ class ModelSpec:
         return _spec_from_hf(data)
 
     @classmethod
-    def from_module(
-        cls, module: Any, *args: Any, name: str | None = None, **kwargs: Any
-    ) -> ModelSpec:
+    def from_module(cls, module: Any, *args: Any, name: str | None = None, **kwargs: Any) -> ModelSpec:
         """Measure a real ``torch.nn.Module`` (or a class / factory building one) without allocating weights.
 
         A class or factory is called under ``torch.device("meta")`` with ``args``/``kwargs``, so a 70B model
@@ -290,7 +288,8 @@ class ModelSpec:
         """
         from ._module import measure_module
 
-        return measure_module(cls, module, args, kwargs, name=name)
+        spec: ModelSpec = measure_module(cls, module, args, kwargs, name=name)
+        return spec
 
     def to_dict(self) -> dict[str, Any]:
         """Return the dimensions plus derived counts (``params`` etc.), JSON-ready."""
@@ -328,9 +327,7 @@ def _hf_int(data: Mapping[str, Any], field: str, *keys: str, default: int | None
     if raw is None:
         if default is not None:
             return default
-        raise PlanInputError(
-            f"Hugging Face config has no {field}: expected one of the keys {', '.join(keys)}"
-        )
+        raise PlanInputError(f"Hugging Face config has no {field}: expected one of the keys {', '.join(keys)}")
     key = next(k for k in keys if data.get(k) is not None)
     if isinstance(raw, bool) or not (isinstance(raw, int) or (isinstance(raw, float) and raw.is_integer())):
         raise PlanInputError(f"Hugging Face config {key} ({field}) must be an integer, got {raw!r}")
@@ -351,7 +348,7 @@ def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
         kv_heads = 1
     ffn = _hf_int(data, "ffn", "intermediate_size", "n_inner", "ffn_dim", default=0)
     experts = _hf_int(data, "experts", "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1
-    top_k = _hf_int(data, "top_k", "num_experts_per_tok", "top_k", "moe_topk", default=1) or 1 if experts > 1 else 1
+    top_k = _hf_int(data, "top_k", "num_experts_per_tok", "top_k", "moe_topk", default=1) if experts > 1 else 1
     if experts > 1 and data.get("moe_intermediate_size"):
         ffn = _hf_int(data, "ffn", "moe_intermediate_size")
     act = str(_first(data, "hidden_act", "activation_function", default="")).lower()
