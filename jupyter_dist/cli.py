@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
                         default=default, help=help)  # fmt: skip
 
@@ -150,7 +150,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
         checkpointing=args.checkpointing, flash_attention=args.flash_attn,
     )  # fmt: skip
-    assume: dict[str, float] = {}
+    assume: dict[str, Any] = {}
     if args.min_headroom is not None:
         assume["min_headroom"] = args.min_headroom
     if args.efficiency is not None:

@@ -19,8 +19,10 @@ __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def _plan_parser() -> MagicArgumentParser:
-    parser = MagicArgumentParser(prog="%dist_plan", add_help=False,
-                                 description="Plan distributed training: which strategy, will it fit, how fast, why.")
+    parser = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_plan", add_help=False,
+        description="Plan distributed training: which strategy, will it fit, how fast, why.",
+    )
     add_plan_arguments(parser)
     return parser
 
@@ -35,8 +37,8 @@ class DistMagics(Magics):
     def dist_plan(self, line: str) -> Any:
         """Plan distributed training and show per-GPU memory, speed and the recommendation.
 
-        Takes the flags of ``jupyter-dist plan`` (``%dist_plan --help`` lists them); returns the :class:`~jupyter_dist.plan.Plan`, which displays
-        itself as a table (memory in GiB).
+        Takes the flags of ``jupyter-dist plan`` (``%dist_plan --help`` lists them); returns the
+        :class:`~jupyter_dist.plan.Plan`, which displays itself as a table (memory in GiB).
 
         Examples
         --------

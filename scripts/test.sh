@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 export PIP_CONSTRAINT="$PWD/constraints-cpu.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first, the CPU build (any other torch spec would pull gigabytes of CUDA packages on this kind of machine)
-python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-pip install -q -e ".[test]"
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+python -c "import torch" 2>/dev/null || quiet pip install -q "torch==2.13.0"
+quiet pip install -q -e ".[test]"
 python -m pytest "$@"

@@ -52,7 +52,9 @@ def test_pure_core_has_no_heavy_module_level_imports(path: Path) -> None:
 
 def test_the_static_check_catches_a_forbidden_import(tmp_path: Path) -> None:
     f = tmp_path / "bad.py"
-    f.write_text("import os\ntry:\n    import torch.nn as nn\nexcept ImportError:\n    pass\ndef f():\n    import plotly\n")
+    f.write_text(
+        "import os\ntry:\n    import torch.nn as nn\nexcept ImportError:\n    pass\ndef f():\n    import plotly\n"
+    )
     assert module_level_imports(f) == ["os", "torch"]
 
 

@@ -197,7 +197,13 @@ def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, f
 def korthikanti_per_layer(
     s: int, b: int, h: int, a: int, *, t: int = 1, sp: bool = False, recompute: str = "none"
 ) -> float:
-    """Activation bytes of one GPT layer exactly as in Korthikanti et al. 2022, Table 2 (fp16, with dropout)."""
+    """Activation bytes of one GPT layer exactly as in Korthikanti et al. 2022, Table 2 (fp16, with dropout).
+
+    Full recomputation is Table 2's ``2sbh`` (each layer's input). With sequence parallelism that input is
+    already split along the sequence (Megatron-LM stores the ``[s/t, b, h]`` shard), so it is ``2sbh/t``; the
+    paper's table has no SP row for full recomputation (Sec. 5 sets the ``2sbhL/t`` variant aside only because,
+    *without* SP, it would need an extra all-gather).
+    """
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     attn_core = 0.0 if recompute == "selective" else 5 * a * s / h
@@ -254,8 +260,9 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
     blocks = math.ceil(model.layers / dims.pp)
     per_layer = activation_bytes_per_layer(model, training, dims)
     in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
-    # Korthikanti Sec. 4.3: input-embedding dropout mask, final norm + output projection input, fp32 logits
-    embed = s * b * h * in_flight if model.dropout else 0.0
+    # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
+    # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
+    embed = s * b * h * in_flight / (t if dims.sp else 1) if model.dropout else 0.0
     output = (4 * s * b * h) / (t if dims.sp else 1) + 4 * s * b * v / t
     # full recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5)
     recompute_peak = 0.0
@@ -298,14 +305,20 @@ def deepspeed_zero3_estimate(
     total_gpus = nodes * gpus_per_node
     gpus_factor = 1 / nodes
     largest = 4 * largest_layer_params
+    # the products are written in DeepSpeed's order so that the float results (and their int()) are identical
     if cpu_offload:
         if cpu_offload_params:
             gpu = largest
-            factor = 18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor)
+            if zero_init:
+                cpu = total_params * 18 * gpus_factor * additional_buffer_factor
+            else:
+                cpu = total_params * max(4 * gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
         else:
             gpu = largest + int(2 * total_params / total_gpus)
-            factor = 16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor)
-        cpu = total_params * factor * additional_buffer_factor
+            if zero_init:
+                cpu = total_params * 16 * gpus_factor * additional_buffer_factor
+            else:
+                cpu = total_params * max(4 * gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
     else:
         gpu = largest + int(18 * total_params / total_gpus)
         if zero_init:
@@ -356,7 +369,10 @@ def estimate_memory(
             return int(bytes_per_param * (dense + expert))
         return int(bytes_per_param * (dense / shard + expert / eshard))
 
-    params = sharded(pb, strategy.shard_params)
+    # FSDP SHARD_GRAD_OP shards parameters at rest too (PyTorch docs: "everything is sharded outside computation");
+    # only its compute-dtype unsharded copy lives from forward to the end of backward, counted in
+    # ``gathered_params`` below. Counting the fp32 parameters unsharded as well would double them.
+    params = sharded(pb, strategy.shard_params or strategy.keeps_gathered_params)
     grads = sharded(gb, strategy.shard_grads)
     optimizer = sharded(ob, strategy.shard_optimizer)
     detail: dict[str, int] = {}

@@ -4,14 +4,16 @@ Sources:
 
 * Training FLOPs per token ``6 N + 12 L (H Q) T`` (Chowdhery et al. 2022, PaLM, appendix B; Kaplan et al. 2020
   for the 6N rule), where N counts the matrix-multiply parameters a token passes through; recomputation adds one
-  forward (``2 N + 4 L H Q T``) for full checkpointing, the attention core forward for selective (Korthikanti
-  et al. 2022, Sec. 5). MFU counts model FLOPs only (PaLM's definition).
+  forward of the blocks (``2 (N - V H) + 4 L H Q T``; the output layer is not recomputed, as in Narayanan et al.
+  2021, eq. 3) for full checkpointing, the attention core forward ``4 L H Q T`` for selective (Korthikanti et al.
+  2022, Sec. 5). MFU counts model FLOPs only (PaLM's definition).
 * Collective times from the volumes nccl-tests uses: all-reduce moves ``2 (n-1)/n`` of the buffer per rank,
   all-gather and reduce-scatter ``(n-1)/n``, at the bus bandwidth of :meth:`Hardware.collective_bw`.
-* Volumes per strategy: DDP and ZeRO-1/2 move ``2 Psi`` per step, ZeRO-3/FSDP ``3 Psi`` (two all-gathers and a
-  reduce-scatter; ZeRO paper Sec. 7); TP 4 all-reduces of ``s b h`` per layer and micro-batch (Megatron-LM,
-  Shoeybi et al. 2019; 6 with full recomputation); the 1F1B pipeline bubble ``(p-1)/m`` of the ideal time
-  (Narayanan et al. 2021); MoE all-to-alls dispatch and combine ``k s b h`` per layer, twice in backward.
+* Volumes per strategy: DDP and ZeRO-1/2 move ``2 Psi`` per step (all-reduce, or reduce-scatter of gradients plus
+  all-gather of parameters), ZeRO-3/FSDP ``3 Psi`` (two all-gathers and a reduce-scatter; ZeRO paper Sec. 7); TP
+  4 all-reduces of ``s b h`` per layer and micro-batch (Megatron-LM, Shoeybi et al. 2019; 6 with full
+  recomputation); the 1F1B pipeline bubble ``(p-1)/m`` of the ideal time (Narayanan et al. 2021); MoE
+  all-to-alls dispatch and combine ``k s b h`` per layer, twice in backward.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def training_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: Chec
     attn = 12 * model.layers * model.q_dim * seq_len
     model_flops = 6 * model.matmul_params + attn
     if checkpointing is Checkpointing.FULL:
-        extra = 2 * model.matmul_params + attn / 3
+        # one more forward of the blocks only: the output layer is not checkpointed, so it is not recomputed
+        # (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) keeps the 6Vh logits term of 72 (...))
+        scale = model.params / model.params_from_dims if model.params_override else 1.0
+        extra = 2 * (model.matmul_params - model.vocab * model.hidden * scale) + attn / 3
     elif checkpointing is Checkpointing.SELECTIVE:
         extra = attn / 3
     else:
@@ -140,8 +145,10 @@ def estimate_time(
         bw = hardware.collective_bw(inner, ranks_per_node=min(inner, per_node_dp))
         grads = local * reduce_b
         params = local * cb
-        if not strategy.shard_grads:  # DDP, NO_SHARD, ZeRO-1: one all-reduce (RS + AG) per step, after the last
-            once = _ring(inner, 2) * grads
+        if not strategy.shard_grads:  # DDP, NO_SHARD, ZeRO-1: gradients reduced once per step, in the last backward
+            # DDP / NO_SHARD all-reduce (RS + AG); ZeRO-1 only reduce-scatters the gradients, each rank updates its
+            # partition and the parameters are all-gathered: Psi + Psi = the same 2 Psi as DDP (ZeRO paper Sec. 7.2.1)
+            once = _ring(inner, 1 if strategy.shard_optimizer else 2) * grads
             t_once = once / bw
             t_exposed = max(0.0, t_once - assumptions.overlap * backward_mb)
             if strategy.shard_optimizer:  # ZeRO-1 all-gathers the updated params after the step (not hidden)
