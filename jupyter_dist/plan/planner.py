@@ -33,10 +33,11 @@ def resolve_model(model: ModelSpec | str | int | float | Mapping[str, Any]) -> M
     if isinstance(model, str):
         try:
             return get_preset(model)
-        except PlanInputError:
-            if model.replace(".", "").replace("e", "").replace("B", "").replace("M", "").isdigit():
+        except PlanInputError as unknown:
+            try:  # "7B", "7.5e9": a bare count
                 return ModelSpec.from_params(model)
-            raise
+            except PlanInputError:
+                raise unknown from None
     if isinstance(model, (int, float)) and not isinstance(model, bool):
         return ModelSpec.from_params(model)
     if isinstance(model, Mapping):
@@ -81,7 +82,7 @@ def _enumerate(
         if problem:
             raise ParallelismError(problem)
         strategies = _DP_ONLY if dims.is_data_parallel_only else _MODEL_PARALLEL
-        return [(s, dims) for s in strategies if not (s.name == "fsdp2" and False)]
+        return [(s, dims) for s in strategies if not (s.hybrid and hardware.nodes == 1)]
 
     out: list[tuple[StrategySpec, ParallelDims]] = []
     base = ParallelDims(dp=world)
@@ -207,9 +208,6 @@ def plan(
     for k, v in fixed.items():
         if not isinstance(v, int) or v < 1:
             raise ParallelismError(f"{k} must be a positive integer, got {v!r}")
-    fixed = {k: v for k, v in fixed.items() if v != 1} or ({} if not fixed else {"tp": 1})
-    if fixed == {"tp": 1}:
-        fixed = {}
 
     pairs = _enumerate(spec, shape, hw, fixed, sp)
     evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume)) is not None]
@@ -218,7 +216,7 @@ def plan(
         shape.accumulation_for(dp)  # raises the explanatory error
         raise PlanInputError("no candidate could be evaluated for these inputs")
     if requested is not None:
-        if fixed and not requested.model_parallel:
+        if fixed and not requested.model_parallel and math.prod(fixed.values()) > 1:
             raise ParallelismError(
                 f"strategy {requested.name} does not combine with tp/pp/cp/ep here; use fsdp2 or zero1 "
                 "(torchtitan-style 2-D/3-D parallelism), or drop the degrees"
