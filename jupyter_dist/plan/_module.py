@@ -63,19 +63,23 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
 
 def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
     """Guess layers / hidden / heads / ffn / vocab from the module tree (documented heuristics)."""
-    # layers: the ModuleList of one child type that holds the most parameters (the transformer blocks). Not the
-    # longest one: a MoE block's list of experts can be longer than the list of blocks (64 experts, 27 layers).
+    # layers: the ModuleList (or Sequential) of one child type that holds the most parameters (the transformer
+    # blocks). Not the longest one: a MoE block's list of experts can be longer than the list of blocks (64 experts,
+    # 27 layers), and so can a block's list of attention heads.
     layers, block, most = 1, None, 0
     for m in mod.modules():
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and len({type(c) for c in m}) == 1:
             n = sum(int(p.numel()) for p in m.parameters())
             if n > most:
                 layers, block, most = len(m), m[0], n
     embeddings = [m for m in mod.modules() if isinstance(m, nn.Embedding)]
-    vocab = max((e.num_embeddings for e in embeddings), default=0)
-    hidden = 0
-    if embeddings:
-        hidden = max(embeddings, key=lambda e: e.num_embeddings).embedding_dim
+    # the token embedding: the one an output projection maps back to (else the largest); a learned position table
+    # can have more rows than a small vocabulary (65 characters, 256 positions)
+    projections = {(m.in_features, m.out_features) for m in mod.modules() if isinstance(m, nn.Linear)}
+    matched = [e for e in embeddings if (e.embedding_dim, e.num_embeddings) in projections]
+    token = max(matched or embeddings, key=lambda e: e.num_embeddings) if embeddings else None
+    vocab = token.num_embeddings if token is not None else 0
+    hidden = token.embedding_dim if token is not None else 0
     linears = [m for m in (block or mod).modules() if isinstance(m, nn.Linear)]
     if not hidden and linears:
         hidden = Counter(lin.in_features for lin in linears).most_common(1)[0][0]
@@ -124,7 +128,6 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
         if not 1 <= top_k <= experts:
             top_k, assumed = 1, True
     # tied: the output projection's weight is the token embedding's (parameters() yields it once)
-    token = max(embeddings, key=lambda e: e.num_embeddings) if embeddings else None
     tied = token is not None and any(lin.weight is token.weight for lin in mod.modules() if isinstance(lin, nn.Linear))
     norm = "layernorm" if any(isinstance(m, nn.LayerNorm) for m in (block or mod).modules()) else "rmsnorm"
     return {

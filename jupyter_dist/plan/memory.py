@@ -200,9 +200,9 @@ def korthikanti_per_layer(
     """Activation bytes of one GPT layer exactly as in Korthikanti et al. 2022, Table 2 (fp16, with dropout).
 
     Full recomputation is Table 2's ``2sbh`` (each layer's input). With sequence parallelism that input is
-    already split along the sequence (Megatron-LM stores the ``[s/t, b, h]`` shard), so it is ``2sbh/t``; the
-    paper's table has no SP row for full recomputation (Sec. 5 sets the ``2sbhL/t`` variant aside only because,
-    *without* SP, it would need an extra all-gather).
+    already split along the sequence (Megatron-LM checkpoints the ``[s/t, b, h]`` shard), so we use ``2sbh/t``;
+    Table 2 has no SP row for full recomputation, and Sec. 5 sets ``2sbhL/t`` aside for the extra all-gather it
+    costs when the input is replicated across the tensor-parallel ranks.
     """
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)

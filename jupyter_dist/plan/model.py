@@ -283,8 +283,10 @@ class ModelSpec:
 
         A class or factory is called under ``torch.device("meta")`` with ``args``/``kwargs``, so a 70B model
         costs no memory. Shared (tied) parameters are counted once. The shape used for activation estimates
-        comes from the module's Hugging Face ``config`` when it has one, else from its structure: the longest
-        ``ModuleList`` gives the layers, embeddings and linear layers give the widths.
+        comes from the module's Hugging Face ``config`` when it has one, else from its structure: the list of
+        identical blocks holding the most parameters gives the layers, the token embedding and the linear layers
+        give the widths, head / key-value head / top-k attributes (``n_heads``, ``num_key_value_heads``, ``top_k``)
+        and a list of identical MLPs inside a block (the experts) give the rest.
         """
         from ._module import measure_module
 
@@ -311,7 +313,10 @@ class ModelSpec:
 # ---------------------------------------------------------------------------------------------------------------
 # Hugging Face configs
 # ---------------------------------------------------------------------------------------------------------------
-_GPT2_LIKE = {"gpt2", "gpt_bigcode", "gpt_neo", "gptj", "opt", "bloom", "falcon"}
+# GPT-2-style families: learned absolute positions, LayerNorm with bias, biased linears, tied embeddings.
+# Other families are read Llama-style; bloom (ALiBi), falcon and gptj (rotary, no biases) and opt (position
+# offset of 2) are not modelled exactly and can be off by their biases and position tables.
+_GPT2_LIKE = {"gpt2", "gpt_bigcode"}
 
 
 def _first(data: Mapping[str, Any], *keys: str, default: Any = None) -> Any:

@@ -90,7 +90,8 @@ def training_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: Chec
     model_flops = 6 * model.matmul_params + attn
     if checkpointing is Checkpointing.FULL:
         # one more forward of the blocks only: the output layer is not checkpointed, so it is not recomputed
-        # (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) keeps the 6Vh logits term of 72 (...))
+        # (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), whose logits term 6 B s V h is that of
+        # the 72 B s l h^2 (1 + s/6h + V/12lh) without recomputation)
         scale = model.params / model.params_from_dims if model.params_override else 1.0
         extra = 2 * (model.matmul_params - model.vocab * model.hidden * scale) + attn / 3
     elif checkpointing is Checkpointing.SELECTIVE:
