@@ -72,6 +72,57 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--efficiency", type=float, help="assumed fraction of peak FLOPs matmuls reach (0.5)")
 
 
+def add_render_arguments(p: argparse.ArgumentParser) -> None:
+    """Compile options (names, launcher, scheduler, cloud); shared by ``jupyter-dist config`` and the magics."""
+    g = p.add_argument_group("compile")
+    g.add_argument("--candidate", help="plan candidate to compile (default: the recommendation), e.g. zero3")
+    g.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
+    g.add_argument("--name", default="jupyter-dist", help="run / job / cluster name (lower case, digits, dashes)")
+    g.add_argument("--script", default="train.py", help="training script the commands run (default train.py)")
+    g.add_argument("--script-arg", action="append", default=[], metavar="ARG",
+                   help="argument for the training script (repeatable; quoted safely)")
+    g.add_argument("--rdzv", default="c10d", help="multi-node rendezvous: c10d (default) or static")
+    g.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
+    g.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (default 0)")
+    g.add_argument("--lr", type=float, default=3e-4, help="learning rate in generated configs (default 3e-4)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient clipping norm, 0 = off (default 1.0)")
+    g.add_argument("--nvme-path", help="ZeRO-Infinity: offload to NVMe at this path")
+    g.add_argument("--partition", help="SLURM partition (omitted if not given)")
+    g.add_argument("--account", help="SLURM account (omitted if not given)")
+    g.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
+    g.add_argument("--cloud", help="SkyPilot infra/cloud (aws, gcp, azure, kubernetes, slurm, ...)")
+    g.add_argument("--spot", action="store_true", help="SkyPilot spot instances")
+    g.add_argument("--setup", help="SkyPilot setup commands (default: pip install -U jupyter-dist)")
+    g.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment (repeatable)")
+    g.add_argument("--secret", action="append", metavar="NAME",
+                   help="secret forwarded by name, never written (repeatable; default WANDB_API_KEY, HF_TOKEN)")
+    g.add_argument("--nccl-debug", default="WARN", help="NCCL_DEBUG level (default WARN)")
+
+
+def render_options_from_args(args: argparse.Namespace) -> Any:
+    """Turn parsed compile flags into :class:`~jupyter_dist.render.common.RenderOptions`."""
+    from .render.common import RenderOptions
+
+    env = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise JupyterDistError(f"--env wants NAME=VALUE, got {item!r}")
+        env.append((key, value))
+    kwargs: dict[str, Any] = dict(
+        candidate=args.candidate, name=args.name, script=args.script, script_args=tuple(args.script_arg),
+        launcher=args.launcher, rdzv=args.rdzv, master_port=args.master_port, max_restarts=args.max_restarts,
+        lr=args.lr, grad_clip=args.grad_clip, nvme_path=args.nvme_path, partition=args.partition,
+        account=args.account, time_limit=args.time, cloud=args.cloud, use_spot=args.spot, env=tuple(env),
+        nccl_debug=args.nccl_debug,
+    )  # fmt: skip
+    if args.setup is not None:
+        kwargs["setup"] = args.setup
+    if args.secret is not None:
+        kwargs["secrets"] = tuple(args.secret)
+    return RenderOptions(**kwargs)
+
+
 def _load_module(target: str) -> Any:
     import importlib
 
@@ -174,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="show every candidate in the table, not the first 12")
     p.add_argument("--list-models", action="store_true", help="list model presets and exit")
     p.add_argument("--list-gpus", action="store_true", help="list accelerators and interconnects and exit")
+    c = sub.add_parser("config", help="compile a plan into DeepSpeed JSON, code, commands, SkyPilot, SLURM ...",
+                       description="Plan (same flags as `plan`), then compile the recommendation (or --candidate) into "
+                                   "every artifact: train.py, ds_config.json, accelerate_config.yaml, launch.sh, "
+                                   "skypilot.yaml, job.sbatch, nccl.env, plan.json.")  # fmt: skip
+    add_plan_arguments(c)
+    add_render_arguments(c)
+    c.add_argument("--out", metavar="DIR", help="write every file into DIR")
+    c.add_argument("--show", metavar="FILE", help="print one file (e.g. ds_config.json) to stdout")
+    c.add_argument("--json", action="store_true", help="print one JSON object: files, commands (argv + env), notes")
     return parser
 
 
@@ -204,6 +264,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    from .render.bundle import render_bundle
+
+    bundle = render_bundle(plan_from_args(args), render_options_from_args(args))
+    if args.show:
+        if args.show not in bundle.files:
+            raise JupyterDistError(f"no file {args.show!r} in this bundle; have: {', '.join(bundle.files)}")
+        sys.stdout.write(bundle.files[args.show])
+        return 0
+    if args.json:
+        print(json.dumps(bundle.to_dict(), indent=2))
+        return 0
+    print(bundle.to_text())
+    if args.out:
+        try:
+            paths = bundle.write_to(args.out)
+        except OSError as exc:
+            raise JupyterDistError(f"cannot write to {args.out}: {exc.strerror}") from None
+        print(f"wrote {len(paths)} files to {args.out}")
+    else:
+        print("(--out DIR writes them; --show FILE prints one)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jupyter-dist`` console script."""
     parser = build_parser()
@@ -212,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"plan": _cmd_plan}[args.command](args)
+        return {"plan": _cmd_plan, "config": _cmd_config}[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
         return 2
