@@ -8,8 +8,9 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+import traitlets
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from .cli import add_plan_arguments, plan_from_args
@@ -27,11 +28,172 @@ def _plan_parser() -> MagicArgumentParser:
     return parser
 
 
+def _train_parser() -> MagicArgumentParser:
+    from .launch.session import STRATEGY_CHOICES
+
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%%dist_train", add_help=False,
+        description="Run the cell as a distributed training script on fresh torchrun processes.",
+    )
+    p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (locally: simulated torchrun agents; default 1)")
+    p.add_argument("--strategy", default="auto", help=f"one of {', '.join(STRATEGY_CHOICES)} (default auto)")
+    p.add_argument("--plan", metavar="VAR", help="a Plan object from the notebook (sets strategy, precision, configs)")
+    p.add_argument("--launcher", default="torchrun", help="torchrun (default)")
+    p.add_argument("--name", metavar="NAME", help="bind the Run to this notebook variable (and name the run dir)")
+    p.add_argument("--ship", metavar="VAR[,VAR...]", help="send notebook objects to the workers (cloudpickle)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (default 0)")
+    p.add_argument("--timeout", type=float, help="stop the run after this many seconds")
+    p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the workers")
+    p.add_argument("--port", type=int, help="rendezvous port for --nodes > 1 (default: a free one)")
+    p.add_argument("--runs-dir", help="where run directories go (default: the DistMagics.runs_dir setting)")
+    p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
+    p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
+    p.add_argument("--no-dashboard", action="store_true", help="do not show live panels under the cell")
+    return p
+
+
+def _rank_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
+    p.add_argument("--rank", type=int, help="rank to show (default: the failing rank, else 0)")
+    p.add_argument("--tail", type=int, help="only the last N lines")
+    p.add_argument("run", nargs="?", help="a Run variable (default: the last run)")
+    return p
+
+
 @magics_class
 class DistMagics(Magics):
     """The jupyter-dist magics."""
 
+    runs_dir = traitlets.Unicode("runs", help="Folder for run directories.").tag(config=True)
     plan_parser = _plan_parser()
+    train_parser = _train_parser()
+    logs_parser = _rank_parser()
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell, **kwargs)
+        self.last_run: Any = None
+
+    def _parse(self, parser: MagicArgumentParser, line: str) -> Any:
+        try:
+            argv = shlex.split(line)
+        except ValueError as exc:
+            raise UsageError(f"{parser.prog}: {exc}") from None
+        if "-h" in argv or "--help" in argv:
+            print(parser.format_help())
+            return None
+        return parser.parse_args(argv)
+
+    @cell_magic
+    def dist_train(self, line: str, cell: str) -> Any:
+        """Run the cell as a distributed training job on fresh processes (torchrun), without blocking the kernel.
+
+        Inside the cell the worker API is bound as ``jd`` (``jd.rank``, ``jd.wrap``, ``jd.log``, ``jd.save``).
+        ``%%dist_train --help`` lists the options.
+
+        Examples
+        --------
+        ::
+
+            In [1]: %load_ext jupyter_dist
+            In [2]: %%dist_train --nproc 2 --strategy fsdp2 --name run1
+               ...: model, opt = jd.wrap(build_model(), None)
+            In [3]: run1.wait(); run1.metrics().tail()
+        """
+        args = self._parse(self.train_parser, line)
+        if args is None:
+            return None
+        from .launch.session import start_run
+
+        ns = self.shell.user_ns if self.shell is not None else {}
+        plan = None
+        if args.plan:
+            if args.plan not in ns:
+                raise UsageError(f"--plan {args.plan}: no variable of that name in the notebook")
+            plan = ns[args.plan]
+        ship: dict[str, Any] = {}
+        for name in filter(None, (args.ship or "").split(",")):
+            name = name.strip()
+            if not name.isidentifier():
+                raise UsageError(f"--ship: {name!r} is not a variable name")
+            if name not in ns:
+                raise UsageError(f"--ship {name}: no variable of that name in the notebook")
+            ship[name] = ns[name]
+        env: dict[str, str] = {}
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise UsageError(f"--env wants NAME=VALUE, got {item!r}")
+            env[key] = value
+        if args.name is not None and not args.name.isidentifier():
+            raise UsageError(f"--name {args.name!r} must be a valid Python variable name (the Run is bound to it)")
+        if args.nproc is not None and args.nproc < 1:
+            raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+        try:
+            result = start_run(
+                cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
+                name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
+                runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
+            )  # fmt: skip
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        if args.dry_run:
+            return result
+        self.last_run = result
+        if args.name:
+            ns[args.name] = result
+        if args.wait and hasattr(result, "wait"):
+            result.wait()
+        return result
+
+    def _run_arg(self, name: str | None) -> Any:
+        if name:
+            ns = self.shell.user_ns if self.shell is not None else {}
+            if name not in ns:
+                raise UsageError(f"no variable {name!r} in the notebook")
+            return ns[name]
+        if self.last_run is None:
+            raise UsageError("no run yet in this kernel: start one with %%dist_train, or %dist_attach RUN_DIR")
+        return self.last_run
+
+    @line_magic
+    def dist_status(self, line: str) -> Any:
+        """Show the status card of the last run (or of the Run variable named on the line)."""
+        return self._run_arg(line.strip() or None)
+
+    @line_magic
+    def dist_logs(self, line: str) -> None:
+        """Print a rank's log: ``%dist_logs [--rank K] [--tail N] [RUN]`` (default: the failing rank, else 0)."""
+        args = self._parse(self.logs_parser, line)
+        if args is None:
+            return
+        run = self._run_arg(args.run)
+        try:
+            print(run.logs(args.rank, tail=args.tail))
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+
+    @line_magic
+    def dist_stop(self, line: str) -> Any:
+        """Stop the last run (or the Run variable named on the line): every worker process ends."""
+        run = self._run_arg(line.strip() or None)
+        run.stop()
+        return run
+
+    @line_magic
+    def dist_attach(self, line: str) -> Any:
+        """Reopen a run from its directory after a kernel restart: ``%dist_attach runs/run-20250101-120000``."""
+        from .launch.run import open_run
+
+        path = line.strip().strip('"').strip("'")
+        if not path:
+            raise UsageError("usage: %dist_attach RUN_DIR")
+        try:
+            run = open_run(path)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        self.last_run = run
+        return run
 
     @line_magic
     def dist_plan(self, line: str) -> Any:

@@ -192,6 +192,11 @@ ACCELERATORS: dict[str, Accelerator] = {
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
                     default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB),
+        # A CPU process with gloo, for local runs and tests: 16 GiB and ~1 TFLOPS are placeholders, not a measurement.
+        Accelerator(name="cpu", label="CPU process (gloo)", memory_bytes=16 * GiB, bf16_flops=0, fp16_flops=0,
+                    fp32_flops=1e12, intra_node_bw=10 * _GBs, intra_node_link="shared memory",
+                    host_link_bw=10 * _GBs, max_gpus_per_node=256, default_interconnect="ethernet-10",
+                    node_cpu_memory_bytes=16 * GiB, vendor="cpu"),
         Accelerator(name="mi300x", label="AMD Instinct MI300X 192GB", memory_bytes=192 * GiB,
                     bf16_flops=1307.4 * _TFLOPS, fp16_flops=1307.4 * _TFLOPS, fp32_flops=163.4 * _TFLOPS,
                     intra_node_bw=448 * _GBs, intra_node_link="Infinity Fabric", host_link_bw=50 * _GBs,

@@ -1,0 +1,79 @@
+"""Runs inside every worker, before the user's script: ``python -m jupyter_dist.launch.bootstrap SCRIPT [ARGS]``.
+
+torchrun starts it as each rank's program. It sends the rank's stdout/stderr to ``logs/rank-<k>.log``, loads the
+objects shipped from the notebook (cloudpickle) into the script's globals, runs the script as ``__main__``, and
+records the rank's exit code and error in ``logs/rank-<k>.exit.json`` for the Run handle.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _redirect(log_path: Path) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
+
+
+def _shipped(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "shipped.pkl"
+    if not path.exists():
+        return {}
+    import cloudpickle
+
+    with open(path, "rb") as fh:
+        objects: dict[str, Any] = cloudpickle.load(fh)
+    return objects
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``argv[0]`` as this rank's script; return its exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m jupyter_dist.launch.bootstrap SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(os.environ.get("JD_RUN_DIR", "."))
+    _redirect(run_dir / "logs" / f"rank-{rank}.log")
+    code, error = 0, None
+    try:
+        init = _shipped(run_dir)
+        sys.argv = args
+        runpy.run_path(args[0], init_globals=init, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:  # the rank's failure: keep its traceback (from the script down) in its log
+        tb = exc.__traceback__
+        while tb is not None and Path(tb.tb_frame.f_code.co_filename) != Path(args[0]):
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+        code = 1
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    record = {"rank": rank, "code": code, "error": error, "t": time.time()}
+    try:
+        (run_dir / "logs" / f"rank-{rank}.exit.json").write_text(json.dumps(record))
+    except OSError:
+        pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

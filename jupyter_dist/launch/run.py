@@ -1,0 +1,291 @@
+"""The :class:`Run` handle: status, per-rank exit codes, logs, metrics, wait, stop; reattachable from its directory.
+
+A background thread watches the torchrun agents, so the kernel never blocks. Stopping ends the whole process tree
+(torchrun starts workers in sessions of their own, so the tree is collected with psutil before anything is killed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import html
+import json
+import signal
+import subprocess
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..errors import JupyterDistError
+from ..telemetry.reader import read_run_records
+from .local import LocalLauncher
+from .rundir import RunDir
+
+__all__ = ["Run", "RunStatus", "open_run", "kill_tree"]
+
+PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
+STOPPED, TIMED_OUT = "stopped", "timed out"
+FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT)
+RunStatus = str
+
+_LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
+
+
+def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
+    """SIGTERM the roots (torchrun forwards it), then SIGKILL whatever of the tree is left after ``grace`` s.
+
+    Returns the PIDs that had to be killed with SIGKILL.
+    """
+    procs: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        procs[pid] = root
+        try:
+            for child in root.children(recursive=True):
+                procs[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+    for pid in pids:
+        if pid in procs:
+            try:
+                procs[pid].send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
+    killed = []
+    for p in alive:
+        try:
+            for child in p.children(recursive=True):
+                child.kill()
+            p.kill()
+            killed.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+    return killed
+
+
+class Run:
+    """A distributed job started from the notebook (or reopened from its run directory)."""
+
+    def __init__(self, run_dir: RunDir, meta: dict[str, Any], *, procs: list[subprocess.Popen[bytes]] | None = None,
+                 launcher: LocalLauncher | None = None, timeout: float | None = None,
+                 plan: Any = None) -> None:  # fmt: skip
+        self.dir = run_dir.path
+        self._rd = run_dir
+        self._meta = meta
+        self._procs = procs or []
+        self._launcher = launcher
+        self._timeout = timeout
+        self._lock = threading.RLock()
+        self._done = threading.Event()
+        self._stop_reason: str | None = None
+        self.plan = plan
+        if self._meta.get("status") in FINAL:
+            self._done.set()
+        elif self._procs or self._meta.get("pids"):
+            _LIVE.add(self)
+            self._thread = threading.Thread(target=self._watch, name=f"jd-run-{self.dir.name}", daemon=True)
+            self._thread.start()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The run's name (its directory's)."""
+        return self.dir.name
+
+    @property
+    def status(self) -> RunStatus:
+        """One of: pending, running, succeeded, failed, stopped, timed out."""
+        with self._lock:
+            return str(self._meta.get("status", PENDING))
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return int(self._meta.get("world_size", 1))
+
+    @property
+    def exit_codes(self) -> dict[int, int | None]:
+        """Exit code per rank (None: the rank left none, e.g. it was killed)."""
+        return self._rd.exit_codes(self.world_size)
+
+    @property
+    def done(self) -> bool:
+        """Whether the run reached a final status."""
+        return self._done.is_set()
+
+    def failed_rank(self) -> int | None:
+        """The rank that failed first (earliest non-zero exit), if any."""
+        first: tuple[float, int] | None = None
+        for r in range(self.world_size):
+            try:
+                rec = json.loads(self._rd.exit_file(r).read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("code"):
+                key = (float(rec.get("t", 0.0)), r)
+                first = key if first is None or key < first else first
+        return first[1] if first else None
+
+    # ---- output ---------------------------------------------------------------------------------------------
+    def logs(self, rank: int | None = None, *, tail: int | None = None) -> str:
+        """The log of ``rank`` (default: the failing rank, else rank 0); ``tail`` keeps the last lines."""
+        if rank is None:
+            rank = self.failed_rank() or 0
+        if not 0 <= rank < self.world_size:
+            raise JupyterDistError(f"rank {rank} is not in this run (ranks 0..{self.world_size - 1})")
+        path = self._rd.rank_log(rank)
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if tail is not None:
+            text = "\n".join(text.splitlines()[-tail:])
+        return text
+
+    def launcher_log(self) -> str:
+        """What torchrun itself printed."""
+        path = self._rd.logs / "launcher.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """Telemetry records (all, or of one kind)."""
+        rs = read_run_records(self._rd.telemetry)
+        return rs.records if kind is None else rs.of_kind(kind)
+
+    def metrics(self) -> Any:
+        """``step`` records as a pandas DataFrame (columns: rank, step, t, and every logged metric)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise JupyterDistError('Run.metrics() needs pandas: pip install "jupyter-dist[notebook]"') from None
+        rows = [{k: v for k, v in r.items() if k not in ("v", "kind", "seq")} for r in self.records("step")]
+        frame = pd.DataFrame(rows)
+        if not frame.empty and "step" in frame:
+            frame = frame.sort_values(["step", "rank"]).reset_index(drop=True)
+        return frame
+
+    # ---- control --------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> RunStatus:
+        """Block until the run ends (or ``timeout`` s); an interrupt (Ctrl-C, kernel interrupt) stops the run."""
+        try:
+            self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        return self.status
+
+    def stop(self, *, reason: str = STOPPED, grace: float = 5.0) -> RunStatus:
+        """End every process of the run (SIGTERM, then SIGKILL after ``grace`` s)."""
+        with self._lock:
+            if self.done:
+                return self.status
+            self._stop_reason = reason
+        kill_tree(self._pids(), grace=grace)
+        self._done.wait(grace + 5.0)
+        if not self.done:  # reattached runs have no Popen to reap: finalize here
+            self._finalize()
+        return self.status
+
+    def _pids(self) -> list[int]:
+        return [p.pid for p in self._procs] or [int(p) for p in self._meta.get("pids", [])]
+
+    def _alive(self) -> bool:
+        if self._procs:
+            return any(p.poll() is None for p in self._procs)
+        for pid in self._pids():
+            try:
+                proc = psutil.Process(pid)
+                same = proc.create_time() <= float(self._meta.get("started", 0)) + 5  # not a recycled PID
+                if proc.status() != psutil.STATUS_ZOMBIE and same:
+                    return True
+            except psutil.NoSuchProcess:
+                continue
+        return False
+
+    def _watch(self) -> None:
+        started = float(self._meta.get("started", time.time()))
+        while self._alive():
+            if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
+                self._stop_reason = TIMED_OUT
+                threading.Thread(target=kill_tree, args=(self._pids(),), daemon=True).start()
+            if self._procs and any(p.poll() not in (None, 0) for p in self._procs) and self._stop_reason is None:
+                # one simulated node failed: end the others rather than wait for their rendezvous timeout
+                self._stop_reason = FAILED
+                kill_tree(self._pids())
+            time.sleep(0.2)
+        self._finalize()
+
+    def _finalize(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            codes = [p.poll() for p in self._procs]
+            rank_codes = self.exit_codes
+            if self._stop_reason in (STOPPED, TIMED_OUT):
+                status = self._stop_reason
+            elif self._procs:
+                status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
+            else:  # reattached: judge from what the ranks recorded
+                status = SUCCEEDED if rank_codes and all(c == 0 for c in rank_codes.values()) else FAILED
+            self._meta.update(status=status, ended=time.time(), agent_exit_codes=codes,
+                              exit_codes={str(k): v for k, v in rank_codes.items()})  # fmt: skip
+            if status == TIMED_OUT:
+                self._meta["timeout_report"] = {str(r): self.logs(r, tail=5) for r in range(self.world_size)}
+            self._rd.write_meta(self._meta)
+            self._done.set()
+
+    # ---- display --------------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """One paragraph: status, ranks, exit codes, the failing rank's last lines."""
+        lines = [f"Run {self.name}: {self.status} ({self.world_size} ranks, strategy {self._meta.get('strategy')})",
+                 f"  dir: {self.dir}"]  # fmt: skip
+        if self.done:
+            lines.append(f"  exit codes: {self.exit_codes}")
+            bad = self.failed_rank()
+            if bad is not None:
+                lines.append(f"  rank {bad} failed first; its last lines:")
+                lines += ["    " + ln for ln in self.logs(bad, tail=12).splitlines()]
+            if self.status == TIMED_OUT:
+                lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        colour = {SUCCEEDED: "#2e7d32", FAILED: "#c62828", RUNNING: "#1565c0", TIMED_OUT: "#c62828"}.get(
+            self.status, "#555"
+        )
+        body = html.escape(self.summary())
+        card = (f'<div style="border-left:4px solid {colour};padding:4px 8px"><pre style="margin:0">{body}</pre>'
+                "</div>")  # fmt: skip
+        return {"text/plain": self.summary(), "text/html": card}
+
+    def __repr__(self) -> str:
+        return f"Run(name={self.name!r}, status={self.status!r}, world_size={self.world_size})"
+
+
+def open_run(path: str | Path) -> Run:
+    """Reopen a run from its directory (after a kernel restart): a live run is watched again."""
+    rd = RunDir(Path(path).expanduser().resolve())
+    if not rd.run_json.exists():
+        raise JupyterDistError(f"{rd.path} is not a jupyter-dist run directory (no run.json)")
+    meta = rd.read_meta()
+    plan = None
+    if meta.get("plan"):
+        from ..plan.plan import Plan
+
+        try:
+            plan = Plan.from_dict(meta["plan"])
+        except (KeyError, TypeError, ValueError):
+            plan = None
+    return Run(rd, meta, timeout=meta.get("timeout"), plan=plan)
+
+
+@atexit.register
+def _stop_live_runs() -> None:  # the kernel is going away: leave no worker behind
+    for run in list(_LIVE):
+        if not run.done:
+            run.stop(grace=2.0)

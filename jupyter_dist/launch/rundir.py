@@ -1,0 +1,108 @@
+"""The run directory: ``run.json``, ``script.py``, configs, ``logs/``, ``telemetry/``, ``checkpoints/``.
+
+A run can be reopened from its directory after a kernel restart (``%dist_attach``). ``run.json`` is rewritten
+atomically (temp file + rename), so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..render.common import SECRET_NAMES
+
+__all__ = ["RunDir", "new_run_dir", "scrub_env"]
+
+_SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL")
+
+
+def scrub_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment as saved in run.json: secret-looking values replaced by ``"<redacted>"``."""
+    return {
+        k: ("<redacted>" if k in SECRET_NAMES or any(h in k.upper() for h in _SECRET_HINTS) else v)
+        for k, v in env.items()
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    path: Path
+
+    @property
+    def run_json(self) -> Path:
+        """Metadata: plan, argv, env (scrubbed), status, exit codes."""
+        return self.path / "run.json"
+
+    @property
+    def script(self) -> Path:
+        """The training script (the cell's code)."""
+        return self.path / "script.py"
+
+    @property
+    def logs(self) -> Path:
+        """``rank-<k>.log`` per rank, ``launcher.log`` for torchrun itself."""
+        return self.path / "logs"
+
+    @property
+    def telemetry(self) -> Path:
+        """``rank-<k>.jsonl`` records."""
+        return self.path / "telemetry"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Checkpoints written by ``jd.save``."""
+        return self.path / "checkpoints"
+
+    def rank_log(self, rank: int) -> Path:
+        """Log of one rank."""
+        return self.logs / f"rank-{rank}.log"
+
+    def exit_file(self, rank: int) -> Path:
+        """Exit status the bootstrap writes for one rank."""
+        return self.logs / f"rank-{rank}.exit.json"
+
+    def create(self) -> RunDir:
+        """Make the folders."""
+        for p in (self.path, self.logs, self.telemetry, self.checkpoints):
+            p.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        """Atomically replace ``run.json``."""
+        tmp = self.run_json.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+        os.replace(tmp, self.run_json)
+
+    def read_meta(self) -> dict[str, Any]:
+        """Read ``run.json``."""
+        result: dict[str, Any] = json.loads(self.run_json.read_text(encoding="utf-8"))
+        return result
+
+    def exit_codes(self, world_size: int) -> dict[int, int | None]:
+        """Per-rank exit codes the bootstrap recorded (None where a rank left none, e.g. killed)."""
+        out: dict[int, int | None] = {}
+        for r in range(world_size):
+            try:
+                out[r] = int(json.loads(self.exit_file(r).read_text())["code"])
+            except (OSError, ValueError, KeyError, TypeError):
+                out[r] = None
+        return out
+
+
+def new_run_dir(root: str | os.PathLike[str], name: str) -> RunDir:
+    """A fresh ``<root>/<name>-<YYYYmmdd-HHMMSS>[-n]`` directory."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = Path(root).expanduser().resolve() / f"{safe}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return RunDir(path).create()

@@ -1,0 +1,171 @@
+"""Start a run from a cell's code: resolve the strategy, write the run directory, ship objects, launch torchrun.
+
+Used by ``%%dist_train`` and usable from Python (``jupyter_dist.launch.session.start_run(code, nproc=2)``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import JupyterDistError
+from .local import LaunchError, LocalLauncher
+from .run import RUNNING, Run
+from .rundir import RunDir, new_run_dir, scrub_env
+
+__all__ = ["STRATEGY_CHOICES", "DryRun", "local_gpu_count", "resolve_strategy", "start_run"]
+
+STRATEGY_CHOICES = ("auto", "none", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload",
+                    "zero2-offload", "zero3-offload-params", "fsdp2-hybrid")  # fmt: skip
+_ALIASES = {"fsdp": "fsdp-full-shard"}
+
+
+def local_gpu_count() -> int:
+    """GPUs on this machine, counted without importing torch or touching CUDA in the kernel."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
+    """``auto`` -> the plan's recommendation (or DDP for more than one process); aliases -> strategy names."""
+    if strategy not in STRATEGY_CHOICES:
+        raise JupyterDistError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGY_CHOICES)}")
+    if strategy == "auto":
+        if plan is not None and plan.best is not None:
+            return str(plan.best.strategy)
+        return "ddp" if world_size > 1 else "none"
+    return _ALIASES.get(strategy, strategy)
+
+
+def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
+    """A plan for the local CPU processes, so a DeepSpeed config can be rendered without a user plan."""
+    from ..plan import Hardware, ModelSpec, plan
+    from ..plan.hardware import get_accelerator
+
+    hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc, nodes=nodes)
+    return plan(ModelSpec.from_params(1e6, name="local"), hw, strategy=strategy)
+
+
+@dataclass
+class DryRun:
+    """What ``--dry-run`` shows: the script, the configs and the commands, nothing started."""
+
+    script: str
+    argv: list[list[str]]
+    env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_text(self) -> str:
+        """Plain text: commands, environment, files."""
+        out = ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
+        out += ["", "# environment added"] + [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        for name, text in {"script.py": self.script, **self.files}.items():
+            out += ["", f"# ---- {name} ----", text.rstrip()]
+        return "\n".join(out)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        import html
+
+        return {"text/plain": self.to_text(), "text/html": f"<pre>{html.escape(self.to_text())}</pre>"}
+
+
+PRELUDE = """\
+# --- added by jupyter-dist: the worker API is bound as `jd` ---
+import jupyter_dist.worker as jd  # noqa: E402
+# --- the cell ---
+"""
+
+
+def start_run(
+    code: str, *, nproc: int | None = None, nodes: int = 1, strategy: str = "auto", plan: Any = None,
+    launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
+    timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
+    port: int | None = None, dry_run: bool = False,
+) -> Run | DryRun:
+    """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run."""
+    if launcher != "torchrun":
+        raise JupyterDistError(
+            f"launcher {launcher!r} is not available for local runs yet; use torchrun (DeepSpeed strategies run "
+            "under torchrun too: --strategy zero2)"
+        )
+    if nproc is None:
+        nproc = local_gpu_count() or 2
+    if timeout is not None and timeout <= 0:
+        raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
+    world = nproc * nodes
+    if plan is not None and not hasattr(plan, "best"):
+        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
+    strat = resolve_strategy(strategy, plan, world)
+    extra_env = dict(env or {})
+    for key in extra_env:
+        if not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
+    files: dict[str, str] = {}
+    if strat.startswith("zero"):
+        from ..render.common import RenderOptions
+        from ..render.deepspeed import render_deepspeed_json
+
+        ds_plan = plan if plan is not None else _local_plan(strat, nproc, nodes)
+        files["ds_config.json"] = render_deepspeed_json(ds_plan, RenderOptions(candidate=strat))
+    precision = plan.training.precision.value if plan is not None else "fp32"
+    jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision}
+    if "ds_config.json" in files:
+        jd_env["JD_DS_CONFIG"] = "ds_config.json"
+    jd_env.update(extra_env)
+    script = PRELUDE + code
+    if dry_run:
+        rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
+        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, max_restarts=max_restarts, port=port,
+                            extra_env=jd_env)  # fmt: skip
+        return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files)
+
+    rd = new_run_dir(runs_dir, name)
+    rd.script.write_text(script, encoding="utf-8")
+    for fname, text in files.items():
+        (rd.path / fname).write_text(text, encoding="utf-8")
+    if files.get("ds_config.json"):
+        jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
+    if ship:
+        _ship(rd, ship)
+    lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, max_restarts=max_restarts, port=port,
+                        extra_env=jd_env)  # fmt: skip
+    meta: dict[str, Any] = {
+        "name": name, "status": "pending", "strategy": strat, "world_size": world, "nproc": nproc, "nodes": nodes,
+        "timeout": timeout, "env": scrub_env(lau.env()), "created": time.time(),
+        "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
+    }  # fmt: skip
+    rd.write_meta(meta)
+    try:
+        procs = lau.start()
+    except LaunchError:
+        meta.update(status="failed", error="launch failed")
+        rd.write_meta(meta)
+        raise
+    meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
+    rd.write_meta(meta)
+    return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
+
+
+def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
+    import pickle
+
+    import cloudpickle
+
+    try:
+        payload = cloudpickle.dumps(objects)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        names = ", ".join(objects)
+        raise JupyterDistError(f"--ship {names}: cannot be pickled for the workers ({exc})") from None
+    (rd.path / "shipped.pkl").write_bytes(payload)
