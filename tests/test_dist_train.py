@@ -221,3 +221,18 @@ def test_attach_after_a_kernel_restart(ip: InteractiveShell, runs: Path) -> None
     assert attached.status == "succeeded" and attached.exit_codes == {0: 0, 1: 0}
     assert "done" in attached.logs(0)
     assert os.path.isdir(attached.dir / "telemetry")
+
+
+@pytest.mark.slow
+def test_kernel_interrupt_while_waiting_stops_the_run(ip: InteractiveShell, runs: Path) -> None:
+    import signal
+    import threading
+
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none", "import time\ntime.sleep(300)")
+    timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT))  # what Jupyter's interrupt sends
+    timer.start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert run.status == "stopped" and time.time() - t0 < 3.0 + 10
+    assert descendants_gone(run)
