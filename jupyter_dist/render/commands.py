@@ -7,12 +7,13 @@ can never inject commands. Pure and stdlib only.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
 from ..plan.hardware import Hardware
 from ..plan.plan import Plan
-from .common import Layout, RenderOptions, layout_of
+from .common import Layout, RenderError, RenderOptions, layout_of
 
 __all__ = [
     "ShellVar",
@@ -23,6 +24,7 @@ __all__ = [
     "launch_command",
     "render_hostfile",
     "render_nccl_env",
+    "check_pdsh_safe",
 ]
 
 
@@ -106,6 +108,35 @@ def torchrun_command(
     return Command(argv=argv, env=render_nccl_env(plan, opts, layout=lay))
 
 
+# What DeepSpeed's pdsh runner passes through its remote shell unharmed (see check_pdsh_safe).
+_PDSH_ARG_RE = re.compile(r"^[\w@%+=:,./ -]+$", re.ASCII)
+_PDSH_ENV_UNSAFE = re.compile(r"[$`\\\"!\n]")
+
+
+def check_pdsh_safe(cmd: Command, opts: RenderOptions) -> None:
+    """Refuse words that DeepSpeed's multi-node (pdsh) launcher would hand to a remote shell as syntax.
+
+    DeepSpeed re-joins the script, its arguments and the ``.deepspeed_env`` exports into one string that pdsh runs
+    through ssh: an argument is wrapped in double quotes only when it contains a space (so ``$(...)`` still runs),
+    and an env value only when it has special characters (same problem). Our quoting cannot survive that re-join,
+    so such values are refused instead of rendered.
+    """
+    for word in (opts.script, *opts.script_args, opts.checkpoint_dir):
+        if not _PDSH_ARG_RE.match(word):
+            raise RenderError(
+                f"the deepspeed launcher on several nodes passes {word!r} through a remote shell (pdsh) without "
+                "quoting it; use letters, digits, spaces and @%+=:,./- only, or launcher='torchrun' (each node "
+                "starts its own processes, every argument stays one argv element)"
+            )
+    for key, value in cmd.env.items():
+        if _PDSH_ENV_UNSAFE.search(value):
+            raise RenderError(
+                f"the deepspeed launcher on several nodes exports {key} to the other nodes through a remote shell "
+                f'inside double quotes; its value must not contain $, `, \\, ", ! or a newline '
+                "(or use launcher='torchrun')"
+            )
+
+
 def deepspeed_command(
     plan: Plan, opts: RenderOptions | None = None, *, config_path: str = "ds_config.json",
     hostfile: str = "hostfile", master_addr: str | None = None, layout: Layout | None = None,
@@ -119,7 +150,10 @@ def deepspeed_command(
         argv += ["--hostfile", hostfile, "--num_nodes", str(lay.nodes), "--master_addr", addr]
     argv += ["--num_gpus", str(lay.gpus_per_node), "--master_port", str(opts.master_port), opts.script,
              *opts.script_args, "--deepspeed", "--deepspeed_config", config_path]  # fmt: skip
-    return Command(argv=argv, env=render_nccl_env(plan, opts, layout=lay))
+    cmd = Command(argv=argv, env=render_nccl_env(plan, opts, layout=lay))
+    if lay.multi_node:
+        check_pdsh_safe(cmd, opts)
+    return cmd
 
 
 def accelerate_command(
@@ -134,6 +168,8 @@ def accelerate_command(
     if lay.multi_node:
         rank = node_rank if isinstance(node_rank, ShellVar) else str(node_rank)
         argv += ["--machine_rank", rank, "--main_process_ip", addr, "--main_process_port", str(opts.master_port)]
+        if opts.rdzv == "c10d":  # accelerate launch ignores rdzv_backend from its config file
+            argv += ["--rdzv_backend", "c10d"]
     argv += [opts.script, *opts.script_args]
     return Command(argv=argv, env=render_nccl_env(plan, opts, layout=lay))
 
@@ -155,7 +191,7 @@ def render_hostfile(hosts: list[str], slots: int) -> str:
     """DeepSpeed hostfile: one ``host slots=N`` line per node."""
     for h in hosts:
         if not h or any(c.isspace() for c in h):
-            raise ValueError(f"host name {h!r} must be non-empty and without spaces")
+            raise RenderError(f"host name {h!r} must be non-empty and without spaces")
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 

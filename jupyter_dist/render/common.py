@@ -177,7 +177,11 @@ def layout_of(plan: Plan, opts: RenderOptions | None = None) -> Layout:
         try:
             cand = plan.candidate(opts.candidate)
         except KeyError:
-            names = [c.name for c in plan.candidates if c.strategy == get_strategy(opts.candidate).name]
+            try:
+                wanted = get_strategy(opts.candidate).name
+            except JupyterDistError:
+                wanted = None
+            names = [c.name for c in plan.candidates if c.strategy == wanted]
             if not names:
                 raise RenderError(
                     f"the plan has no candidate {opts.candidate!r}; have: {', '.join(c.name for c in plan.candidates)}"
