@@ -80,7 +80,7 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", default="jupyter-dist", help="run / job / cluster name (lower case, digits, dashes)")
     g.add_argument("--script", default="train.py", help="training script the commands run (default train.py)")
     g.add_argument("--script-arg", action="append", default=[], metavar="ARG",
-                   help="argument for the training script (repeatable; quoted safely)")
+                   help="argument for the training script (repeatable, quoted safely; --script-arg=--flag for flags)")
     g.add_argument("--rdzv", default="c10d", help="multi-node rendezvous: c10d (default) or static")
     g.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
     g.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (default 0)")
