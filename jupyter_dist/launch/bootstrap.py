@@ -41,6 +41,16 @@ def _shipped(run_dir: Path) -> dict[str, Any]:
     return objects
 
 
+def _note_exit(code: int, exc: BaseException | None) -> None:
+    """Tell the worker API (when the script imported it) how the rank ended, for its ``exit`` record."""
+    worker = sys.modules.get("jupyter_dist.worker")
+    if worker is not None:
+        try:
+            worker.note_exit(code, exc)
+        except Exception:  # never let telemetry hide the real error
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``argv[0]`` as this rank's script; return its exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -57,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_path(args[0], init_globals=init, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        _note_exit(code, exc if code else None)
     except BaseException as exc:  # the rank's failure: keep its traceback (from the script down) in its log
+        _note_exit(1, exc)
         tb = exc.__traceback__
         while tb is not None and Path(tb.tb_frame.f_code.co_filename) != Path(args[0]):
             tb = tb.tb_next

@@ -5,34 +5,15 @@ Records are de-duplicated by (rank, seq); torn, partial or foreign lines are cou
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SENTINEL", "RecordSet", "parse_line", "read_run_records"]
+from .records import SENTINEL, decode
 
-SENTINEL = "@@JD@@"
-"""Marks a record inside a log stream (remote runs print ``<prefix>@@JD@@{json}``)."""
-
-
-def parse_line(line: str) -> dict[str, Any] | None:
-    """A record from one line (a bare JSON object, or the JSON after the sentinel anywhere in it), else None."""
-    idx = line.find(SENTINEL)
-    text = line[idx + len(SENTINEL):] if idx >= 0 else line
-    text = text.strip()
-    if not text.startswith("{"):
-        return None
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or "kind" not in obj or "rank" not in obj or "seq" not in obj:
-        return None
-    return obj
-
+__all__ = ["SENTINEL", "RecordSet", "read_run_records"]
 
 @dataclass
 class RecordSet:
@@ -52,7 +33,7 @@ class RecordSet:
         for line in lines:
             if not line.strip():
                 continue
-            rec = parse_line(line)
+            rec = decode(line)
             if rec is None:
                 self.bad_lines += 1
                 continue

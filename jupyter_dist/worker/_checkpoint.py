@@ -1,0 +1,256 @@
+"""``jd.save`` / ``jd.resume``: torch.distributed.checkpoint into ``<run dir>/checkpoints/step-<N>/``.
+
+Layout of one checkpoint::
+
+    step-<N>/
+      COMPLETE            JSON written by rank 0 last, before the directory gets its final name
+      dcp/                torch.distributed.checkpoint of the modules and optimizers (sharded for FSDP2)
+      deepspeed/          engine.save_checkpoint(...) of a DeepSpeed engine, when the state holds one
+      extra-rank<k>.pt    torch.save of everything else, per rank (RNG states, epoch, ``state_dict()`` of
+                          stateful objects such as LR schedulers)
+
+Writing goes to ``.tmp-step-<N>`` and is renamed after a barrier, so a ``step-<N>`` directory always holds a whole
+checkpoint; resume also requires the ``COMPLETE`` marker and picks the highest step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._env import WorkerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._runtime import Runtime
+
+__all__ = ["save", "resume", "latest_checkpoint", "COMPLETE"]
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def latest_checkpoint(root: str) -> tuple[int, str] | None:
+    """``(step, path)`` of the newest complete checkpoint under ``root``, or ``None``."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for name in names:
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, COMPLETE)):
+            step = int(m.group(1))
+            if best is None or step > best[0]:
+                best = (step, path)
+    return best
+
+
+def _is_engine(obj: Any) -> bool:
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _Split:
+    """A user state dict sorted into what each mechanism saves."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        import torch
+
+        if not isinstance(state, dict):
+            raise WorkerError(f"jd.save/jd.resume take a dict such as {{'model': m, 'optimizer': o}}, got {state!r}")
+        self.engines: dict[str, Any] = {}
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.stateful: dict[str, Any] = {}
+        self.extras: dict[str, Any] = {}
+        for key, value in state.items():
+            if _is_engine(value):
+                self.engines[key] = value
+            elif isinstance(value, torch.nn.Module):
+                self.modules[key] = value
+            elif isinstance(value, torch.optim.Optimizer):
+                self.optimizers[key] = value
+            elif _is_stateful(value):
+                self.stateful[key] = value
+            else:
+                self.extras[key] = value
+        if len(self.engines) > 1:
+            raise WorkerError(f"jd.save: one DeepSpeed engine per checkpoint, got {sorted(self.engines)}")
+        # what an engine owns is in its own checkpoint
+        owned = {id(getattr(e, a, None)) for e in self.engines.values() for a in ("optimizer", "lr_scheduler")}
+        for group in (self.optimizers, self.stateful):
+            for key in [k for k, v in group.items() if id(v) in owned]:
+                del group[key]
+        self.owner = {key: self._owner(key, opt) for key, opt in self.optimizers.items()}
+
+    def _owner(self, key: str, optimizer: Any) -> Any:
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for module in self.modules.values():
+            if any(id(p) in params for p in module.parameters()):
+                return module
+        raise WorkerError(
+            f"jd.save: the optimizer {key!r} updates none of the modules in the state ({sorted(self.modules)}); "
+            "put the model it trains in the same dict, e.g. {'model': model, 'optimizer': optimizer}"
+        )
+
+    def dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in self.modules.items()}
+        for key, opt in self.optimizers.items():
+            out[key] = get_optimizer_state_dict(self.owner[key], opt)
+        return out
+
+
+def _no_dist() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns that it "assumes" a single process even when told so with ``no_dist=True``; that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = None, keep: int | None = None) -> str:
+    """Write a checkpoint of ``state`` at ``step``; collective (every rank calls it). Returns the final path."""
+    import torch
+    from torch.distributed.checkpoint import state_dict_saver
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise WorkerError(f"jd.save: step must be an int >= 0, got {step!r}")
+    if keep is not None and keep < 1:
+        raise WorkerError(f"jd.save: keep={keep} must be >= 1 (or None to keep every checkpoint)")
+    split = _Split(state)
+    rank = rt.rank
+    tmp = os.path.join(root or "", f".tmp-step-{step}")
+    final = os.path.join(root or "", f"step-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    for engine in split.engines.values():
+        engine.save_checkpoint(tmp, tag="deepspeed", save_latest=False)
+    if split.modules or split.optimizers:
+        with _single_process_ok():
+            state_dict_saver.save(split.dcp_state(), checkpoint_id=os.path.join(tmp, "dcp"), no_dist=_no_dist())
+    extras = dict(split.extras)
+    extras.update({k: v.state_dict() for k, v in split.stateful.items()})
+    blob = {"step": step, "extras": extras, "stateful": sorted(split.stateful)}
+    torch.save(blob, os.path.join(tmp, f"extra-rank{rank}.pt"))
+    _barrier()
+    if rank == 0:
+        marker = {
+            "step": step,
+            "t": time.time(),
+            "world_size": rt.world_size,
+            "strategy": rt.env.strategy,
+            "modules": sorted(split.modules),
+            "optimizers": sorted(split.optimizers),
+            "engines": sorted(split.engines),
+            "extras": sorted(extras),
+        }
+        with open(os.path.join(tmp, COMPLETE), "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):  # saving the same step again replaces it
+            old = f"{final}.old-{os.getpid()}"
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(root or ".")
+        if keep is not None:
+            _prune(root or ".", keep)
+    _barrier()
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prune(root: str, keep: int) -> None:
+    steps = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(root)
+        if (m := _STEP_DIR.match(name)) and os.path.isfile(os.path.join(root, name, COMPLETE))
+    )
+    for _, name in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _agree(rt: Runtime, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (one broadcast when a process group exists)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and rt.world_size > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, Any], int] | None:
+    """Load the newest complete checkpoint under ``root`` into ``state``'s objects; collective."""
+    import torch
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    split = _Split(state)
+    found = _agree(rt, latest_checkpoint(root) if rt.rank == 0 else None)
+    if found is None:
+        return None
+    step, path = found
+    for engine in split.engines.values():
+        load_path, _ = engine.load_checkpoint(path, tag="deepspeed")
+        if load_path is None:
+            raise WorkerError(f"jd.resume: DeepSpeed found no checkpoint under {path}/deepspeed")
+    if split.modules or split.optimizers:
+        template = split.dcp_state()
+        with _single_process_ok():
+            state_dict_loader.load(template, checkpoint_id=os.path.join(path, "dcp"), no_dist=_no_dist())
+        for key, module in split.modules.items():
+            set_model_state_dict(module, template[key])
+        for key, opt in split.optimizers.items():
+            set_optimizer_state_dict(split.owner[key], opt, template[key])
+    mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
+    blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
+    out = dict(state)
+    for key, value in blob["extras"].items():
+        if key in split.stateful:
+            split.stateful[key].load_state_dict(value)
+        else:
+            out[key] = value
+    return out, step

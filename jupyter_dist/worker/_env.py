@@ -1,0 +1,115 @@
+"""What a worker process learns from its environment, read once (stdlib only)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import JupyterDistError
+from ..plan.strategies import get_strategy
+
+__all__ = ["WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+"""Values of ``JD_PRECISION``."""
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables whose presence means "started by torchrun (or an equivalent launcher)"."""
+
+
+class WorkerError(JupyterDistError, RuntimeError):
+    """The worker cannot do what was asked with this environment or these objects; the message says why."""
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorkerError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerEnv:
+    """The launch contract between the launcher and a worker (see ``jupyter_dist/launch``)."""
+
+    distributed: bool
+    """Started by torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are all set."""
+    rank: int = 0
+    """Global rank (``RANK``); 0 outside torchrun."""
+    world_size: int = 1
+    """Number of processes (``WORLD_SIZE``); 1 outside torchrun."""
+    local_rank: int = 0
+    """Rank on this node (``LOCAL_RANK``); selects the GPU."""
+    local_world_size: int = 1
+    """Processes on this node (``LOCAL_WORLD_SIZE``); the shard group size of hybrid strategies."""
+    run_dir: str | None = None
+    """``JD_RUN_DIR``: the run directory with ``telemetry/``, ``checkpoints/`` and ``logs/``; ``None`` when unset."""
+    strategy: str = "none"
+    """``JD_STRATEGY``: ``"none"`` or a canonical name from ``jupyter_dist.plan.strategies``."""
+    ds_config: str | None = None
+    """``JD_DS_CONFIG``: path of the DeepSpeed JSON (``zero*`` strategies); a relative path is taken relative to
+    ``JD_RUN_DIR``."""
+    precision: str = "fp32"
+    """``JD_PRECISION``: one of :data:`PRECISIONS`."""
+    log_stdio: bool = False
+    """``JD_LOG_STDIO=1``: redirect fd 1 and 2 to ``logs/rank-<k>.log`` at import."""
+    heartbeat_s: float = 10.0
+    """``JD_HEARTBEAT_S``: seconds between heartbeat records; 0 turns them off."""
+    telemetry_stdout: bool = False
+    """``JD_TELEMETRY_STDOUT=1``: also print each record after the sentinel on stdout (for log-stream back-ends)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise WorkerError(f"WORLD_SIZE={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise WorkerError(f"RANK={self.rank} must be in [0, WORLD_SIZE={self.world_size})")
+        if self.precision not in PRECISIONS:
+            raise WorkerError(f"JD_PRECISION={self.precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
+        if self.heartbeat_s < 0:
+            raise WorkerError(f"JD_HEARTBEAT_S={self.heartbeat_s} must be >= 0 (0 turns heartbeats off)")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read the contract from ``environ`` (default ``os.environ``)."""
+        env = os.environ if environ is None else environ
+        distributed = all(env.get(k) for k in TORCHRUN_VARS)
+        strategy = env.get("JD_STRATEGY", "").strip() or "none"
+        if strategy.lower() != "none":
+            try:
+                strategy = get_strategy(strategy).name
+            except JupyterDistError as e:
+                raise WorkerError(f"JD_STRATEGY: {e}") from None
+        else:
+            strategy = "none"
+        try:
+            heartbeat = float(env.get("JD_HEARTBEAT_S", "") or 10.0)
+        except ValueError:
+            raise WorkerError(f"JD_HEARTBEAT_S={env.get('JD_HEARTBEAT_S')!r} is not a number") from None
+        world_size = _int(env, "WORLD_SIZE", 1) if distributed else 1
+        run_dir = env.get("JD_RUN_DIR") or None
+        ds_config = env.get("JD_DS_CONFIG") or None
+        if ds_config and run_dir and not os.path.isabs(ds_config):
+            ds_config = os.path.join(run_dir, ds_config)
+        return cls(
+            distributed=distributed,
+            rank=_int(env, "RANK", 0) if distributed else 0,
+            world_size=world_size,
+            local_rank=_int(env, "LOCAL_RANK", 0) if distributed else 0,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size) if distributed else 1,
+            run_dir=run_dir,
+            strategy=strategy,
+            ds_config=ds_config,
+            precision=(env.get("JD_PRECISION", "").strip().lower() or "fp32"),
+            log_stdio=env.get("JD_LOG_STDIO", "") == "1",
+            heartbeat_s=heartbeat,
+            telemetry_stdout=env.get("JD_TELEMETRY_STDOUT", "") == "1",
+        )
+
+    @property
+    def family(self) -> str:
+        """``"none"``, ``"ddp"``, ``"fsdp"`` (FSDP1 wrapper), ``"fsdp2"`` or ``"deepspeed"``."""
+        return "none" if self.strategy == "none" else get_strategy(self.strategy).family

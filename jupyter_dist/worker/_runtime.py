@@ -1,0 +1,393 @@
+"""The one per-process runtime behind ``jupyter_dist.worker``: process group, strategy, telemetry, hooks.
+
+Nothing here imports torch at module level; the first call that needs it does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ..telemetry.emitter import Emitter
+from ._env import WorkerEnv, WorkerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["Runtime", "get_runtime", "on_import"]
+
+_log = logging.getLogger("jupyter_dist.worker")
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() else None
+
+
+def _pg_ready() -> bool:
+    if "torch" not in sys.modules:  # nothing can have made a process group without torch
+        return False
+    dist = _dist()
+    return bool(dist is not None and dist.is_initialized())
+
+
+class Runtime:
+    """State of one worker process. ``jupyter_dist.worker`` delegates to a single instance (:func:`get_runtime`).
+
+    Tests may build their own from a :class:`WorkerEnv` to exercise one piece without touching the process.
+    """
+
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.model: Any = None
+        """The model returned by the last :meth:`wrap` (a DeepSpeed engine for ``zero*``)."""
+        self.optimizer: Any = None
+        """The optimizer returned by the last :meth:`wrap`."""
+        self._lock = threading.RLock()
+        self._initialized = False
+        self._owns_pg = False
+        self._emitter: Emitter | None = None
+        self._scaler: Any = None
+        self._error: BaseException | None = None
+        self._exit_written = False
+        self._hooks_installed = False
+        self._warned_no_run_dir = False
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def is_engine(self) -> bool:
+        """Whether the wrapped model is a DeepSpeed engine."""
+        return self.model is not None and any(c.__name__ == "DeepSpeedEngine" for c in type(self.model).__mro__)
+
+    @property
+    def rank(self) -> int:
+        """Global rank; initialises the process group under torchrun."""
+        if not self.env.distributed:
+            return 0
+        self.init()
+        return int(_dist().get_rank())
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks; initialises the process group under torchrun."""
+        if not self.env.distributed:
+            return 1
+        self.init()
+        return int(_dist().get_world_size())
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node."""
+        if self.env.distributed:
+            self.init()
+        return self.env.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        """``rank == 0``."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:<local rank>`` when CUDA is available, else ``cpu``."""
+        import torch
+
+        if self.env.distributed:
+            self.init()
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.env.local_rank % max(1, torch.cuda.device_count()))
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ life cycle
+    def init(self) -> None:
+        """Initialise once: the process group under torchrun (nccl with CUDA, else gloo), then the ``start`` record.
+
+        Idempotent; a process group created by someone else is used as it is.
+        """
+        with self._lock:
+            if self._initialized:
+                return
+            self._initialized = True
+            backend = None
+            if self.env.distributed:
+                import torch
+                import torch.distributed as dist
+
+                if not dist.is_initialized():
+                    if torch.cuda.is_available():
+                        torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
+                        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+                    else:
+                        dist.init_process_group("gloo")
+                    self._owns_pg = True
+                backend = str(dist.get_backend())
+            self._start_telemetry(backend)
+
+    def _start_telemetry(self, backend: str | None) -> None:
+        emitter = self.emitter
+        if not emitter.enabled:
+            return
+        torch = sys.modules.get("torch")
+        device = None
+        if torch is not None:
+            device = f"cuda:{self.env.local_rank}" if torch.cuda.is_available() else "cpu"
+        emitter.start_record(
+            world_size=self.env.world_size,
+            local_rank=self.env.local_rank,
+            strategy=self.env.strategy,
+            precision=self.env.precision,
+            device=device,
+            backend=backend,
+            torch=getattr(torch, "__version__", None),
+        )
+        emitter.start_heartbeat(self.env.heartbeat_s)
+
+    @property
+    def emitter(self) -> Emitter:
+        """The telemetry emitter (created on first use; disabled without ``JD_RUN_DIR``)."""
+        with self._lock:
+            if self._emitter is None:
+                self._emitter = Emitter.for_run_dir(
+                    self.env.run_dir,
+                    rank=self.env.rank,
+                    stream_fd=1 if self.env.telemetry_stdout else None,
+                )
+            return self._emitter
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op without a process group)."""
+        if self.env.distributed:
+            self.init()
+        if _pg_ready():
+            dist = _dist()
+            if dist.get_backend() == "nccl":
+                import torch
+
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+
+    def finish(self) -> None:
+        """Destroy the process group this runtime created (safe to call twice)."""
+        with self._lock:
+            if self._owns_pg and _pg_ready():
+                _dist().destroy_process_group()
+            self._owns_pg = False
+
+    # ------------------------------------------------------------------ training
+    def wrap(self, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+        """Apply ``JD_STRATEGY``; see :func:`jupyter_dist.worker.wrap`."""
+        from ._strategy import apply_strategy
+
+        self.init()
+        model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device)
+        self.model, self.optimizer = model, optimizer
+        if self.env.precision == "fp16-mixed" and self.env.family in ("none", "ddp"):
+            import torch
+
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        return model, optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` for the *-mixed precisions with ``none``/``ddp`` (others cast by themselves)."""
+        if self.env.precision not in ("bf16-mixed", "fp16-mixed") or self.env.family not in ("none", "ddp"):
+            return contextlib.nullcontext()
+        import torch
+
+        dtype = torch.bfloat16 if self.env.precision == "bf16-mixed" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def backward(self, loss: Any) -> None:
+        """``engine.backward(loss)`` for DeepSpeed, else ``loss.backward()`` (scaled for fp16-mixed)."""
+        if self.is_engine:
+            self.model.backward(loss)
+        elif self._scaler is not None:
+            self._scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self, optimizer: Any = None) -> None:
+        """``engine.step()`` for DeepSpeed, else ``optimizer.step()`` then ``zero_grad(set_to_none=True)``."""
+        if self.is_engine and optimizer is None:
+            self.model.step()
+            return
+        opt = optimizer if optimizer is not None else self.optimizer
+        if opt is None:
+            raise WorkerError("jd.step() needs an optimizer: pass it to jd.wrap(model, optimizer) or to jd.step(opt)")
+        if self._scaler is not None:
+            self._scaler.step(opt)
+            self._scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ telemetry
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """Append one ``step`` record; see :func:`jupyter_dist.worker.log`."""
+        self.init()
+        emitter = self.emitter
+        if not emitter.enabled and not self._warned_no_run_dir:
+            self._warned_no_run_dir = True
+            _log.debug("jupyter_dist.worker: JD_RUN_DIR is not set; jd.log records go nowhere")
+        return emitter.log(metrics, step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_root(self, root: str | os.PathLike[str] | None) -> str | None:
+        """``root``, else ``$JD_CHECKPOINT_DIR`` (cluster jobs key it on the task id), else the run's checkpoints/."""
+        if root is not None:
+            return os.fspath(root)
+        if os.environ.get("JD_CHECKPOINT_DIR"):
+            return os.environ["JD_CHECKPOINT_DIR"]
+        if self.env.run_dir is None:
+            return None
+        return os.path.join(self.env.run_dir, "checkpoints")
+
+    def save(self, state: dict[str, Any], step: int, *, root: Any = None, keep: int | None = None) -> str | None:
+        """Collective checkpoint; see :func:`jupyter_dist.worker.save`."""
+        from ._checkpoint import save
+
+        self.init()
+        where = self.checkpoint_root(root)
+        if where is None:
+            _log.warning(
+                "jupyter_dist.worker: JD_RUN_DIR is not set and no root= given; jd.save(step=%s) saved nothing",
+                step,
+            )
+            return None
+        return save(self, state, step, root=where, keep=keep)
+
+    def resume(self, state: dict[str, Any] | None = None, *, root: Any = None) -> tuple[dict[str, Any], int] | None:
+        """Load the newest complete checkpoint; see :func:`jupyter_dist.worker.resume`."""
+        from ._checkpoint import resume
+
+        self.init()
+        if state is None:
+            state = {k: v for k, v in (("model", self.model), ("optimizer", self.optimizer)) if v is not None}
+            if not state:
+                raise WorkerError(
+                    "jd.resume() loads into live objects: call jd.wrap(model, optimizer) first, or pass them as "
+                    "jd.resume({'model': model, 'optimizer': optimizer})"
+                )
+        where = self.checkpoint_root(root)
+        if where is None:
+            return None
+        return resume(self, state, root=where)
+
+    # ------------------------------------------------------------------ process hooks
+    def install_hooks(self) -> None:
+        """Set up a launched worker's process: stdio, error and signal hooks, exit record.
+
+        Redirects stdio (``JD_LOG_STDIO=1``), records uncaught errors and SIGTERM, and at interpreter exit writes
+        the ``exit`` record and destroys the process group.
+        """
+        with self._lock:
+            if self._hooks_installed:
+                return
+            self._hooks_installed = True
+        if self.env.log_stdio and self.env.run_dir:
+            self.redirect_stdio()
+        previous = sys.excepthook
+
+        def excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+            self._error = value
+            previous(tp, value, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(self._at_exit)
+        if threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, OSError):
+                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def redirect_stdio(self) -> str:
+        """Point fd 1 and 2 at ``<run dir>/logs/rank-<k>.log`` (append) and make ``sys.stdout/err`` line-buffered."""
+        if self.env.run_dir is None:
+            raise WorkerError("redirect_stdio needs JD_RUN_DIR (the run directory)")
+        path = os.path.join(self.env.run_dir, "logs", f"rank-{self.env.rank}.log")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+        finally:
+            os.close(fd)
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                with contextlib.suppress(Exception):
+                    reconfigure(line_buffering=True)
+        return path
+
+    def note_exit(self, code: int, error: BaseException | None = None) -> None:
+        """Tell the runtime how the script ended when the caller caught it (a bootstrap that runs the script).
+
+        Without this, an exception caught by a wrapper never reaches ``sys.excepthook`` and the ``exit`` record
+        would say ``ok``; a non-zero ``code`` without an exception is recorded as ``SystemExit(code)``.
+        """
+        if error is not None and not (isinstance(error, SystemExit) and code == 0):
+            self._error = error
+        elif code != 0 and self._error is None:
+            self._error = SystemExit(code)
+
+    def write_exit(self, status: str, error: BaseException | None = None, **fields: Any) -> None:
+        """Write the ``exit`` record once."""
+        with self._lock:
+            if self._exit_written:
+                return
+            self._exit_written = True
+        self.emitter.exit_record(status, error, **fields)
+
+    def _at_exit(self) -> None:
+        error = self._error
+        self.write_exit("ok" if error is None else "error", error)
+        if error is None:
+            with contextlib.suppress(Exception):
+                self.finish()
+        if self._emitter is not None:
+            self._emitter.close()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.write_exit("terminated", None, signal=signal.Signals(signum).name)
+        if self._emitter is not None:
+            self._emitter.close()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_RUNTIME: Runtime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    """The process's runtime, built from ``os.environ`` on first use."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = Runtime(WorkerEnv.from_environ())
+        return _RUNTIME
+
+
+def on_import() -> None:
+    """Called when ``jupyter_dist.worker`` is imported: a launched worker (``JD_RUN_DIR`` set) installs its hooks.
+
+    Cheap and side-effect free elsewhere (a notebook kernel has no ``JD_RUN_DIR``).
+    """
+    if os.environ.get("JD_RUN_DIR"):
+        get_runtime().install_hooks()
