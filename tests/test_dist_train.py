@@ -236,3 +236,64 @@ def test_kernel_interrupt_while_waiting_stops_the_run(ip: InteractiveShell, runs
         run.wait()
     assert run.status == "stopped" and time.time() - t0 < 3.0 + 10
     assert descendants_gone(run)
+
+
+TRAIN = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = jd.wrap(model, opt)
+g = torch.Generator().manual_seed(jd.rank)
+X = torch.randn(256, 16, generator=g)
+y = X.sum(1, keepdim=True)
+for step in range(25):
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).__name__)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp2", "FSDPSequential")])
+def test_training_with_the_worker_api(ip: InteractiveShell, runs: Path, strategy: str, wrapper: str) -> None:
+    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy {strategy}", TRAIN)
+    assert run.wait(240) == "succeeded", run.summary()
+    assert run.exit_codes == {0: 0, 1: 0}
+    frame = run.metrics()
+    assert set(frame["rank"]) == {0, 1} and len(frame) == 50
+    for rank in (0, 1):
+        losses = frame[frame["rank"] == rank].sort_values("step")["loss"].tolist()
+        assert losses[-1] < 0.5 * losses[0], losses
+    assert f"on 2 ranks with {wrapper}" in run.logs(0)
+    kinds = {r["kind"] for r in run.records()}
+    assert {"start", "step", "exit"} <= kinds
+    assert all(r["status"] == "ok" for r in run.records("exit"))
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_zero2_through_dist_train(ip: InteractiveShell, runs: Path) -> None:
+    pytest.importorskip("deepspeed")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/jupyter-dist/torch_extensions"))
+    code = TRAIN.replace("opt = torch.optim.AdamW(model.parameters(), lr=1e-2)", "opt = None")
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy zero2 --env DS_ACCELERATOR=cpu --timeout 600", code)
+    assert run.wait(660) == "succeeded", run.summary()
+    ds = json.loads((run.dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2
+    frame = run.metrics()
+    losses = frame[frame["rank"] == 0].sort_values("step")["loss"].tolist()
+    # the config's AdamW runs at the plan's default lr (3e-4): slow, but every step must lower the loss
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert "with DeepSpeedEngine" in run.logs(0)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_writes_an_error_exit_record(ip: InteractiveShell, runs: Path) -> None:
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none",
+                            "jd.log(0, loss=1.0)\nif jd.rank == 1:\n    raise RuntimeError('bad batch')")
+    assert run.wait(120) == "failed"
+    exits = {r["rank"]: r for r in run.records("exit")}
+    assert exits[1]["status"] == "error" and "bad batch" in json.dumps(exits[1])

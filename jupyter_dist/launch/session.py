@@ -51,11 +51,11 @@ def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
 
 def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
     """A plan for the local CPU processes, so a DeepSpeed config can be rendered without a user plan."""
-    from ..plan import Hardware, ModelSpec, plan
+    from ..plan import Hardware, ModelSpec, TrainingShape, plan
     from ..plan.hardware import get_accelerator
 
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc, nodes=nodes)
-    return plan(ModelSpec.from_params(1e6, name="local"), hw, strategy=strategy)
+    return plan(ModelSpec.from_params(1e6, name="local"), hw, TrainingShape(precision="fp32"), strategy=strategy)
 
 
 @dataclass
