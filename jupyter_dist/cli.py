@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="DIR", help="write every file into DIR")
     c.add_argument("--show", metavar="FILE", help="print one file (e.g. ds_config.json) to stdout")
     c.add_argument("--json", action="store_true", help="print one JSON object: files, commands (argv + env), notes")
+    d = sub.add_parser("demo", help="train a small model on 2 CPU processes (torchrun, gloo) and show progress")
+    d.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    d.add_argument("--strategy", default="ddp", help="ddp (default), fsdp2, none, zero2 ...")
+    d.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    d.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
     return parser
 
 
@@ -288,6 +293,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    if args.nproc < 1 or args.steps < 1:
+        raise JupyterDistError(f"--nproc and --steps must be >= 1, got {args.nproc} and {args.steps}")
+    run = run_demo(nproc=args.nproc, strategy=args.strategy, steps=args.steps, runs_dir=args.runs_dir)
+    return 0 if run.status == "succeeded" else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jupyter-dist`` console script."""
     parser = build_parser()
@@ -296,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"plan": _cmd_plan, "config": _cmd_config}[args.command](args)
+        return {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo}[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
         return 2
