@@ -1,9 +1,22 @@
-"""The local launcher: torchrun on this machine (gloo on CPU, NCCL on local GPUs).
+"""The local launcher: torchrun, ``deepspeed`` or ``accelerate launch`` on this machine (gloo on CPU, NCCL on GPUs).
 
 Pure ``args()`` / ``env()``, then ``start()`` (side effects). One node runs ``torchrun --standalone`` (its own free
 port, so runs never collide); ``nodes > 1`` starts one torchrun agent per simulated node with a c10d rendezvous on
-127.0.0.1 (the same code path a real multi-node run takes). Workers are fresh processes started by torchrun, never
+127.0.0.1 (the same code path a real multi-node run takes). Workers are fresh processes started by the launcher, never
 forks of the kernel, so whatever the kernel did (CUDA included) does not leak into them.
+
+The other launchers run one node only, on a free port picked at ``start()``:
+
+* ``deepspeed --num_gpus N --master_port P --no_local_rank --module jupyter_dist.launch.bootstrap SCRIPT``: the
+  runner starts ``deepspeed.launcher.launch``, which starts the ranks with RANK/LOCAL_RANK/WORLD_SIZE set.
+  ``--no_local_rank`` keeps ``--local_rank=K`` out of the script's ``sys.argv``; ``--hostfile /dev/null`` keeps a
+  cluster's ``/job/hostfile`` from turning the run into a pdsh multi-node launch. On CPU it needs
+  ``DS_ACCELERATOR=cpu`` (the session adds it when the machine has no GPU).
+* ``accelerate launch --multi_gpu --num_processes N --num_machines 1 --main_process_port P -m
+  jupyter_dist.launch.bootstrap SCRIPT``: ``--multi_gpu`` is accelerate's only local multi-process path (it runs
+  torchrun's agent in-process, which also works on a CPU-only machine: the ranks use gloo). ``--cpu`` would start a
+  single process unless MPI is used, so it is never passed; instead the session adds ``ACCELERATE_USE_CPU=true``
+  on a machine without GPU, so that an ``Accelerator()`` in the cell is ``MULTI_CPU`` rather than one lone process.
 """
 
 from __future__ import annotations
@@ -20,25 +33,58 @@ from typing import Any
 from ..errors import JupyterDistError
 from .rundir import RunDir
 
-__all__ = ["LocalLauncher", "LaunchError", "find_torchrun", "port_is_free"]
+__all__ = [
+    "LAUNCHERS",
+    "LocalLauncher",
+    "LaunchError",
+    "check_launcher",
+    "find_launcher",
+    "find_torchrun",
+    "port_is_free",
+]
+
+LAUNCHERS = ("torchrun", "deepspeed", "accelerate")
+"""Launchers a local run can use."""
+
+_INSTALL_HINT = {
+    "torchrun": "install PyTorch in this environment (pip install torch)",
+    "deepspeed": "install DeepSpeed in this environment (pip install deepspeed)",
+    "accelerate": "install Accelerate in this environment (pip install accelerate)",
+}
 
 
 class LaunchError(JupyterDistError):
     """The job cannot be started (missing torchrun, port taken, ...)."""
 
 
-def find_torchrun(python: str | None = None) -> str:
-    """The ``torchrun`` next to the kernel's Python, else on PATH; a clear error when there is none."""
+def find_launcher(name: str, python: str | None = None) -> str:
+    """The launcher executable ``name`` next to the kernel's Python, else on PATH; a clear error when there is none."""
     exe = Path(python or sys.executable)
-    candidate = exe.parent / "torchrun"
+    candidate = exe.parent / name
     if candidate.exists():
         return str(candidate)
-    found = shutil.which("torchrun")
+    found = shutil.which(name)
     if found:
         return found
-    raise LaunchError(
-        f"torchrun not found next to {exe} or on PATH: install PyTorch in this environment (pip install torch)"
-    )
+    raise LaunchError(f"{name} not found next to {exe} or on PATH: {_INSTALL_HINT.get(name, f'install {name}')}")
+
+
+def find_torchrun(python: str | None = None) -> str:
+    """The ``torchrun`` next to the kernel's Python, else on PATH; a clear error when there is none."""
+    return find_launcher("torchrun", python)
+
+
+def check_launcher(launcher: str, *, nodes: int = 1, max_restarts: int = 0) -> None:
+    """One-line errors for a launcher this module cannot run with these options."""
+    if launcher not in LAUNCHERS:
+        raise LaunchError(f"launcher {launcher!r} is not available for local runs; valid: {', '.join(LAUNCHERS)}")
+    if launcher != "torchrun" and nodes > 1:
+        raise LaunchError(
+            f"--launcher {launcher} runs one node here; simulate {nodes} nodes with --launcher torchrun "
+            "(DeepSpeed strategies run under torchrun too)"
+        )
+    if launcher == "deepspeed" and max_restarts:
+        raise LaunchError("--max-restarts needs --launcher torchrun or accelerate: DeepSpeed's launcher never restarts")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -61,28 +107,33 @@ def _free_port() -> int:
 
 @dataclass(kw_only=True)
 class LocalLauncher:
-    """torchrun agents on this machine for one run directory."""
+    """torchrun agents (or one ``deepspeed`` / ``accelerate launch``) on this machine for one run directory."""
 
     run_dir: RunDir
     """Where script, logs and telemetry live."""
     nproc: int = 2
     """Processes per (simulated) node."""
     nodes: int = 1
-    """torchrun agents; > 1 simulates a multi-node rendezvous on 127.0.0.1."""
+    """torchrun agents; > 1 simulates a multi-node rendezvous on 127.0.0.1 (torchrun only)."""
+    launcher: str = "torchrun"
+    """One of :data:`LAUNCHERS`."""
     max_restarts: int = 0
-    """torchrun ``--max-restarts``."""
+    """torchrun ``--max-restarts`` (also passed by accelerate; DeepSpeed's launcher has none)."""
     port: int | None = None
-    """Rendezvous port for ``nodes > 1`` (default: a free one)."""
+    """Rendezvous port for ``nodes > 1``, master port for deepspeed / accelerate (default: a free one)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Environment added to the workers (JD_* and user ``--env``)."""
     torchrun: str | None = None
     """Path of torchrun (default: :func:`find_torchrun`)."""
+    executable: str | None = None
+    """Path of ``deepspeed`` / ``accelerate`` for those launchers (default: :func:`find_launcher`)."""
     state: str = "before"
     """``before`` -> ``running`` -> ``after``."""
     pids: list[int] = field(default_factory=list)
-    """PIDs of the torchrun agents once started."""
+    """PIDs of the launcher processes (torchrun agents, the deepspeed runner, accelerate) once started."""
 
     def __post_init__(self) -> None:
+        check_launcher(self.launcher, nodes=self.nodes, max_restarts=self.max_restarts)
         if self.nproc < 1:
             raise LaunchError(f"--nproc must be >= 1, got {self.nproc}")
         if self.nodes < 1:
@@ -98,7 +149,19 @@ class LocalLauncher:
         return self.nproc * self.nodes
 
     def args(self) -> list[list[str]]:
-        """One argv per torchrun agent (pure: no port is checked, no process started)."""
+        """One argv per launcher process (pure: no port is checked, no process started; port 0 until started)."""
+        if self.launcher == "deepspeed":
+            return [[self.executable or "deepspeed", "--hostfile", "/dev/null", "--num_gpus", str(self.nproc),
+                     "--master_port", str(self.port or 0), "--no_local_rank", "--module",
+                     "jupyter_dist.launch.bootstrap", str(self.run_dir.script)]]  # fmt: skip
+        if self.launcher == "accelerate":
+            precision = self.extra_env.get("JD_PRECISION", "")
+            mixed = next((p for p in ("bf16", "fp16") if precision.startswith(p)), "no")
+            dist = ["--multi_gpu"] if self.nproc > 1 else []
+            return [[self.executable or "accelerate", "launch", *dist, "--num_processes", str(self.nproc),
+                     "--num_machines", "1", "--main_process_port", str(self.port or 0), "--mixed_precision", mixed,
+                     "--dynamo_backend", "no", "--max_restarts", str(self.max_restarts), "-m",
+                     "jupyter_dist.launch.bootstrap", str(self.run_dir.script)]]  # fmt: skip
         exe = self.torchrun or "torchrun"
         common = ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts)]
         program = ["-m", "jupyter_dist.launch.bootstrap", str(self.run_dir.script)]
@@ -118,12 +181,18 @@ class LocalLauncher:
         return env
 
     def start(self) -> list[subprocess.Popen[bytes]]:
-        """Start the agents in their own session; stdout/stderr of torchrun go to ``logs/launcher.log``."""
+        """Start the launcher(s) in their own session; their stdout/stderr go to ``logs/launcher.log``."""
         if self.state != "before":
             raise LaunchError(f"launcher already {self.state}")
-        if self.torchrun is None:
-            self.torchrun = find_torchrun()
-        if self.nodes > 1:
+        if self.launcher == "torchrun":
+            if self.torchrun is None:
+                self.torchrun = find_torchrun()
+            exe = self.torchrun
+        else:
+            if self.executable is None:
+                self.executable = find_launcher(self.launcher)
+            exe = self.executable
+        if self.nodes > 1 or self.launcher != "torchrun":
             if self.port is None:
                 self.port = _free_port()
             elif not port_is_free(self.port):
@@ -142,7 +211,7 @@ class LocalLauncher:
         except OSError as exc:
             for p in procs:
                 p.kill()
-            raise LaunchError(f"cannot start torchrun ({self.torchrun}): {exc.strerror}") from None
+            raise LaunchError(f"cannot start {self.launcher} ({exe}): {exc.strerror}") from None
         finally:
             log.close()
         self.pids = [p.pid for p in procs]
@@ -152,16 +221,20 @@ class LocalLauncher:
     def to_dict(self) -> dict[str, Any]:
         """Enough to reattach after a kernel restart."""
         return {
-            "kind": "local", "run_dir": str(self.run_dir.path), "nproc": self.nproc, "nodes": self.nodes,
-            "max_restarts": self.max_restarts, "port": self.port, "torchrun": self.torchrun, "state": self.state,
+            "kind": "local", "launcher": self.launcher, "run_dir": str(self.run_dir.path), "nproc": self.nproc,
+            "nodes": self.nodes, "max_restarts": self.max_restarts, "port": self.port, "torchrun": self.torchrun,
+            "executable": self.executable, "precision": self.extra_env.get("JD_PRECISION"), "state": self.state,
             "pids": list(self.pids), "args": self.args(),
         }  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LocalLauncher:
-        """Inverse of :meth:`to_dict` (the environment is not restored: it is in the processes already)."""
+        """Inverse of :meth:`to_dict` (the environment is not restored, but JD_PRECISION, which ``args()`` reads)."""
+        precision = data.get("precision")
         return cls(
             run_dir=RunDir(Path(data["run_dir"])), nproc=int(data["nproc"]), nodes=int(data["nodes"]),
-            max_restarts=int(data["max_restarts"]), port=data.get("port"), torchrun=data.get("torchrun"),
+            launcher=str(data.get("launcher", "torchrun")), max_restarts=int(data["max_restarts"]),
+            port=data.get("port"), torchrun=data.get("torchrun"), executable=data.get("executable"),
             state=str(data.get("state", "after")), pids=list(data.get("pids", [])),
+            extra_env={"JD_PRECISION": str(precision)} if precision else {},
         )  # fmt: skip

@@ -35,7 +35,10 @@ _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
 
 
 def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
-    """SIGTERM the roots (torchrun forwards it), then SIGKILL whatever of the tree is left after ``grace`` s.
+    """SIGTERM the whole tree (launchers and ranks), then SIGKILL whatever is left after ``grace`` s.
+
+    The tree is collected before anything is signalled: torchrun starts ranks in sessions of their own, and a rank
+    whose launcher died is re-parented and could no longer be found.
 
     Returns the PIDs that had to be killed with SIGKILL.
     """
@@ -51,12 +54,11 @@ def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
                 procs[child.pid] = child
         except psutil.NoSuchProcess:
             pass
-    for pid in pids:
-        if pid in procs:
-            try:
-                procs[pid].send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
+    for proc in procs.values():  # roots first (dict order), so launchers see their ranks end as a stop
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
     _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
     killed = []
     for p in alive:

@@ -1,4 +1,4 @@
-"""Start a run from a cell's code: resolve the strategy, write the run directory, ship objects, launch torchrun.
+"""Start a run from a cell's code: resolve the strategy, write the run directory, ship objects, launch the job.
 
 Used by ``%%dist_train`` and usable from Python (``jupyter_dist.launch.session.start_run(code, nproc=2)``).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
-from .local import LaunchError, LocalLauncher
+from .local import LaunchError, LocalLauncher, check_launcher
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
@@ -95,11 +95,7 @@ def start_run(
     port: int | None = None, dry_run: bool = False,
 ) -> Run | DryRun:
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run."""
-    if launcher != "torchrun":
-        raise JupyterDistError(
-            f"launcher {launcher!r} is not available for local runs yet; use torchrun (DeepSpeed strategies run "
-            "under torchrun too: --strategy zero2)"
-        )
+    check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
     if nproc is None:
         nproc = local_gpu_count() or 2
     if timeout is not None and timeout <= 0:
@@ -123,12 +119,16 @@ def start_run(
     jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision}
     if "ds_config.json" in files:
         jd_env["JD_DS_CONFIG"] = "ds_config.json"
+    if launcher != "torchrun" and local_gpu_count() == 0:
+        # deepspeed's runner asks DeepSpeed's accelerator how many devices exist; accelerate's `Accelerator()` in a
+        # rank started with --multi_gpu is MULTI_CPU (gloo) only with ACCELERATE_USE_CPU, else each rank runs alone
+        jd_env.update({"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher])
     jd_env.update(extra_env)
     script = PRELUDE + code
     if dry_run:
         rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
-        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, max_restarts=max_restarts, port=port,
-                            extra_env=jd_env)  # fmt: skip
+        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
+                            port=port, extra_env=jd_env)  # fmt: skip
         return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files)
 
     rd = new_run_dir(runs_dir, name)
@@ -139,8 +139,8 @@ def start_run(
         jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
     if ship:
         _ship(rd, ship)
-    lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, max_restarts=max_restarts, port=port,
-                        extra_env=jd_env)  # fmt: skip
+    lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
+                        port=port, extra_env=jd_env)  # fmt: skip
     meta: dict[str, Any] = {
         "name": name, "status": "pending", "strategy": strat, "world_size": world, "nproc": nproc, "nodes": nodes,
         "timeout": timeout, "env": scrub_env(lau.env()), "created": time.time(),
