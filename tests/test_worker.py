@@ -36,7 +36,7 @@ def clean_env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in _LAUNCH_VARS and not k.startswith(("JD_", "TORCHELASTIC_", "PET_"))
     }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), JD_HEARTBEAT_S="0")
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), JD_HEARTBEAT_S="0", JD_TELEMETRY_INTERVAL_S="0")
     env.update(extra)
     return env
 
@@ -189,9 +189,9 @@ def test_metric_conversion() -> None:
     torch = pytest.importorskip("torch")
     np = pytest.importorskip("numpy")
     fields = records.step_fields(
-        torch.tensor(4), {"loss": torch.tensor([0.5]), "n": np.int64(3), "ok": True, "x": np.float32(1.5)}
+        torch.tensor(4), {"loss": torch.tensor([0.5]), "k": np.int64(3), "ok": True, "x": np.float32(1.5)}
     )
-    assert fields == {"step": 4, "loss": 0.5, "n": 3.0, "ok": 1.0, "x": 1.5}
+    assert fields == {"step": 4, "loss": 0.5, "k": 3.0, "ok": 1.0, "x": 1.5}
     assert all(type(v) is float for k, v in fields.items() if k != "step")
     with pytest.raises(TypeError, match="metric .vec. must be a scalar"):
         records.step_fields(0, {"vec": torch.ones(2)})
@@ -212,14 +212,19 @@ def test_decode_tolerates_torn_and_foreign_lines(line: str) -> None:
 
 
 def test_decode_finds_the_sentinel_anywhere_in_a_prefixed_line() -> None:
-    line = records.encode(records.make_record("heartbeat", rank=1, seq=4, t=9.0, step=None))
+    line = records.encode(records.make_record("hb", rank=1, seq=4, t=9.0, step=None))
     got = records.decode(f"(head, rank=0, pid=123) {records.SENTINEL}{line}\n")
-    assert got is not None and (got["rank"], got["seq"], got["kind"]) == (1, 4, "heartbeat")
+    assert got is not None and (got["rank"], got["seq"], got["kind"]) == (1, 4, "hb")
+
+
+def test_decode_reads_old_heartbeat_records_as_hb() -> None:
+    line = '{"v":1,"kind":"heartbeat","rank":0,"seq":3,"t":1.0,"step":2}'
+    assert records.decode(line) == {"v": 1, "kind": "hb", "rank": 0, "seq": 3, "t": 1.0, "step": 2}
 
 
 # --------------------------------------------------------------------------- emitter
 def test_emitter_writes_one_line_per_record_with_increasing_seq(tmp_path: Path) -> None:
-    em = Emitter.for_run_dir(tmp_path, rank=2)
+    em = Emitter.for_run_dir(tmp_path, rank=2, interval_s=0)
     em.start_record(world_size=4)
     for i in range(3):
         em.log({"loss": 1.0 / (i + 1)}, step=i)
@@ -235,14 +240,14 @@ def test_emitter_writes_one_line_per_record_with_increasing_seq(tmp_path: Path) 
 
 
 def test_emitter_continues_seq_after_a_previous_worker_and_its_torn_line(tmp_path: Path) -> None:
-    em = Emitter.for_run_dir(tmp_path, rank=0)
+    em = Emitter.for_run_dir(tmp_path, rank=0, interval_s=0)
     em.log({"loss": 1.0}, step=0)
     em.log({"loss": 0.5}, step=1)
     em.close()
     path = Path(telemetry_path(tmp_path, 0))
     with path.open("a") as f:
         f.write('{"v":1,"kind":"step","rank":0,"seq":2,"t":1.0,"st')  # killed mid-write
-    em2 = Emitter.for_run_dir(tmp_path, rank=0)
+    em2 = Emitter.for_run_dir(tmp_path, rank=0, interval_s=0)
     assert em2.next_seq == 2
     em2.log({"loss": 0.25}, step=2)
     em2.close()
@@ -252,7 +257,7 @@ def test_emitter_continues_seq_after_a_previous_worker_and_its_torn_line(tmp_pat
 
 
 def test_emitter_is_thread_safe(tmp_path: Path) -> None:
-    em = Emitter.for_run_dir(tmp_path, rank=0)
+    em = Emitter.for_run_dir(tmp_path, rank=0, interval_s=0)
 
     def work(k: int) -> None:
         for i in range(200):
@@ -274,15 +279,17 @@ def test_emitter_heartbeat_thread_and_stream_sink(tmp_path: Path) -> None:
     em.log({"loss": 2.0}, step=41)
     em.start_heartbeat(0.05)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and sum(r["kind"] == "heartbeat" for r in read_records(tmp_path, 1)) < 2:
+    while time.monotonic() < deadline and sum(r["kind"] == "hb" for r in read_records(tmp_path, 1)) < 2:
         time.sleep(0.02)
     em.close()
     os.close(write_fd)
     with os.fdopen(read_fd) as f:
         streamed = f.read().splitlines()
     recs = read_records(tmp_path, 1)
-    beats = [r for r in recs if r["kind"] == "heartbeat"]
-    assert len(beats) >= 2 and beats[0]["step"] == 41 and beats[0]["rss_bytes"] > 0 and beats[0]["max_rss_bytes"] > 0
+    beats = [r for r in recs if r["kind"] == "hb"]
+    assert len(beats) >= 2 and beats[0]["step"] == 41 and beats[0]["phase"] == "init" and beats[0]["phase_s"] >= 0
+    mems = [r for r in recs if r["kind"] == "mem"]
+    assert len(mems) >= 2 and mems[0]["device"] == "cpu" and mems[0]["rss"] > 0 and mems[0]["max_rss"] > 0
     assert all(line.startswith(records.SENTINEL) for line in streamed)
     assert [records.decode(line) for line in streamed] == recs  # both sinks got the identical records
 
@@ -308,7 +315,7 @@ def test_runtime_outside_torchrun_logs_and_refuses_distributed_strategies(tmp_pa
     rec = rt.log(3, {"loss": torch.tensor(0.5)})
     assert rec is not None and rec["step"] == 3 and rec["loss"] == 0.5
     rt.emitter.close()
-    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "step"]
+    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "mem", "step"]
     for strategy in ("ddp", "fsdp2", "zero2"):
         with pytest.raises(WorkerError, match=f"JD_STRATEGY={strategy} needs a process group.*torchrun"):
             Runtime(tiny_env(tmp_path, strategy=strategy)).wrap(model, opt)
@@ -652,14 +659,16 @@ def test_a_failing_rank_records_its_error_and_the_other_is_terminated(tmp_path: 
     proc = torchrun(script, run_dir, JD_STRATEGY="ddp", JD_HEARTBEAT_S="0.2", timeout=90)
     assert proc.returncode != 0 and time.monotonic() - t0 < 60, explain(proc, run_dir)
     bad = read_records(run_dir, 1)
-    assert [r["kind"] for r in bad if r["kind"] != "heartbeat"] == ["start", "step", "exit"]
+    assert [r["kind"] for r in bad if r["kind"] not in ("hb", "mem")] == ["start", "step", "error", "exit"]
+    error = next(r for r in bad if r["kind"] == "error")
+    assert error["error_type"] == "ValueError" and 'raise ValueError("boom from rank 1")' in error["traceback"]
     assert bad[-1]["status"] == "error" and bad[-1]["error_type"] == "ValueError"
     assert bad[-1]["error"] == "boom from rank 1" and bad[-1]["step"] == 0
     log1 = (run_dir / "logs" / "rank-1.log").read_text()
     assert "Traceback (most recent call last)" in log1 and 'raise ValueError("boom from rank 1")' in log1
     other = read_records(run_dir, 0)
     assert other[-1]["kind"] == "exit" and other[-1]["status"] == "terminated" and other[-1]["signal"] == "SIGTERM"
-    assert any(r["kind"] == "heartbeat" and r["step"] == 0 for r in other)
+    assert any(r["kind"] == "hb" and r["step"] == 0 for r in other)
     kind, message = json.loads((run_dir / "fsdp1.json").read_text())
     first, _, rest = message.partition("\n")
     assert kind == "RuntimeError"

@@ -11,6 +11,7 @@ reach them twice (a file and a log stream).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,9 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .records import SENTINEL, decode, encode, make_record, step_fields
+from .records import SENTINEL, check_metrics, decode, encode, make_record
 
-__all__ = ["Sink", "JsonlFileSink", "StreamSink", "Emitter", "telemetry_path", "memory_fields"]
+__all__ = ["Sink", "JsonlFileSink", "StreamSink", "Emitter", "Nvml", "telemetry_path", "memory_fields", "cuda_index"]
 
 _log = logging.getLogger(__name__)
 
@@ -106,31 +107,106 @@ class StreamSink:
         self._fd = None
 
 
-def memory_fields() -> dict[str, int]:
-    """Resident memory of this process and, when the script uses CUDA, torch's allocator figures (bytes)."""
-    out: dict[str, int] = {}
+def memory_fields(device_index: int | None = None) -> dict[str, Any]:
+    """The fields of a ``mem`` record: resident memory of this process and, with CUDA, the allocator's figures.
+
+    CUDA figures come from ``torch.cuda.memory_stats`` and only when the script has imported torch and
+    initialised CUDA (this never initialises it).
+    """
+    out: dict[str, Any] = {"device": "cpu"}
     try:
         with open("/proc/self/statm") as f:
-            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            out["rss"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
     try:
         import resource
 
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["max_rss_bytes"] = maxrss if sys.platform == "darwin" else maxrss * 1024
+        out["max_rss"] = maxrss if sys.platform == "darwin" else maxrss * 1024
     except (ImportError, OSError):  # pragma: no cover - Windows
         pass
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_available() and cuda.is_initialized():
-        out["cuda_allocated_bytes"] = int(cuda.memory_allocated())
-        out["cuda_max_allocated_bytes"] = int(cuda.max_memory_allocated())
+        index = cuda.current_device() if device_index is None else device_index
+        stats = cuda.memory_stats(index)
+        out["device"] = f"cuda:{index}"
+        out["allocated"] = int(stats.get("allocated_bytes.all.current", 0))
+        out["reserved"] = int(stats.get("reserved_bytes.all.current", 0))
+        out["peak_allocated"] = int(stats.get("allocated_bytes.all.peak", 0))
+        out["peak_active"] = int(stats.get("active_bytes.all.peak", 0))
+        out["alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+        out["ooms"] = int(stats.get("num_ooms", 0))
+        out["device_total"] = int(cuda.get_device_properties(index).total_memory)
     return out
+
+
+def cuda_index(local_index: int, visible: str | None) -> int | str:
+    """The NVML device (index, or UUID string) behind CUDA device ``local_index`` given ``CUDA_VISIBLE_DEVICES``."""
+    if not visible:
+        return local_index
+    items = [v.strip() for v in visible.split(",") if v.strip()]
+    if local_index >= len(items):
+        return local_index
+    item = items[local_index]
+    return int(item) if item.isdigit() else item
+
+
+class Nvml:
+    """``gpu`` record fields from NVML (``pip install nvidia-ml-py``); disabled for good after the first failure."""
+
+    def __init__(self, device: int | str) -> None:
+        self.device = device
+        self._handle: Any = None
+        self._nvml: Any = None
+        self.disabled = False
+
+    def _open(self) -> Any:
+        if self._handle is None and not self.disabled:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                if isinstance(self.device, str):
+                    self._handle = pynvml.nvmlDeviceGetHandleByUUID(self.device)
+                else:
+                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(self.device)
+                self._nvml = pynvml
+            except Exception:  # no library, no driver, no such device: no gpu records
+                self.disabled = True
+        return self._handle
+
+    def fields(self) -> dict[str, Any] | None:
+        """Utilisation, memory, power and temperature of the device, or ``None`` when NVML is not usable."""
+        handle = self._open()
+        if handle is None:
+            return None
+        nv = self._nvml
+        out: dict[str, Any] = {"index": self.device}
+        try:
+            util = nv.nvmlDeviceGetUtilizationRates(handle)
+            mem = nv.nvmlDeviceGetMemoryInfo(handle)
+            out.update(util=float(util.gpu), mem_util=float(util.memory), mem_used=int(mem.used),
+                       mem_total=int(mem.total))  # fmt: skip
+        except Exception:
+            self.disabled = True
+            return None
+        with contextlib.suppress(Exception):
+            out["power_w"] = nv.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+        with contextlib.suppress(Exception):
+            out["temp_c"] = float(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
+        return out
 
 
 class Emitter:
     """Builds records for one rank and fans them out to its sinks; thread-safe.
+
+    ``step`` records are coalesced: :meth:`log` adds to a window that is written when ``interval_s`` has passed
+    since the last ``step`` record (and at once for the first call, on :meth:`flush`, at exit and from the monitor
+    thread once the window is older than ``interval_s``). A window holds the mean of each metric, the call count
+    ``n``, and the measured ``step_time`` and ``tokens_per_s`` / ``samples_per_s``. One-element tensors are summed
+    as tensors and converted with ``.item()`` only when the record is written.
 
     Parameters
     ----------
@@ -142,6 +218,8 @@ class Emitter:
         Sequence number of the first record (continue after what a file already holds).
     clock
         Source of ``t`` (unix seconds).
+    interval_s
+        Seconds between ``step`` records (0: one record per :meth:`log` call).
     """
 
     def __init__(
@@ -151,21 +229,38 @@ class Emitter:
         sinks: Sequence[Sink] = (),
         first_seq: int = 0,
         clock: Callable[[], float] = time.time,
+        interval_s: float = 1.0,
     ) -> None:
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         self.rank = rank
         self.sinks = list(sinks)
+        self.interval_s = interval_s
         self._seq = first_seq
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
         self._failed = False
-        self._heartbeat: threading.Thread | None = None
+        self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
         self.last_step: int | None = None
-        """The step of the last ``step`` record (``None`` before the first)."""
+        """The step of the last :meth:`log` call (``None`` before the first)."""
+        self._sums: dict[str, Any] = {}
+        self._counts: dict[str, int] = {}
+        self._n = 0
+        self._win_step = 0
+        self._win_t = 0.0
+        self._ref: tuple[float, int] | None = None  # (time, step) of the last call of the previous window
+        self._last_flush: float | None = None
+        self._phase: tuple[str, float] = ("init", clock())
+        self.nvml: Nvml | None = None
+        """Source of ``gpu`` records (set by the worker when it uses CUDA)."""
+        self.cuda_device: int | None = None
+        """CUDA device whose allocator figures go into ``mem`` records."""
 
     @classmethod
-    def for_run_dir(cls, run_dir: str | os.PathLike[str] | None, *, rank: int, stream_fd: int | None = None) -> Emitter:
+    def for_run_dir(cls, run_dir: str | os.PathLike[str] | None, *, rank: int, stream_fd: int | None = None,
+                    interval_s: float = 1.0) -> Emitter:  # fmt: skip
         """The emitter of a worker: a JSONL file under ``run_dir`` (if given) and a sentinel stream (if given).
 
         The sequence continues after the last record this rank already wrote to the file, so a restarted worker
@@ -179,7 +274,7 @@ class Emitter:
             sinks.append(file_sink)
         if stream_fd is not None:
             sinks.append(StreamSink(stream_fd))
-        return cls(rank=rank, sinks=sinks, first_seq=first_seq)
+        return cls(rank=rank, sinks=sinks, first_seq=first_seq, interval_s=interval_s)
 
     @property
     def enabled(self) -> bool:
@@ -191,39 +286,106 @@ class Emitter:
         """The ``seq`` the next record will get."""
         return self._seq
 
+    @property
+    def phase(self) -> str:
+        """What the main thread is doing (reported in ``hb`` records)."""
+        return self._phase[0]
+
+    def set_phase(self, name: str) -> None:
+        """Enter phase ``name`` (cheap: no lock, no I/O)."""
+        if self._phase[0] != name:
+            self._phase = (name, self._clock())
+
     def emit(self, kind: str, **fields: Any) -> dict[str, Any] | None:
         """Write one record of ``kind``; returns it, or ``None`` when disabled or closed."""
         if not self.enabled:
             return None
         with self._lock:
-            if self._closed:
-                return None
-            record = make_record(kind, rank=self.rank, seq=self._seq, t=self._clock(), **fields)
-            line = encode(record)
-            self._seq += 1
-            for sink in self.sinks:
-                try:
-                    sink.write_line(line)
-                except OSError as e:  # telemetry must never stop training: report once, keep going
-                    if not self._failed:
-                        _log.warning("jupyter_dist telemetry: writing to %r failed: %s", sink, e)
-                        self._failed = True
+            return self._emit_locked(kind, fields)
+
+    def _emit_locked(self, kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        if self._closed:
+            return None
+        record = make_record(kind, rank=self.rank, seq=self._seq, t=self._clock(), **fields)
+        line = encode(record)
+        self._seq += 1
+        for sink in self.sinks:
+            try:
+                sink.write_line(line)
+            except OSError as e:  # telemetry must never stop training: report once, keep going
+                if not self._failed:
+                    _log.warning("jupyter_dist telemetry: writing to %r failed: %s", sink, e)
+                    self._failed = True
         return record
 
+    # ---- step records --------------------------------------------------------------------------------------
     def log(self, metrics: dict[str, Any], step: int) -> dict[str, Any] | None:
-        """Write a ``step`` record (validates and converts metrics even when disabled)."""
-        fields = step_fields(step, metrics)
-        self.last_step = fields["step"]
-        return self.emit("step", **fields)
+        """Add one call to the ``step`` window (validates even when disabled); returns the record if one was written."""
+        step_int, values = check_metrics(step, metrics)
+        self.last_step = step_int
+        if not self.enabled:
+            return None
+        now = self._clock()
+        with self._lock:
+            for name, value in values.items():
+                if name in self._sums:
+                    self._sums[name] = self._sums[name] + value
+                    self._counts[name] += 1
+                else:
+                    self._sums[name] = value
+                    self._counts[name] = 1
+            self._n += 1
+            self._win_step, self._win_t = step_int, now
+            if self._last_flush is None or self.interval_s == 0 or now - self._last_flush >= self.interval_s:
+                return self._flush_locked(now)
+        return None
 
+    def flush(self, *, if_older_than: float | None = None) -> dict[str, Any] | None:
+        """Write the pending ``step`` window now (or only if its last write is ``if_older_than`` seconds old)."""
+        with self._lock:
+            if self._n == 0 or self._closed:
+                return None
+            now = self._clock()
+            if if_older_than is not None and self._last_flush is not None and now - self._last_flush < if_older_than:
+                return None
+            return self._flush_locked(now)
+
+    def _flush_locked(self, now: float) -> dict[str, Any] | None:
+        fields: dict[str, Any] = {"step": self._win_step, "n": self._n}
+        totals: dict[str, float] = {}
+        for name, total in self._sums.items():
+            value = float(total.item()) if hasattr(total, "item") else float(total)
+            totals[name] = value
+            fields[name] = value / self._counts[name]
+        if self._ref is not None and self._win_t > self._ref[0]:
+            dt = self._win_t - self._ref[0]
+            steps = self._win_step - self._ref[1]
+            if steps > 0:
+                fields.setdefault("step_time", dt / steps)
+            for unit in ("tokens", "samples"):
+                if unit in totals:
+                    fields.setdefault(f"{unit}_per_s", totals[unit] / dt)
+        self._ref = (self._win_t, self._win_step)
+        self._sums, self._counts, self._n = {}, {}, 0
+        self._last_flush = now
+        return self._emit_locked("step", fields)
+
+    # ---- other records --------------------------------------------------------------------------------------
     def start_record(self, **fields: Any) -> dict[str, Any] | None:
         """Write the ``start`` record; ``pid`` and ``host`` are filled in unless given."""
         fields.setdefault("pid", os.getpid())
         fields.setdefault("host", socket.gethostname())
         return self.emit("start", **fields)
 
+    def error_record(self, error: BaseException, traceback_text: str = "") -> dict[str, Any] | None:
+        """Write an ``error`` record: type, message and the last 30 lines of ``traceback_text``."""
+        tail = "\n".join(traceback_text.rstrip().splitlines()[-30:])
+        return self.emit("error", error_type=type(error).__name__, error=str(error), traceback=tail)
+
     def exit_record(self, status: str, error: BaseException | None = None, **fields: Any) -> dict[str, Any] | None:
-        """Write the ``exit`` record with ``status`` and, for an error, its type and message."""
+        """Flush the ``step`` window, then write the ``exit`` record with ``status`` and the error's type and text."""
+        self.flush()
+        self.set_phase("done")
         return self.emit(
             "exit",
             status=status,
@@ -234,26 +396,52 @@ class Emitter:
         )
 
     def heartbeat(self) -> dict[str, Any] | None:
-        """Write one ``heartbeat`` record (last step and memory figures)."""
-        return self.emit("heartbeat", step=self.last_step, **memory_fields())
+        """Write one ``hb`` record (last step, phase and seconds in it)."""
+        name, since = self._phase
+        return self.emit("hb", step=self.last_step, phase=name, phase_s=round(max(0.0, self._clock() - since), 3))
 
-    def start_heartbeat(self, interval_s: float) -> None:
-        """Write a heartbeat every ``interval_s`` seconds from a daemon thread until :meth:`close`."""
-        if interval_s <= 0 or self._heartbeat is not None or not self.enabled:
+    def memory(self) -> dict[str, Any] | None:
+        """Write one ``mem`` record and, when NVML is usable, one ``gpu`` record."""
+        try:
+            fields = memory_fields(self.cuda_device)
+        except Exception as e:  # a broken CUDA context must not kill the monitor
+            fields = {"device": "unknown", "error": str(e)}
+        record = self.emit("mem", **fields)
+        if self.nvml is not None and not self.nvml.disabled:
+            gpu = self.nvml.fields()
+            if gpu is not None:
+                self.emit("gpu", **gpu)
+        return record
+
+    def tick(self) -> None:
+        """One round of the monitor thread: a stale ``step`` window, then ``hb``, ``mem`` and ``gpu`` records."""
+        self.flush(if_older_than=self.interval_s)
+        self.heartbeat()
+        self.memory()
+
+    def start_monitor(self, interval_s: float) -> None:
+        """Run :meth:`tick` every ``interval_s`` seconds from a daemon thread until :meth:`close`."""
+        if interval_s <= 0 or self._monitor is not None or not self.enabled:
             return
 
         def run() -> None:
             while not self._stop.wait(interval_s):
-                self.heartbeat()
+                try:
+                    self.tick()
+                except Exception as e:  # pragma: no cover - never let the monitor die silently mid-run
+                    _log.warning("jupyter_dist telemetry monitor: %s", e)
 
-        self._heartbeat = threading.Thread(target=run, name="jupyter-dist-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._monitor = threading.Thread(target=run, name="jupyter-dist-monitor", daemon=True)
+        self._monitor.start()
+
+    start_heartbeat = start_monitor
 
     def close(self) -> None:
-        """Stop the heartbeat and close the sinks; later records are dropped."""
+        """Flush, stop the monitor and close the sinks; later records are dropped."""
+        self.flush()
         self._stop.set()
-        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=1.0)
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=1.0)
         with self._lock:
             if self._closed:
                 return

@@ -1,19 +1,60 @@
-"""Read telemetry records from a run's ``telemetry/rank-<k>.jsonl`` files (or any lines carrying the sentinel).
+"""Read telemetry records: from a run's ``telemetry/rank-<k>.jsonl`` files or from log lines carrying the sentinel.
 
 Records are de-duplicated by (rank, seq); torn, partial or foreign lines are counted, never fatal.
+
+* :class:`RecordSet` -- parse lines, de-duplicate, keep the records (the whole run, for post-hoc analysis);
+* :class:`FileFollower` -- the new complete lines of every ``rank-*.jsonl`` in a folder since the last call, for
+  files that grow, appear late, or end with a line still being written;
+* :class:`TelemetryReader` -- follows a folder and/or log lines fed to it on a background thread, keeps bounded
+  ring buffers per kind and hands new records to listeners (the live dashboard). It never blocks the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .records import SENTINEL, decode
+from .records import KINDS, SENTINEL, decode
 
-__all__ = ["SENTINEL", "RecordSet", "read_run_records"]
+__all__ = ["SENTINEL", "RecordSet", "Dedup", "FileFollower", "TelemetryReader", "read_run_records"]
+
+_log = logging.getLogger(__name__)
+
+Listener = Callable[[list[dict[str, Any]]], None]
+
+
+class Dedup:
+    """Remembers which (rank, seq) pairs were seen, in bounded memory.
+
+    Per rank it keeps the exact set of the last ``window`` sequence numbers; anything at or below the floor under
+    that window counts as seen (records of one rank arrive nearly in order from a file or a log stream).
+    """
+
+    def __init__(self, window: int = 4096) -> None:
+        self.window = window
+        self._seen: dict[int, set[int]] = {}
+        self._floor: dict[int, int] = {}
+
+    def first_time(self, rank: int, seq: int) -> bool:
+        """True (and remember it) when ``(rank, seq)`` was not seen before."""
+        if seq <= self._floor.get(rank, -1):
+            return False
+        seen = self._seen.setdefault(rank, set())
+        if seq in seen:
+            return False
+        seen.add(seq)
+        if len(seen) > 2 * self.window:
+            floor = max(seen) - self.window
+            self._seen[rank] = {s for s in seen if s > floor}
+            self._floor[rank] = floor
+        return True
+
 
 @dataclass
 class RecordSet:
@@ -25,11 +66,19 @@ class RecordSet:
     """Torn or foreign lines skipped."""
     duplicates: int = 0
     """Records dropped because their (rank, seq) was seen already."""
-    _seen: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    _dedup: Dedup = field(default_factory=Dedup, repr=False)
 
     def add_lines(self, lines: Iterable[str]) -> int:
         """Parse and add lines; returns how many records were accepted."""
         added = 0
+        for rec in self.parse(lines):
+            self.records.append(rec)
+            added += 1
+        return added
+
+    def parse(self, lines: Iterable[str]) -> list[dict[str, Any]]:
+        """The new records among ``lines`` (counting bad lines and duplicates), without keeping them."""
+        out = []
         for line in lines:
             if not line.strip():
                 continue
@@ -37,14 +86,16 @@ class RecordSet:
             if rec is None:
                 self.bad_lines += 1
                 continue
-            key = (int(rec["rank"]), int(rec["seq"]))
-            if key in self._seen:
+            try:
+                rank, seq = int(rec["rank"]), int(rec["seq"])
+            except (TypeError, ValueError):
+                self.bad_lines += 1
+                continue
+            if not self._dedup.first_time(rank, seq):
                 self.duplicates += 1
                 continue
-            self._seen.add(key)
-            self.records.append(rec)
-            added += 1
-        return added
+            out.append(rec)
+        return out
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         """Records of one kind (``step``, ``exit``, ...)."""
@@ -54,16 +105,187 @@ class RecordSet:
 def read_run_records(telemetry_dir: str | os.PathLike[str]) -> RecordSet:
     """All records of a run directory's ``telemetry/`` folder (complete lines only)."""
     rs = RecordSet()
-    folder = Path(telemetry_dir)
-    if not folder.is_dir():
-        return rs
-    for path in sorted(folder.glob("rank-*.jsonl")):
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        lines = text.split("\n")
-        if lines and lines[-1] and not text.endswith("\n"):
-            lines = lines[:-1]  # a line still being written
-        rs.add_lines(lines)
+    follower = FileFollower(telemetry_dir)
+    rs.add_lines(follower.poll())
     return rs
+
+
+class FileFollower:
+    """The new complete lines of ``<folder>/rank-*.jsonl`` since the last :meth:`poll`.
+
+    Keeps a byte offset per file and holds back a last line without its newline until it is complete. Files that
+    appear later are picked up by the next poll; a file that shrank (replaced) is read again from the start.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], pattern: str = "rank-*.jsonl", *,
+                 max_bytes_per_poll: int = 64 << 20) -> None:  # fmt: skip
+        self.folder = Path(folder)
+        self.pattern = pattern
+        self.max_bytes_per_poll = max_bytes_per_poll
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def poll(self) -> list[str]:
+        """Complete new lines of every file, file by file (each file's lines in order)."""
+        if not self.folder.is_dir():
+            return []
+        lines: list[str] = []
+        budget = self.max_bytes_per_poll
+        for path in sorted(self.folder.glob(self.pattern)):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            offset = self._offsets.get(path, 0)
+            if size < offset:  # replaced or truncated
+                offset = 0
+                self._partial.pop(path, None)
+            if size == offset or budget <= 0:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(min(size - offset, budget))
+            except OSError:
+                continue
+            budget -= len(data)
+            self._offsets[path] = offset + len(data)
+            data = self._partial.pop(path, b"") + data
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                self._partial[path] = data
+                continue
+            if cut + 1 < len(data):
+                self._partial[path] = data[cut + 1 :]
+            lines.extend(data[:cut].decode("utf-8", "replace").split("\n"))
+        return lines
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held back as incomplete last lines."""
+        return sum(len(b) for b in self._partial.values())
+
+
+class TelemetryReader:
+    """Follows a run's telemetry on a background thread and hands new records to listeners.
+
+    Parameters
+    ----------
+    telemetry_dir
+        A run's ``telemetry/`` folder to follow (``None``: only lines given to :meth:`feed`).
+    interval
+        Seconds between polls of the background thread.
+    maxlen
+        Records kept per kind in :attr:`buffers` (ring buffers; older ones are dropped).
+
+    Listeners are called on the reader's thread with each batch of new records (de-duplicated, in arrival order);
+    an exception in a listener is logged and counted in :attr:`listener_errors`, and the reader goes on.
+    """
+
+    def __init__(self, telemetry_dir: str | os.PathLike[str] | None = None, *, interval: float = 0.5,
+                 maxlen: int = 10_000) -> None:  # fmt: skip
+        if interval <= 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        self.follower = FileFollower(telemetry_dir) if telemetry_dir is not None else None
+        self.interval = interval
+        self.records = RecordSet()
+        self.buffers: dict[str, deque[dict[str, Any]]] = {k: deque(maxlen=maxlen) for k in KINDS}
+        self.latest: dict[tuple[str, int], dict[str, Any]] = {}
+        """The newest record of each (kind, rank)."""
+        self.accepted = 0
+        self.listener_errors = 0
+        self._fed: deque[str] = deque()
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- inputs ---------------------------------------------------------------------------------------------
+    def feed(self, lines: Iterable[str]) -> None:
+        """Queue log-stream lines (any line; records are found after the sentinel); thread-safe, never blocks."""
+        with self._lock:
+            self._fed.extend(lines)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(records)`` with every batch of new records."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener``."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    # ---- polling --------------------------------------------------------------------------------------------
+    def poll(self) -> list[dict[str, Any]]:
+        """One round: read new file lines and fed lines, keep the new records, call the listeners; returns them."""
+        with self._poll_lock:
+            file_lines = self.follower.poll() if self.follower is not None else []
+            with self._lock:
+                fed = list(self._fed)
+                self._fed.clear()
+            new = self.records.parse(file_lines)
+            if fed:
+                new += self._parse_stream(fed)
+            for rec in new:
+                kind = str(rec.get("kind"))
+                buf = self.buffers.get(kind)
+                if buf is None:  # a kind from a newer writer: keep it too
+                    buf = self.buffers[kind] = deque(maxlen=next(iter(self.buffers.values())).maxlen)
+                buf.append(rec)
+                self.latest[(kind, int(rec["rank"]))] = rec
+            self.accepted += len(new)
+            if new:
+                for listener in list(self._listeners):
+                    try:
+                        listener(new)
+                    except Exception:
+                        self.listener_errors += 1
+                        _log.exception("jupyter_dist telemetry listener %r failed", listener)
+            return new
+
+    def _parse_stream(self, lines: list[str]) -> list[dict[str, Any]]:
+        # in a log stream most lines are ordinary output: only lines with the sentinel are records
+        tagged = [ln for ln in lines if SENTINEL in ln]
+        return self.records.parse(tagged)
+
+    @property
+    def bad_lines(self) -> int:
+        """Torn or damaged record lines skipped so far."""
+        return self.records.bad_lines
+
+    @property
+    def duplicates(self) -> int:
+        """Records dropped as already seen."""
+        return self.records.duplicates
+
+    # ---- thread ---------------------------------------------------------------------------------------------
+    def start(self) -> TelemetryReader:
+        """Poll every :attr:`interval` seconds on a daemon thread until :meth:`stop`."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="jupyter-dist-reader", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except Exception:  # pragma: no cover - a reader must never die silently
+                _log.exception("jupyter_dist telemetry reader poll failed")
+            self._stop.wait(self.interval)
+
+    def stop(self, *, final_poll: bool = True) -> None:
+        """Stop the thread (after one last poll, so nothing already written is missed)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        if final_poll:
+            self.poll()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive."""
+        return self._thread is not None and self._thread.is_alive()

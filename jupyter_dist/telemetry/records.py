@@ -21,12 +21,32 @@ and then the fields of its kind:
     (``null`` without a process group), ``torch`` (version or ``null``);
 ``step``
     ``step`` (int) and every metric passed to ``jd.log`` as a float;
-``heartbeat``
-    ``step`` (the last logged step or ``null``), ``rss_bytes``, ``max_rss_bytes`` and, when CUDA is in use,
-    ``cuda_allocated_bytes`` and ``cuda_max_allocated_bytes``;
+``step``
+    coalesced ``jd.log`` calls: ``step`` (the last logged step, int), ``n`` (calls merged into this record), each
+    metric as the mean over those calls (a float), and what the emitter measured itself: ``step_time`` (seconds per
+    step since the previous record), ``tokens_per_s`` / ``samples_per_s`` (when ``tokens`` / ``samples`` per call
+    are logged). A fast loop writes about one record per rank per ``JD_TELEMETRY_INTERVAL_S`` (default 1 s; 0
+    writes one per call); the first call, a checkpoint and the end of the run write at once;
+``hb``
+    heartbeat from a daemon thread (it keeps coming while the main thread is blocked in a collective): ``step``
+    (last logged step or ``null``), ``phase`` (``init``, ``wrap``, ``forward``, ``backward``, ``optimizer``,
+    ``checkpoint``, ``resume``, ``done`` or a name given to ``jd.phase``) and ``phase_s`` (seconds in it);
+``mem``
+    ``device`` and memory in bytes: ``rss`` and ``max_rss`` of the process; with CUDA also ``allocated``,
+    ``reserved``, ``peak_allocated``, ``peak_active`` (from ``torch.cuda.memory_stats``), ``alloc_retries``,
+    ``ooms`` and ``device_total``;
+``gpu``
+    from NVML when ``pynvml`` is importable and CUDA is in use: ``index`` (NVML device index), ``util``
+    (% of time a kernel ran), ``mem_util`` (%), ``mem_used`` and ``mem_total`` (bytes), ``power_w``, ``temp_c``;
+``comm``
+    collective timings: ``op``, ``count``, ``seconds`` (total wall time inside the calls), ``bytes``;
+``error``
+    an uncaught exception in the script: ``error_type``, ``error``, ``traceback`` (its last lines);
 ``exit``
     ``status`` (``"ok"``, ``"error"`` or ``"terminated"``), ``error_type`` and ``error`` (``null`` when ok),
     ``step`` (the last logged step or ``null``) and, for ``"terminated"``, ``signal`` (e.g. ``"SIGTERM"``).
+
+Run directories written before ``hb`` existed hold ``heartbeat`` records; :func:`decode` reads them as ``hb``.
 
 Non-finite metric values: JSON has no NaN or infinity (``JSON.parse`` and most strict readers reject Python's
 ``NaN`` token), so a non-finite metric is written as ``null`` and named in an extra ``nonfinite`` object that
@@ -52,6 +72,7 @@ __all__ = [
     "make_record",
     "metric_value",
     "step_fields",
+    "check_metrics",
     "encode",
     "decode",
 ]
@@ -62,13 +83,13 @@ SCHEMA_VERSION = 1
 SENTINEL = "@@JD@@"
 """Marker before a record printed into a log stream: ``<any prefix>@@JD@@{json}`` (same as the reader's)."""
 
-KINDS = ("start", "step", "heartbeat", "exit")
+KINDS = ("start", "step", "hb", "mem", "gpu", "comm", "error", "exit")
 """Record kinds this version writes."""
 
 ENVELOPE = ("v", "kind", "rank", "seq", "t")
 """Fields every record has, in this order."""
 
-_RESERVED = frozenset(ENVELOPE) | {"step", "nonfinite"}
+_RESERVED = frozenset(ENVELOPE) | {"step", "n", "nonfinite"}
 _NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
@@ -109,18 +130,31 @@ def make_record(kind: str, *, rank: int, seq: int, t: float, **fields: Any) -> d
 
 
 def step_fields(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The fields of a ``step`` record: ``step`` then each metric converted by :func:`metric_value`.
+    """The fields of a one-call ``step`` record: ``step`` then each metric as a float (see :func:`check_metrics`)."""
+    value, checked = check_metrics(step, metrics)
+    out: dict[str, Any] = {"step": value}
+    for name, metric in checked.items():
+        out[name] = metric_value(name, metric)
+    return out
+
+
+def check_metrics(step: Any, metrics: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Validate one ``jd.log`` call without synchronising with an accelerator.
+
+    Returns the step as an int and the metrics with numbers as floats and one-element tensors kept as detached
+    tensors (converted with ``.item()`` only when a coalesced record is written, so logging every step does not
+    force a GPU sync per step).
 
     Raises
     ------
     ValueError
-        For a metric named like an envelope field, ``step`` or ``nonfinite``.
+        For a metric named like an envelope field, ``step``, ``n`` or ``nonfinite``.
     TypeError
-        For a non-integer step or a non-numeric metric.
+        For a non-integer step, a non-numeric metric, or a tensor with more than one element.
     """
     value: Any = step
     if hasattr(value, "item") and not isinstance(value, (int, float)):
-        value = value.item()  # a one-element tensor or numpy integer
+        value = value.item()
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -128,10 +162,15 @@ def step_fields(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     clash = sorted(set(metrics) & _RESERVED)
     if clash:
         raise ValueError(f"metric names {clash} are reserved; rename them (reserved: {sorted(_RESERVED)})")
-    out: dict[str, Any] = {"step": value}
-    for name, value in metrics.items():
-        out[name] = metric_value(name, value)
-    return out
+    out: dict[str, Any] = {}
+    for name, metric in metrics.items():
+        if hasattr(metric, "detach") and hasattr(metric, "numel"):  # a torch tensor: no .item() here
+            if metric.numel() != 1:
+                raise TypeError(f"metric {name!r} must be a scalar; got a tensor of shape {tuple(metric.shape)}")
+            out[name] = metric.detach()
+        else:
+            out[name] = metric_value(name, metric)
+    return value, out
 
 
 def encode(record: dict[str, Any]) -> str:
@@ -167,6 +206,8 @@ def decode(line: str) -> dict[str, Any] | None:
         return None
     if not isinstance(obj, dict) or not all(k in obj for k in ENVELOPE):
         return None
+    if obj["kind"] == "heartbeat":  # the name before schema 1.1
+        obj["kind"] = "hb"
     nonfinite = obj.pop("nonfinite", None)
     if isinstance(nonfinite, dict):
         for key, name in nonfinite.items():

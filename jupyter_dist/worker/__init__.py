@@ -62,6 +62,7 @@ __all__ = [
     "save",
     "resume",
     "barrier",
+    "phase",
     "finish",
     "note_exit",
     "Runtime",
@@ -132,11 +133,16 @@ def step(optimizer: Any = None) -> None:
 
 
 def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:
-    """Append one ``step`` record to ``<run dir>/telemetry/rank-<k>.jsonl`` and return it.
+    """Record the metrics of ``step``; cheap enough to call every step.
 
-    Metrics are numbers or one-element tensors (converted with ``.item()``, which synchronises with the GPU);
-    NaN and infinities are kept (written as ``null`` plus a ``nonfinite`` note, see
-    :mod:`jupyter_dist.telemetry.records`). Without ``JD_RUN_DIR`` nothing is written and ``None`` is returned.
+    Calls are coalesced into about one ``step`` record per ``JD_TELEMETRY_INTERVAL_S`` (default 1 s) in
+    ``<run dir>/telemetry/rank-<k>.jsonl``, holding the mean of each metric, the number of calls ``n``, and the
+    measured ``step_time`` (s/step); log ``tokens=`` (or ``samples=``) processed since the previous call to get
+    ``tokens_per_s`` (``samples_per_s``). Metrics are numbers or one-element tensors; tensors are summed on their
+    device and read with ``.item()`` only when a record is written, so logging does not synchronise with the GPU
+    every step. NaN and infinities are kept (written as ``null`` plus a ``nonfinite`` note, see
+    :mod:`jupyter_dist.telemetry.records`). Returns the record when this call wrote one, else ``None`` (always
+    ``None`` without ``JD_RUN_DIR``).
     """
     if loss is not None:
         metrics = {"loss": loss, **metrics}
@@ -166,6 +172,11 @@ def resume(
     the given dict plus the plain values that were saved -- or ``None`` when there is no checkpoint yet.
     """
     return get_runtime().resume(state, root=root)
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Name what the block does in the heartbeats (``with jd.phase("eval"): ...``); the dashboard shows it."""
+    return get_runtime().phase(name)
 
 
 def barrier() -> None:

@@ -32,6 +32,16 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
         raise WorkerError(f"{name}={raw!r} is not an integer") from None
 
 
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise WorkerError(f"{name}={raw!r} is not a number") from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerEnv:
     """The launch contract between the launcher and a worker (see ``jupyter_dist/launch``)."""
@@ -57,8 +67,10 @@ class WorkerEnv:
     """``JD_PRECISION``: one of :data:`PRECISIONS`."""
     log_stdio: bool = False
     """``JD_LOG_STDIO=1``: redirect fd 1 and 2 to ``logs/rank-<k>.log`` at import."""
-    heartbeat_s: float = 10.0
-    """``JD_HEARTBEAT_S``: seconds between heartbeat records; 0 turns them off."""
+    heartbeat_s: float = 2.0
+    """``JD_HEARTBEAT_S``: seconds between ``hb`` (and ``mem``/``gpu``) records; 0 turns them off."""
+    telemetry_interval_s: float = 1.0
+    """``JD_TELEMETRY_INTERVAL_S``: seconds between coalesced ``step`` records; 0 writes one per ``jd.log`` call."""
     telemetry_stdout: bool = False
     """``JD_TELEMETRY_STDOUT=1``: also print each record after the sentinel on stdout (for log-stream back-ends)."""
 
@@ -71,6 +83,10 @@ class WorkerEnv:
             raise WorkerError(f"JD_PRECISION={self.precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
         if self.heartbeat_s < 0:
             raise WorkerError(f"JD_HEARTBEAT_S={self.heartbeat_s} must be >= 0 (0 turns heartbeats off)")
+        if self.telemetry_interval_s < 0:
+            raise WorkerError(
+                f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
+            )
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -85,10 +101,8 @@ class WorkerEnv:
                 raise WorkerError(f"JD_STRATEGY: {e}") from None
         else:
             strategy = "none"
-        try:
-            heartbeat = float(env.get("JD_HEARTBEAT_S", "") or 10.0)
-        except ValueError:
-            raise WorkerError(f"JD_HEARTBEAT_S={env.get('JD_HEARTBEAT_S')!r} is not a number") from None
+        heartbeat = _float(env, "JD_HEARTBEAT_S", 2.0)
+        interval = _float(env, "JD_TELEMETRY_INTERVAL_S", 1.0)
         world_size = _int(env, "WORLD_SIZE", 1) if distributed else 1
         run_dir = env.get("JD_RUN_DIR") or None
         ds_config = env.get("JD_DS_CONFIG") or None
@@ -106,6 +120,7 @@ class WorkerEnv:
             precision=(env.get("JD_PRECISION", "").strip().lower() or "fp32"),
             log_stdio=env.get("JD_LOG_STDIO", "") == "1",
             heartbeat_s=heartbeat,
+            telemetry_interval_s=interval,
             telemetry_stdout=env.get("JD_TELEMETRY_STDOUT", "") == "1",
         )
 

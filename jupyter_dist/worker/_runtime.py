@@ -15,7 +15,7 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..telemetry.emitter import Emitter
+from ..telemetry.emitter import Emitter, Nvml, cuda_index
 from ._env import WorkerEnv, WorkerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,6 +130,7 @@ class Runtime:
                     self._owns_pg = True
                 backend = str(dist.get_backend())
             self._start_telemetry(backend)
+            self.emitter.set_phase("forward")
 
     def _start_telemetry(self, backend: str | None) -> None:
         emitter = self.emitter
@@ -138,7 +139,12 @@ class Runtime:
         torch = sys.modules.get("torch")
         device = None
         if torch is not None:
-            device = f"cuda:{self.env.local_rank}" if torch.cuda.is_available() else "cpu"
+            device = "cpu"
+            if torch.cuda.is_available():
+                index = self.env.local_rank % max(1, torch.cuda.device_count())
+                device = f"cuda:{index}"
+                emitter.cuda_device = index
+                emitter.nvml = Nvml(cuda_index(index, os.environ.get("CUDA_VISIBLE_DEVICES")))
         emitter.start_record(
             world_size=self.env.world_size,
             local_rank=self.env.local_rank,
@@ -148,7 +154,8 @@ class Runtime:
             backend=backend,
             torch=getattr(torch, "__version__", None),
         )
-        emitter.start_heartbeat(self.env.heartbeat_s)
+        emitter.memory()
+        emitter.start_monitor(self.env.heartbeat_s)
 
     @property
     def emitter(self) -> Emitter:
@@ -159,6 +166,7 @@ class Runtime:
                     self.env.run_dir,
                     rank=self.env.rank,
                     stream_fd=1 if self.env.telemetry_stdout else None,
+                    interval_s=self.env.telemetry_interval_s,
                 )
             return self._emitter
 
@@ -188,8 +196,10 @@ class Runtime:
         from ._strategy import apply_strategy
 
         self.init()
+        self.emitter.set_phase("wrap")
         model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device)
         self.model, self.optimizer = model, optimizer
+        self.emitter.set_phase("forward")
         if self.env.precision == "fp16-mixed" and self.env.family in ("none", "ddp"):
             import torch
 
@@ -207,6 +217,7 @@ class Runtime:
 
     def backward(self, loss: Any) -> None:
         """``engine.backward(loss)`` for DeepSpeed, else ``loss.backward()`` (scaled for fp16-mixed)."""
+        self.emitter.set_phase("backward")
         if self.is_engine:
             self.model.backward(loss)
         elif self._scaler is not None:
@@ -216,6 +227,14 @@ class Runtime:
 
     def step(self, optimizer: Any = None) -> None:
         """``engine.step()`` for DeepSpeed, else ``optimizer.step()`` then ``zero_grad(set_to_none=True)``."""
+        emitter = self.emitter
+        emitter.set_phase("optimizer")
+        try:
+            self._step(optimizer)
+        finally:
+            emitter.set_phase("forward")
+
+    def _step(self, optimizer: Any) -> None:
         if self.is_engine and optimizer is None:
             self.model.step()
             return
@@ -255,6 +274,7 @@ class Runtime:
         from ._checkpoint import save
 
         self.init()
+        self.emitter.flush()
         where = self.checkpoint_root(root)
         if where is None:
             _log.warning(
@@ -262,7 +282,8 @@ class Runtime:
                 step,
             )
             return None
-        return save(self, state, step, root=where, keep=keep)
+        with self.phase("checkpoint"):
+            return save(self, state, step, root=where, keep=keep)
 
     def resume(self, state: dict[str, Any] | None = None, *, root: Any = None) -> tuple[dict[str, Any], int] | None:
         """Load the newest complete checkpoint; see :func:`jupyter_dist.worker.resume`."""
@@ -279,7 +300,19 @@ class Runtime:
         where = self.checkpoint_root(root)
         if where is None:
             return None
-        return resume(self, state, root=where)
+        with self.phase("resume"):
+            return resume(self, state, root=where)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        """Report ``name`` as the phase in heartbeats while the block runs (then the previous phase again)."""
+        emitter = self.emitter
+        previous = emitter.phase
+        emitter.set_phase(name)
+        try:
+            yield
+        finally:
+            emitter.set_phase(previous)
 
     # ------------------------------------------------------------------ process hooks
     def install_hooks(self) -> None:
@@ -297,7 +330,7 @@ class Runtime:
         previous = sys.excepthook
 
         def excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-            self._error = value
+            self.record_error(value)
             previous(tp, value, tb)
 
         sys.excepthook = excepthook
@@ -336,9 +369,22 @@ class Runtime:
         would say ``ok``; a non-zero ``code`` without an exception is recorded as ``SystemExit(code)``.
         """
         if error is not None and not (isinstance(error, SystemExit) and code == 0):
-            self._error = error
+            self.record_error(error)
         elif code != 0 and self._error is None:
             self._error = SystemExit(code)
+
+    def record_error(self, error: BaseException) -> None:
+        """Remember ``error`` for the ``exit`` record and write an ``error`` record with its traceback (once)."""
+        if self._error is error:
+            return
+        self._error = error
+        if isinstance(error, SystemExit) or self._emitter is None:
+            return
+        import traceback
+
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        with contextlib.suppress(Exception):
+            self._emitter.error_record(error, text)
 
     def write_exit(self, status: str, error: BaseException | None = None, **fields: Any) -> None:
         """Write the ``exit`` record once."""
