@@ -1,0 +1,109 @@
+"""Shared fixtures; the browser ones (``jupyterlab``, ``chromium``, ``browser_page``, ``artifacts``) wrap browser.py."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, JupyterLabServer, artifact_dir, kill_procs, require_browser
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from playwright.sync_api import Browser, Page
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """Keep each phase's report on the item (``item.rep_call``) so fixtures can tell whether the test failed."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLabServer]:
+    """A JupyterLab server (one per test module) serving a fresh temporary directory: ``jupyterlab.root_dir``."""
+    require_browser()
+    with JupyterLabServer(tmp_path_factory.mktemp("lab")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    """Headless Chromium (Debian's binary) driven by Playwright, one per test module."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    pw = sync_playwright().start()
+    try:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            yield browser
+        finally:
+            browser.close()
+    finally:
+        pw.stop()
+        # the Playwright driver and Chromium exit on their own; kill whatever of theirs did not
+        kill_procs(p for p in psutil.Process().children(recursive=True) if p.pid not in before)
+
+
+@pytest.fixture
+def artifacts(request: pytest.FixtureRequest) -> Path:
+    """``test-artifacts/<test id>/``: where a test saves screenshots and other evidence."""
+    return artifact_dir(request.node.nodeid.split("::", 1)[-1])
+
+
+@pytest.fixture
+def browser_page(request: pytest.FixtureRequest, chromium: Browser) -> Iterator[Page]:
+    """A fresh page (own context, 1280×900) in ``chromium``; default timeout 30 s.
+
+    The page's console messages and errors are collected in ``page.jd_console``. When the test fails, a screenshot,
+    the console log and (if the test uses ``jupyterlab``) the server log tail are saved to ``test-artifacts/<test>/``.
+    After the test the page is closed and, if the test uses ``jupyterlab``, all its sessions are shut down.
+    """
+    context = chromium.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(30_000)
+    page = context.new_page()
+    console: list[str] = []
+    page.on("console", lambda msg: console.append(f"[{msg.type}] {msg.text}"))
+    page.on("pageerror", lambda err: console.append(f"[pageerror] {err}"))
+    page.jd_console = console  # type: ignore[attr-defined]
+    try:
+        yield page
+    finally:
+        rep = getattr(request.node, "rep_call", None)
+        server = _server_of(request)
+        if rep is not None and rep.failed:
+            out = artifact_dir(request.node.nodeid.split("::", 1)[-1])
+            try:
+                page.screenshot(path=str(out / "failure.png"))
+            except Exception as err:  # the page may be gone; the logs matter more
+                console.append(f"(failure screenshot not taken: {err})")
+            (out / "console.log").write_text("\n".join(console) + "\n")
+            if server is not None:
+                (out / "server.log").write_text(server.log_tail(400) + "\n")
+        context.close()
+        if server is not None and server.proc is not None:
+            server.delete_sessions()
+
+
+def _server_of(request: pytest.FixtureRequest) -> JupyterLabServer | None:
+    """The test's ``jupyterlab`` server, if it uses one that started."""
+    if "jupyterlab" not in request.fixturenames:
+        return None
+    try:
+        return request.getfixturevalue("jupyterlab")  # type: ignore[no-any-return]
+    except (Exception, pytest.skip.Exception, pytest.fail.Exception):  # its set-up failed: reported already
+        return None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Say whether browser tests must run (CI) or may skip."""
+    if os.environ.get("JD_REQUIRE_BROWSER", "") not in ("", "0"):
+        return f"browser tests required (JD_REQUIRE_BROWSER); Chromium: {CHROMIUM}"
+    return None
