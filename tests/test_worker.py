@@ -315,7 +315,7 @@ def test_runtime_outside_torchrun_logs_and_refuses_distributed_strategies(tmp_pa
     rec = rt.log(3, {"loss": torch.tensor(0.5)})
     assert rec is not None and rec["step"] == 3 and rec["loss"] == 0.5
     rt.emitter.close()
-    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "mem", "step"]
+    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "hb", "mem", "step"]
     for strategy in ("ddp", "fsdp2", "zero2"):
         with pytest.raises(WorkerError, match=f"JD_STRATEGY={strategy} needs a process group.*torchrun"):
             Runtime(tiny_env(tmp_path, strategy=strategy)).wrap(model, opt)

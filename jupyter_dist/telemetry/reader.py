@@ -138,7 +138,7 @@ class FileFollower:
                 continue
             offset = self._offsets.get(path, 0)
             if size < offset:  # replaced or truncated
-                offset = 0
+                offset = self._offsets[path] = 0
                 self._partial.pop(path, None)
             if size == offset or budget <= 0:
                 continue

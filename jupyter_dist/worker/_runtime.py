@@ -154,6 +154,7 @@ class Runtime:
             backend=backend,
             torch=getattr(torch, "__version__", None),
         )
+        emitter.heartbeat()
         emitter.memory()
         emitter.start_monitor(self.env.heartbeat_s)
 

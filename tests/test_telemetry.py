@@ -1,0 +1,315 @@
+"""Telemetry in the worker (coalesced step records, phases, memory, NVML) and the reader that follows it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_dist.telemetry import records
+from jupyter_dist.telemetry.emitter import Emitter, JsonlFileSink, Nvml, cuda_index, telemetry_path
+from jupyter_dist.telemetry.health import hb_state
+from jupyter_dist.telemetry.reader import Dedup, FileFollower, RecordSet, TelemetryReader, read_run_records
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def file_records(folder: Path, rank: int) -> list[dict[str, Any]]:
+    lines = Path(telemetry_path(folder, rank)).read_text().splitlines()
+    return [r for r in map(records.decode, lines) if r is not None]
+
+
+def emitter(tmp_path: Path, clock: FakeClock, interval: float = 1.0, rank: int = 0) -> Emitter:
+    return Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(tmp_path, rank))], clock=clock, interval_s=interval)
+
+
+# --------------------------------------------------------------------------- coalesced step records
+def test_step_records_are_coalesced_to_one_per_interval_with_means_and_rates(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    first = em.log({"loss": 4.0, "tokens": 512}, step=0)  # the first call writes at once
+    assert first is not None and first["n"] == 1 and "step_time" not in first
+    for step in range(1, 11):  # ten steps, 0.1 s apart
+        clock.t += 0.1
+        out = em.log({"loss": 4.0 - step * 0.1, "tokens": 512}, step=step)
+        assert (out is None) == (step < 10), step
+    rec = out
+    assert rec is not None and rec["step"] == 10 and rec["n"] == 10
+    assert rec["loss"] == pytest.approx(sum(4.0 - s * 0.1 for s in range(1, 11)) / 10)
+    assert rec["step_time"] == pytest.approx(0.1)
+    assert rec["tokens_per_s"] == pytest.approx(10 * 512 / 1.0)
+    em.close()
+    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
+    assert [r["n"] for r in steps] == [1, 10]
+
+
+def test_logging_every_few_steps_still_gives_time_per_step(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock, interval=0)
+    em.log({"loss": 1.0}, step=0)
+    clock.t += 2.0
+    rec = em.log({"loss": 0.5, "samples": 40}, step=10)  # jd.log every 10 steps
+    assert rec is not None and rec["step_time"] == pytest.approx(0.2) and rec["samples_per_s"] == pytest.approx(20)
+
+
+def test_user_metrics_named_like_derived_ones_win_and_n_is_reserved(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock, interval=0)
+    em.log({"loss": 1.0}, step=0)
+    clock.t += 1.0
+    rec = em.log({"step_time": 9.0}, step=1)
+    assert rec is not None and rec["step_time"] == 9.0
+    with pytest.raises(ValueError, match="reserved"):
+        em.log({"n": 3}, step=2)
+
+
+def test_a_pending_window_is_written_by_the_monitor_tick_flush_and_close(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    em.log({"loss": 3.0}, step=0)
+    clock.t += 0.2
+    assert em.log({"loss": 2.0}, step=1) is None
+    em.tick()  # too young for the monitor
+    assert [r["kind"] for r in file_records(tmp_path, 0)].count("step") == 1
+    clock.t += 1.0
+    em.tick()  # stale now: the monitor writes it
+    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
+    assert [(r["step"], r["n"]) for r in steps] == [(0, 1), (1, 1)]
+    clock.t += 0.1
+    em.log({"loss": 1.0}, step=2)
+    em.exit_record("ok")  # exit flushes first, so the last steps are never lost
+    kinds = [r["kind"] for r in file_records(tmp_path, 0)]
+    assert kinds[-2:] == ["step", "exit"]
+    em.close()
+
+
+class CountingTensor:
+    """Stands in for a one-element tensor: counts .item() calls (each would be a GPU sync)."""
+
+    items = 0
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.shape = ()
+
+    def numel(self) -> int:
+        return 1
+
+    def detach(self) -> CountingTensor:
+        return self
+
+    def __add__(self, other: CountingTensor) -> CountingTensor:
+        return CountingTensor(self.value + other.value)
+
+    def item(self) -> float:
+        CountingTensor.items += 1
+        return self.value
+
+
+def test_tensor_metrics_are_read_once_per_record_not_once_per_step(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    CountingTensor.items = 0
+    for step in range(100):
+        clock.t += 0.025
+        em.log({"loss": CountingTensor(2.0)}, step=step)
+    em.close()
+    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
+    assert CountingTensor.items == len(steps) < 10
+    assert all(r["loss"] == pytest.approx(2.0) for r in steps) and sum(r["n"] for r in steps) == 100
+
+
+def test_real_tensors_are_summed_on_their_device() -> None:
+    torch = pytest.importorskip("torch")
+    step, checked = records.check_metrics(torch.tensor(3), {"loss": torch.tensor(0.5, requires_grad=True) * 2})
+    assert step == 3 and isinstance(checked["loss"], torch.Tensor) and not checked["loss"].requires_grad
+    with pytest.raises(TypeError, match="shape"):
+        records.check_metrics(0, {"vec": torch.ones(3)})
+
+
+# --------------------------------------------------------------------------- hb, mem, gpu, error
+def test_heartbeats_report_the_phase_and_time_in_it(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    em.set_phase("backward")
+    clock.t += 2.5
+    hb = em.heartbeat()
+    assert hb is not None and hb["phase"] == "backward" and hb["phase_s"] == pytest.approx(2.5)
+    em.set_phase("backward")  # same phase: the clock is not reset
+    clock.t += 1.0
+    assert em.heartbeat()["phase_s"] == pytest.approx(3.5)  # type: ignore[index]
+    em.close()
+
+
+def test_heartbeats_keep_coming_while_the_main_thread_is_blocked(tmp_path: Path) -> None:
+    em = Emitter.for_run_dir(tmp_path, rank=0)
+    em.set_phase("backward")
+    em.start_monitor(0.05)
+    block = threading.Event()
+    block.wait(0.5)  # the main thread "inside a collective"
+    em.close()
+    beats = [r for r in file_records(tmp_path, 0) if r["kind"] == "hb"]
+    mems = [r for r in file_records(tmp_path, 0) if r["kind"] == "mem"]
+    assert len(beats) >= 4 and all(b["phase"] == "backward" for b in beats)
+    assert len(mems) == len(beats) and mems[0]["rss"] > 0
+
+
+def test_error_records_carry_the_traceback_tail(tmp_path: Path) -> None:
+    em = emitter(tmp_path, FakeClock())
+    try:
+        raise KeyError("batch 7")
+    except KeyError as exc:
+        import traceback
+
+        em.error_record(exc, "".join(traceback.format_exception(exc)))
+    em.close()
+    (rec,) = [r for r in file_records(tmp_path, 0) if r["kind"] == "error"]
+    assert rec["error_type"] == "KeyError" and "batch 7" in rec["error"]
+    assert 'raise KeyError("batch 7")' in rec["traceback"]
+
+
+def test_cuda_visible_devices_map_to_nvml_devices() -> None:
+    assert cuda_index(1, None) == 1
+    assert cuda_index(1, "4,6") == 6
+    assert cuda_index(0, "GPU-1a2b, GPU-3c4d") == "GPU-1a2b"
+    assert cuda_index(3, "0,1") == 3  # out of range: as is
+
+
+def test_nvml_fields_at_the_library_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML cannot run without a GPU: a fake ``pynvml`` module answers what the real one returns."""
+    calls: list[Any] = []
+    fake = types.ModuleType("pynvml")
+    fake.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
+    fake.nvmlInit = lambda: calls.append("init")  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByIndex = lambda i: calls.append(("handle", i)) or f"h{i}"  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=41)  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=60 << 30, total=80 << 30)  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetPowerUsage = lambda h: 612_000  # type: ignore[attr-defined]  # milliwatts
+    fake.nvmlDeviceGetTemperature = lambda h, kind: 71  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nv = Nvml(6)
+    got = nv.fields()
+    assert got == {"index": 6, "util": 87.0, "mem_util": 41.0, "mem_used": 60 << 30, "mem_total": 80 << 30,
+                   "power_w": 612.0, "temp_c": 71.0}  # fmt: skip
+    nv.fields()
+    assert calls == ["init", ("handle", 6)]  # opened once
+    fake.nvmlDeviceGetUtilizationRates = lambda h: (_ for _ in ()).throw(RuntimeError("GPU is lost"))  # type: ignore[attr-defined]
+    assert nv.fields() is None and nv.disabled  # a failing device stops gpu records, never training
+
+
+def test_without_pynvml_there_are_no_gpu_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    nv = Nvml(0)
+    assert nv.fields() is None and nv.disabled
+
+
+@pytest.mark.parametrize(("age", "state"), [(0.5, "ok"), (4.0, "ok"), (9.0, "slow"), (25.0, "suspect"), (31.0, "hung")])
+def test_heartbeat_states(age: float, state: str) -> None:
+    assert hb_state(age, 2.0) == state
+    assert hb_state(age, 2.0, exited=True) == "exited"
+    assert hb_state(age, 2.0, alive=False) == "dead"
+
+
+# --------------------------------------------------------------------------- reader
+def line(kind: str, rank: int, seq: int, **fields: Any) -> str:
+    return records.encode(records.make_record(kind, rank=rank, seq=seq, t=100.0 + seq, **fields))
+
+
+def test_follower_holds_back_a_torn_last_line_until_it_is_complete(tmp_path: Path) -> None:
+    f = tmp_path / "rank-0.jsonl"
+    full = line("step", 0, 0, step=0, loss=1.0)
+    f.write_text(full[:20])
+    follower = FileFollower(tmp_path)
+    assert follower.poll() == [] and follower.pending_bytes == 20
+    with f.open("a") as fh:
+        fh.write(full[20:] + "\n" + line("step", 0, 1, step=1, loss=0.5)[:5])
+    assert follower.poll() == [full]
+    assert follower.poll() == []
+
+
+def test_follower_picks_up_a_file_that_appears_late_and_one_that_is_replaced(tmp_path: Path) -> None:
+    follower = FileFollower(tmp_path / "telemetry")
+    assert follower.poll() == []  # the folder does not exist yet
+    (tmp_path / "telemetry").mkdir()
+    (tmp_path / "telemetry" / "rank-1.jsonl").write_text(line("hb", 1, 0, step=None) + "\n")
+    assert len(follower.poll()) == 1
+    (tmp_path / "telemetry" / "rank-0.jsonl").write_text(line("hb", 0, 0, step=None) + "\n")
+    (tmp_path / "telemetry" / "rank-1.jsonl").write_text("")  # truncated: start again
+    assert len(follower.poll()) == 1
+    (tmp_path / "telemetry" / "rank-1.jsonl").write_text(line("hb", 1, 5, step=None) + "\n")
+    assert [json.loads(x)["seq"] for x in follower.poll()] == [5]
+
+
+def test_record_set_counts_torn_foreign_and_duplicate_lines() -> None:
+    rs = RecordSet()
+    good = [line("step", 0, 0, step=0, loss=1.0), line("step", 1, 0, step=0, loss=2.0)]
+    added = rs.add_lines(good + good[:1] + ['{"v":1,"kind":"st', "Traceback (most recent call last):", "", "{}"])
+    assert added == 2 and rs.duplicates == 1 and rs.bad_lines == 3
+
+
+def test_dedup_memory_is_bounded_and_still_rejects_old_pairs() -> None:
+    d = Dedup(window=100)
+    assert all(d.first_time(0, s) for s in range(10_000))
+    assert sum(len(v) for v in d._seen.values()) <= 201
+    assert not d.first_time(0, 5) and not d.first_time(0, 9_999) and d.first_time(0, 10_000) and d.first_time(1, 5)
+
+
+def test_reader_merges_files_and_a_prefixed_log_stream_without_duplicates(tmp_path: Path) -> None:
+    tele = tmp_path / "telemetry"
+    tele.mkdir()
+    lines0 = [line("step", 0, s, step=s, loss=1.0 / (s + 1)) for s in range(5)]
+    (tele / "rank-0.jsonl").write_text("\n".join(lines0) + "\n")
+    reader = TelemetryReader(tele, maxlen=3)
+    got: list[list[dict[str, Any]]] = []
+    reader.add_listener(got.append)
+    reader.add_listener(lambda recs: 1 / 0)  # a broken listener is counted, not fatal
+    assert len(reader.poll()) == 5
+    # the same records arrive again through SkyPilot-style prefixed log lines, plus other output
+    reader.feed([f"(head, rank=0, pid=77) {records.SENTINEL}{x}" for x in lines0[3:]])
+    reader.feed(["(head, rank=0, pid=77) epoch 1 done", f"(worker1, rank=1, pid=9) {records.SENTINEL}" + line(
+        "step", 1, 0, step=0, loss=3.0)])  # fmt: skip
+    new = reader.poll()
+    assert [(r["rank"], r["seq"]) for r in new] == [(1, 0)]
+    assert reader.duplicates == 2 and reader.bad_lines == 0 and reader.listener_errors == 2
+    assert [r["seq"] for r in reader.buffers["step"]] == [3, 4, 0]  # ring buffer of 3
+    assert reader.latest[("step", 1)]["loss"] == 3.0 and len(got) == 2
+
+
+def test_reader_thread_follows_a_growing_file_and_stops_cleanly(tmp_path: Path) -> None:
+    tele = tmp_path / "telemetry"
+    reader = TelemetryReader(tele, interval=0.02).start()
+    seen: list[int] = []
+    reader.add_listener(lambda recs: seen.extend(r["seq"] for r in recs))
+    tele.mkdir()
+    with (tele / "rank-0.jsonl").open("a") as fh:
+        for s in range(20):
+            fh.write(line("step", 0, s, step=s, loss=1.0) + "\n")
+            fh.flush()
+            time.sleep(0.005)
+    deadline = time.monotonic() + 10
+    while len(seen) < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reader.stop()
+    assert seen == list(range(20)) and not reader.running
+
+
+def test_read_run_records_of_a_worker_that_was_killed_mid_write(tmp_path: Path) -> None:
+    em = Emitter.for_run_dir(tmp_path, rank=0, interval_s=0)
+    em.log({"loss": 1.0}, step=0)
+    em.close()
+    with open(telemetry_path(tmp_path, 0), "a") as fh:
+        fh.write('{"v":1,"kind":"step","rank":0,"seq":1,"t":1.0,"st')
+    rs = read_run_records(Path(tmp_path) / "telemetry")
+    assert [r["seq"] for r in rs.records] == [0] and rs.bad_lines == 0  # the incomplete line is not read yet
