@@ -9,7 +9,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "plan", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["__version__", "plan", "open_run", "Dashboard", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def plan(*args: Any, **kwargs: Any) -> Any:
@@ -17,6 +17,20 @@ def plan(*args: Any, **kwargs: Any) -> Any:
     from .plan.planner import plan as _plan
 
     return _plan(*args, **kwargs)
+
+
+def open_run(path: Any) -> Any:
+    """Reopen a run from its directory (after a kernel restart); see :func:`jupyter_dist.launch.run.open_run`."""
+    from .launch.run import open_run as _open
+
+    return _open(path)
+
+
+def Dashboard(source: Any, **kwargs: Any) -> Any:  # noqa: N802 - reads as the class it returns
+    """Live panels for a Run or a run directory; see :class:`jupyter_dist.ui.dashboard.Dashboard`."""
+    from .ui.dashboard import Dashboard as _Dashboard
+
+    return _Dashboard(source, **kwargs)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a small model on 2 CPU processes (torchrun, gloo) and show progress")
     d.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     d.add_argument("--strategy", default="ddp", help="ddp (default), fsdp2, none, zero2 ...")
-    d.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
+    d.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     d.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
     return parser
 

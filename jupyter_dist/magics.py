@@ -21,7 +21,8 @@ __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 def _plan_parser() -> MagicArgumentParser:
     parser = MagicArgumentParser(  # type: ignore[no-untyped-call]
-        prog="%dist_plan", add_help=False,
+        prog="%dist_plan",
+        add_help=False,
         description="Plan distributed training: which strategy, will it fit, how fast, why.",
     )
     add_plan_arguments(parser)
@@ -32,7 +33,8 @@ def _train_parser() -> MagicArgumentParser:
     from .launch.session import STRATEGY_CHOICES
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
-        prog="%%dist_train", add_help=False,
+        prog="%%dist_train",
+        add_help=False,
         description="Run the cell as a distributed training script on fresh torchrun processes.",
     )
     p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
@@ -50,6 +52,13 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
     p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
     p.add_argument("--no-dashboard", action="store_true", help="do not show live panels under the cell")
+    p.add_argument(
+        "--telemetry-interval",
+        type=float,
+        metavar="S",
+        help="seconds between the ranks' coalesced step records (default 1; 0: one per jd.log call)",
+    )
+    p.add_argument("--heartbeat", type=float, metavar="S", help="seconds between heartbeats (default 2; 0: off)")
     return p
 
 
@@ -66,6 +75,11 @@ class DistMagics(Magics):
     """The jupyter-dist magics."""
 
     runs_dir = traitlets.Unicode("runs", help="Folder for run directories.").tag(config=True)
+    dashboard = traitlets.Enum(
+        ["auto", "on", "off"],
+        "auto",
+        help="Live panels under %%dist_train: auto (when a kernel with widgets runs the notebook), on, off.",
+    ).tag(config=True)
     plan_parser = _plan_parser()
     train_parser = _train_parser()
     logs_parser = _rank_parser()
@@ -129,6 +143,13 @@ class DistMagics(Magics):
             raise UsageError(f"--name {args.name!r} must be a valid Python variable name (the Run is bound to it)")
         if args.nproc is not None and args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+        for flag, value, var in (("--telemetry-interval", args.telemetry_interval, "JD_TELEMETRY_INTERVAL_S"),
+                                 ("--heartbeat", args.heartbeat, "JD_HEARTBEAT_S")):  # fmt: skip
+            if value is None:
+                continue
+            if not value >= 0:
+                raise UsageError(f"{flag} must be >= 0 seconds, got {value}")
+            env.setdefault(var, repr(value))
         try:
             result = start_run(
                 cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
@@ -142,9 +163,23 @@ class DistMagics(Magics):
         self.last_run = result
         if args.name:
             ns[args.name] = result
+        if not args.no_dashboard and self._want_dashboard():
+            try:
+                result._dashboard = result.dashboard(interval=0.5)
+                result._dashboard.show()
+                result._skip_display = True  # the dashboard's status line replaces the card
+            except JupyterDistError as exc:  # e.g. anywidget missing: say how to get the panels, keep the run
+                print(f"(no live panels: {exc})")
         if args.wait and hasattr(result, "wait"):
             result.wait()
+            if result._dashboard is not None:
+                result._dashboard.finished.wait(10.0)
         return result
+
+    def _want_dashboard(self) -> bool:
+        if self.dashboard != "auto":
+            return self.dashboard == "on"
+        return getattr(self.shell, "kernel", None) is not None
 
     def _run_arg(self, name: str | None) -> Any:
         if name:

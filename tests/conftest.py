@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -11,9 +13,10 @@ import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, JupyterLabServer, artifact_dir, kill_procs, require_browser
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
+    from IPython.core.interactiveshell import InteractiveShell
     from playwright.sync_api import Browser, Page
+
+    from jupyter_dist.launch.run import Run
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -107,3 +110,45 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if os.environ.get("JD_REQUIRE_BROWSER", "") not in ("", "0"):
         return f"browser tests required (JD_REQUIRE_BROWSER); Chromium: {CHROMIUM}"
     return None
+
+
+# ----------------------------------------------------------------------------------------- magics and real runs
+@pytest.fixture(scope="module")
+def ip() -> InteractiveShell:
+    """A real IPython shell with the extension loaded (one per test module)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "jupyter_dist")
+    return shell
+
+
+@pytest.fixture()
+def runs(tmp_path: Path, ip: InteractiveShell) -> Path:
+    """Run directories of the magics go to this test's temporary folder."""
+    ip.config.DistMagics.runs_dir = str(tmp_path)
+    ip.magics_manager.registry["DistMagics"].runs_dir = str(tmp_path)
+    return tmp_path
+
+
+def run_processes(run: Run) -> list[psutil.Process]:
+    """Every live process started for ``run`` (they all inherit its JD_RUN_DIR)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "environ"]):
+        try:
+            env = proc.info["environ"] or {}
+            if env.get("JD_RUN_DIR") == str(run.dir) and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def descendants_gone(run: Run, within: float = 10.0) -> bool:
+    """Whether every process of ``run`` (launchers and ranks) is gone within ``within`` seconds."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        if not run_processes(run):
+            return True
+        time.sleep(0.2)
+    return False

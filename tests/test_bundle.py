@@ -70,7 +70,7 @@ def test_launch_sh_runs_with_a_fake_torchrun(tmp_path: Path) -> None:
     b.write_to(out)
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "torchrun").write_text('#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n')
+    (fake / "torchrun").write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     (fake / "torchrun").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "MASTER_ADDR": "10.1.2.3", "NODE_RANK": "1"}
     res = subprocess.run(["bash", str(out / "launch.sh")], capture_output=True, text=True, env=env, cwd=tmp_path)

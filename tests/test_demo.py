@@ -13,7 +13,7 @@ import pytest
 @pytest.mark.slow
 def test_demo_trains_on_two_processes(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "jupyter-dist"
-    res = subprocess.run([str(exe), "demo", "--steps", "30", "--runs-dir", str(tmp_path)], capture_output=True,
+    res = subprocess.run([str(exe), "demo", "--steps", "150", "--runs-dir", str(tmp_path)], capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]

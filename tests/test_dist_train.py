@@ -8,8 +8,8 @@ import socket
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import descendants_gone
 
 pytest.importorskip("IPython")
 pytest.importorskip("torch")
@@ -17,7 +17,7 @@ from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
 from jupyter_dist.launch.local import LaunchError, LocalLauncher, find_torchrun  # noqa: E402
-from jupyter_dist.launch.run import Run, open_run  # noqa: E402
+from jupyter_dist.launch.run import open_run  # noqa: E402
 from jupyter_dist.launch.rundir import RunDir, scrub_env  # noqa: E402
 from jupyter_dist.launch.session import DryRun  # noqa: E402
 
@@ -29,39 +29,6 @@ dist.all_reduce(t)
 print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():.0f}")
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture(scope="module")
-def ip() -> InteractiveShell:
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "jupyter_dist")
-    return shell
-
-
-@pytest.fixture()
-def runs(tmp_path: Path, ip: InteractiveShell) -> Path:
-    ip.config.DistMagics.runs_dir = str(tmp_path)
-    magics = ip.magics_manager.registry["DistMagics"]
-    magics.runs_dir = str(tmp_path)
-    return tmp_path
-
-
-def descendants_gone(run: Run, within: float = 10.0) -> bool:
-    pids = run._meta.get("pids", [])
-    deadline = time.time() + within
-    while time.time() < deadline:
-        alive = []
-        for proc in psutil.process_iter(["pid", "environ"]):
-            try:
-                env = proc.info["environ"] or {}
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if env.get("JD_RUN_DIR") == str(run.dir):
-                alive.append(proc.pid)
-        if not alive and not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 # ---- pure parts -----------------------------------------------------------------------------------------------
@@ -151,8 +118,11 @@ def test_cell_runs_on_two_fresh_processes(ip: InteractiveShell, runs: Path) -> N
 
 @pytest.mark.slow
 def test_failing_rank_is_reported_first_and_others_end(ip: InteractiveShell, runs: Path) -> None:
-    code = ALLREDUCE.replace("dist.all_reduce(t)", "import os\nif os.environ['RANK'] == '1':\n"
-                             "    raise ValueError('boom on rank 1')\ndist.all_reduce(t)\nimport time; time.sleep(60)")
+    code = ALLREDUCE.replace(
+        "dist.all_reduce(t)",
+        "import os\nif os.environ['RANK'] == '1':\n"
+        "    raise ValueError('boom on rank 1')\ndist.all_reduce(t)\nimport time; time.sleep(60)",
+    )
     run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none", code)
     t0 = time.time()
     assert run.wait(60) == "failed"
@@ -166,8 +136,9 @@ def test_failing_rank_is_reported_first_and_others_end(ip: InteractiveShell, run
 
 @pytest.mark.slow
 def test_stop_ends_every_process(ip: InteractiveShell, runs: Path) -> None:
-    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none", "import time\nprint('up', flush=True)\n"
-                            "time.sleep(300)")
+    run = ip.run_cell_magic(
+        "dist_train", "--nproc 2 --strategy none", "import time\nprint('up', flush=True)\ntime.sleep(300)"
+    )
     deadline = time.time() + 60
     while "up" not in run.logs(0) and time.time() < deadline:
         time.sleep(0.2)
@@ -191,8 +162,11 @@ def test_timeout_stops_with_last_lines_per_rank(ip: InteractiveShell, runs: Path
 def test_ship_sends_notebook_objects(ip: InteractiveShell, runs: Path) -> None:
     ip.run_cell("class Scale:\n    def __init__(self, k):\n        self.k = k\n    def __call__(self, x):\n"
                 "        return x * self.k\nscale = Scale(7)\nnumbers = [1, 2, 3]")  # fmt: skip
-    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --ship scale,numbers",
-                            "print('shipped', sum(scale(n) for n in numbers), type(scale).__name__)")
+    run = ip.run_cell_magic(
+        "dist_train",
+        "--nproc 2 --strategy none --ship scale,numbers",
+        "print('shipped', sum(scale(n) for n in numbers), type(scale).__name__)",
+    )
     assert run.wait(120) == "succeeded", run.summary()
     assert "shipped 42 Scale" in run.logs(0) and "shipped 42 Scale" in run.logs(1)
 
@@ -259,7 +233,7 @@ print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "wrapper"), [("ddp", "DistributedDataParallel"), ("fsdp2", "FSDPSequential")])
 def test_training_with_the_worker_api(ip: InteractiveShell, runs: Path, strategy: str, wrapper: str) -> None:
-    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy {strategy}", TRAIN)
+    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy {strategy} --telemetry-interval 0", TRAIN)
     assert run.wait(240) == "succeeded", run.summary()
     assert run.exit_codes == {0: 0, 1: 0}
     frame = run.metrics()
@@ -279,7 +253,9 @@ def test_deepspeed_zero2_through_dist_train(ip: InteractiveShell, runs: Path) ->
     pytest.importorskip("deepspeed")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/jupyter-dist/torch_extensions"))
     code = TRAIN.replace("opt = torch.optim.AdamW(model.parameters(), lr=1e-2)", "opt = None")
-    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy zero2 --env DS_ACCELERATOR=cpu --timeout 600", code)
+    run = ip.run_cell_magic(
+        "dist_train", "--nproc 2 --strategy zero2 --env DS_ACCELERATOR=cpu --timeout 600 --telemetry-interval 0", code
+    )
     assert run.wait(660) == "succeeded", run.summary()
     ds = json.loads((run.dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 2
@@ -292,8 +268,11 @@ def test_deepspeed_zero2_through_dist_train(ip: InteractiveShell, runs: Path) ->
 
 @pytest.mark.slow
 def test_a_failing_rank_writes_an_error_exit_record(ip: InteractiveShell, runs: Path) -> None:
-    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none",
-                            "jd.log(0, loss=1.0)\nif jd.rank == 1:\n    raise RuntimeError('bad batch')")
+    run = ip.run_cell_magic(
+        "dist_train",
+        "--nproc 2 --strategy none",
+        "jd.log(0, loss=1.0)\nif jd.rank == 1:\n    raise RuntimeError('bad batch')",
+    )
     assert run.wait(120) == "failed"
     exits = {r["rank"]: r for r in run.records("exit")}
     assert exits[1]["status"] == "error" and "bad batch" in json.dumps(exits[1])

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import descendants_gone, run_processes
 
 pytest.importorskip("IPython")
 pytest.importorskip("torch")
@@ -47,47 +47,11 @@ print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).
 SLEEP = "import time\nprint('up', flush=True)\ntime.sleep(300)"
 
 
-@pytest.fixture(scope="module")
-def ip() -> InteractiveShell:
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "jupyter_dist")
-    return shell
-
-
-@pytest.fixture()
-def runs(tmp_path: Path, ip: InteractiveShell) -> Path:
-    ip.config.DistMagics.runs_dir = str(tmp_path)
-    ip.magics_manager.registry["DistMagics"].runs_dir = str(tmp_path)
-    return tmp_path
-
-
 @pytest.fixture()
 def ds_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reuse DeepSpeed's compiled C++ ops across runs (the first build takes minutes)."""
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS))
-
-
-def run_processes(run: Run) -> list[psutil.Process]:
-    """Every live process started for ``run`` (they all inherit its JD_RUN_DIR)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "environ"]):
-        try:
-            env = proc.info["environ"] or {}
-            if env.get("JD_RUN_DIR") == str(run.dir) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def descendants_gone(run: Run, within: float = 10.0) -> bool:
-    deadline = time.time() + within
-    while time.time() < deadline:
-        if not run_processes(run):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def wait_for_line(run: Run, text: str, ranks: tuple[int, ...] = (0, 1), within: float = 90.0) -> None:
@@ -202,7 +166,9 @@ def test_port_taken_is_a_clear_error(ip: InteractiveShell, runs: Path, name: str
 def test_deepspeed_launcher_trains_zero2(ip: InteractiveShell, runs: Path, ds_cache: None) -> None:
     code = TRAIN.replace("opt = torch.optim.AdamW(model.parameters(), lr=1e-2)", "opt = None")
     t0 = time.time()
-    run = ip.run_cell_magic("dist_train", "--launcher deepspeed --nproc 2 --strategy zero2 --timeout 600", code)
+    run = ip.run_cell_magic(
+        "dist_train", "--launcher deepspeed --nproc 2 --strategy zero2 --timeout 600 --telemetry-interval 0", code
+    )
     assert time.time() - t0 < 5, "the magic must return at once"
     assert run.wait(660) == "succeeded", run.summary() + run.launcher_log()
     assert run.exit_codes == {0: 0, 1: 0}
@@ -224,7 +190,9 @@ def test_deepspeed_launcher_trains_zero2(ip: InteractiveShell, runs: Path, ds_ca
 @pytest.mark.slow
 def test_accelerate_launcher_trains_ddp(ip: InteractiveShell, runs: Path) -> None:
     pytest.importorskip("accelerate")
-    run = ip.run_cell_magic("dist_train", "--launcher accelerate --nproc 2 --strategy ddp --timeout 300", TRAIN)
+    run = ip.run_cell_magic(
+        "dist_train", "--launcher accelerate --nproc 2 --strategy ddp --timeout 300 --telemetry-interval 0", TRAIN
+    )
     assert run.wait(330) == "succeeded", run.summary() + run.launcher_log()
     assert run.exit_codes == {0: 0, 1: 0}
     frame = run.metrics()

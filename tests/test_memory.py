@@ -54,14 +54,25 @@ ASSUME = Assumptions()
 
 
 def memory(
-    model: ModelSpec, strategy: str, *, gpus: int = 8, dims: ParallelDims | None = None, grad_accum: int = 1,
-    gpu: str = "a100-80gb", **shape: object,
+    model: ModelSpec,
+    strategy: str,
+    *,
+    gpus: int = 8,
+    dims: ParallelDims | None = None,
+    grad_accum: int = 1,
+    gpu: str = "a100-80gb",
+    **shape: object,
 ) -> MemoryBreakdown:
     gpn = min(gpus, 8)
     hw = Hardware.from_names(gpu, gpus_per_node=gpn, nodes=max(1, gpus // gpn))
     training = TrainingShape(**shape)  # type: ignore[arg-type]
     return estimate_memory(
-        model, training, hw, STRATEGIES[strategy], dims or ParallelDims(dp=gpus), grad_accum=grad_accum,
+        model,
+        training,
+        hw,
+        STRATEGIES[strategy],
+        dims or ParallelDims(dp=gpus),
+        grad_accum=grad_accum,
         assumptions=ASSUME,
     )
 

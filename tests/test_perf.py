@@ -40,12 +40,23 @@ ASSUME = Assumptions()
 
 
 def step(
-    model: ModelSpec, strategy: str, *, hw: Hardware, dims: ParallelDims | None = None, grad_accum: int = 1,
-    assumptions: Assumptions = ASSUME, **shape: object,
+    model: ModelSpec,
+    strategy: str,
+    *,
+    hw: Hardware,
+    dims: ParallelDims | None = None,
+    grad_accum: int = 1,
+    assumptions: Assumptions = ASSUME,
+    **shape: object,
 ) -> StepTime:
     training = TrainingShape(**shape)  # type: ignore[arg-type]
     return estimate_time(
-        model, training, hw, STRATEGIES[strategy], dims or ParallelDims(dp=hw.world_size), grad_accum=grad_accum,
+        model,
+        training,
+        hw,
+        STRATEGIES[strategy],
+        dims or ParallelDims(dp=hw.world_size),
+        grad_accum=grad_accum,
         assumptions=assumptions,
     )
 
@@ -248,8 +259,12 @@ def test_single_gpu_mfu_is_efficiency_times_model_over_executed(
 
 
 DIMS = [
-    ParallelDims(dp=16), ParallelDims(dp=8, tp=2, sp=True), ParallelDims(dp=4, tp=2, pp=2), ParallelDims(dp=2, tp=8),
-    ParallelDims(dp=8, pp=2), ParallelDims(dp=4, cp=4),
+    ParallelDims(dp=16),
+    ParallelDims(dp=8, tp=2, sp=True),
+    ParallelDims(dp=4, tp=2, pp=2),
+    ParallelDims(dp=2, tp=8),
+    ParallelDims(dp=8, pp=2),
+    ParallelDims(dp=4, cp=4),
 ]
 
 

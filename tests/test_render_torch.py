@@ -48,8 +48,16 @@ MATRIX = [
 
 @cache
 def _plan(
-    nodes: int = 1, gpus: int = 4, *, micro_batch: int = 3, grad_accum: int = 5, seq_len: int = 96,
-    precision: str = "bf16-mixed", checkpointing: str = "none", optimizer: str = "adamw", **dims: int,
+    nodes: int = 1,
+    gpus: int = 4,
+    *,
+    micro_batch: int = 3,
+    grad_accum: int = 5,
+    seq_len: int = 96,
+    precision: str = "bf16-mixed",
+    checkpointing: str = "none",
+    optimizer: str = "adamw",
+    **dims: int,
 ) -> Plan:
     hw = Hardware.from_names("h100-80gb", gpus_per_node=gpus, nodes=nodes)
     shape = TrainingShape(micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, precision=precision,
@@ -398,7 +406,12 @@ def _steps(out: str) -> list[tuple[int, float]]:
 
 
 def _train(
-    tmp_path: Path, p: Plan, cand: str, steps: int, *, launcher: str = "torchrun",
+    tmp_path: Path,
+    p: Plan,
+    cand: str,
+    steps: int,
+    *,
+    launcher: str = "torchrun",
     extra_env: dict[str, str] | None = None,
 ) -> str:
     """Render the script and the project's launch command for it, run them, return the output."""
@@ -423,8 +436,14 @@ def _assert_trained(out: str, first: int, last: int) -> list[tuple[int, float]]:
 
 
 def _train_twice(
-    tmp_path: Path, p: Plan, cand: str, *, first: int = 4, second: int = 6,
-    launchers: tuple[str, str] = ("torchrun", "torchrun"), extra_env: dict[str, str] | None = None,
+    tmp_path: Path,
+    p: Plan,
+    cand: str,
+    *,
+    first: int = 4,
+    second: int = 6,
+    launchers: tuple[str, str] = ("torchrun", "torchrun"),
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[str, str]:
     """Run ``first`` steps, then run again up to ``second``: the loss falls, and the second run resumes."""
     a = _train(tmp_path, p, cand, first, launcher=launchers[0], extra_env=extra_env)
@@ -515,8 +534,11 @@ def test_deepspeed_script_trains_and_resumes_zero2_bf16_with_either_launcher(
     p = _tiny_plan("bf16-mixed", "full", 2)
     lay = layout_of(p, RenderOptions(candidate="zero2"))
     config = {
-        "train_micro_batch_size_per_gpu": lay.micro_batch, "gradient_accumulation_steps": lay.grad_accum,
-        "train_batch_size": lay.global_batch, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
+        "train_micro_batch_size_per_gpu": lay.micro_batch,
+        "gradient_accumulation_steps": lay.grad_accum,
+        "train_batch_size": lay.global_batch,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
         "gradient_clipping": 1.0,
     }  # fmt: skip  (no optimizer section: the script's torch AdamW, no C++ op to build)
     (tmp_path / "ds_config.json").write_text(json.dumps(config))

@@ -89,6 +89,8 @@ class Run:
         self._done = threading.Event()
         self._stop_reason: str | None = None
         self.plan = plan
+        self._dashboard: Any = None
+        self._skip_display = False
         if self._meta.get("status") in FINAL:
             self._done.set()
         elif self._procs or self._meta.get("pids"):
@@ -256,6 +258,26 @@ class Run:
                 lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
         return "\n".join(lines)
 
+    def dashboard(self, **kwargs: Any) -> Any:
+        """The live panels of this run (:class:`~jupyter_dist.ui.dashboard.Dashboard`), following it until it ends.
+
+        Display the result in a notebook; a finished run's panels are drawn from its telemetry files.
+        """
+        from ..ui.dashboard import Dashboard
+
+        dash = Dashboard(self, **kwargs)
+        if not self.done:
+            dash.start()
+        return dash
+
+    def _ipython_display_(self) -> None:
+        if self._skip_display:  # %%dist_train just showed the live dashboard for this run: no second card
+            self._skip_display = False
+            return
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
+
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         colour = {SUCCEEDED: "#2e7d32", FAILED: "#c62828", RUNNING: "#1565c0", TIMED_OUT: "#c62828"}.get(
             self.status, "#555"
@@ -263,6 +285,13 @@ class Run:
         body = html.escape(self.summary())
         card = (f'<div style="border-left:4px solid {colour};padding:4px 8px"><pre style="margin:0">{body}</pre>'
                 "</div>")  # fmt: skip
+        if self.done and self._rd.telemetry.is_dir():
+            try:  # the final panels, drawn without JavaScript (they survive export)
+                from ..ui.dashboard import Dashboard
+
+                card += Dashboard(self, widget=False).static_html()
+            except Exception as exc:  # never let a damaged telemetry file hide the run's card
+                card += f"<p>(panels unavailable: {html.escape(str(exc))})</p>"
         return {"text/plain": self.summary(), "text/html": card}
 
     def __repr__(self) -> str:
