@@ -86,3 +86,46 @@ def test_planning_end_to_end_loads_no_forbidden_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+LAYERS = ("errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magics")
+"""Layer order (ARCHITECTURE.md): a module imports, at module level, only its own layer and the ones before it.
+Function-level imports may reach down (``Run.dashboard()`` builds ui panels lazily) and are not checked here."""
+
+
+def _layer_of(rel: Path) -> str:
+    return rel.parts[0].removesuffix(".py")
+
+
+def _module_level_targets(path: Path) -> list[str]:
+    """The jupyter_dist layers a file imports at module level (relative or absolute imports)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = path.relative_to(ROOT)
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level > 0:
+                base = list(rel.parent.parts)[: len(rel.parent.parts) - (node.level - 1)]
+                parts = base + (node.module.split(".") if node.module else [])
+                if parts:
+                    out.append(parts[0])
+            elif node.module and node.module.startswith("jupyter_dist."):
+                out.append(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out += [a.name.split(".")[1] for a in node.names if a.name.startswith("jupyter_dist.")]
+    return out
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted(ROOT.rglob("*.py")) if p.parent != ROOT or p.name != "__init__.py"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_module_level_imports_follow_the_layer_order(path: Path) -> None:
+    rel = path.relative_to(ROOT)
+    layer = _layer_of(rel)
+    if layer not in LAYERS:
+        pytest.fail(f"{rel}: unknown layer {layer!r}; add it to LAYERS (and to ARCHITECTURE.md)")
+    allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+    bad = sorted({t for t in _module_level_targets(path) if t in LAYERS and t not in allowed})
+    assert not bad, f"{rel} ({layer}) imports {bad} at module level; only {sorted(allowed)} are above it"

@@ -151,8 +151,8 @@ class DashboardModel:
     metric
         The metric of the loss panel (default ``loss``, else the first one logged).
     smoothing
-        Weight of the newest value in the smoothed mean (an exponential moving average, debiased as in
-        TensorBoard's smoothing).
+        Weight of the newest step in the smoothed mean (an exponential moving average per step, debiased as in
+        TensorBoard's smoothing; a coalesced record of ``n`` steps weighs as ``n`` steps).
     clock
         Unix time source (tests pass a fake one).
     """
@@ -189,7 +189,7 @@ class DashboardModel:
         self._starts: dict[int, int] = {}
         self._latest_metric: dict[int, float] = {}
         self._ema = 0.0
-        self._ema_n = 0
+        self._ema_keep = 1.0
         self._rates: dict[int, float] = {}
         self.rate_unit: str | None = None
         self._hb: dict[int, dict[str, Any]] = {}
@@ -259,7 +259,8 @@ class DashboardModel:
                 self.lines["loss"].y_title = name
         value = rec.get(name) if name is not None else None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._add_loss(rank, step, float(value))
+            n = rec.get("n")
+            self._add_loss(rank, step, float(value), n if isinstance(n, int) and n > 0 else 1)
         rate, unit = _rate(rec)
         if rate is not None and unit is not None:
             if self.rate_unit is None or _UNITS.index(unit) < _UNITS.index(self.rate_unit):
@@ -279,7 +280,7 @@ class DashboardModel:
                 if not series.xs or x >= series.xs[-1]:  # a late record from a slow reader does not zigzag
                     series.append(x, total, self.max_points)
 
-    def _add_loss(self, rank: int, step: int, value: float) -> None:
+    def _add_loss(self, rank: int, step: int, value: float, n: int = 1) -> None:
         per_rank = self.world_size is None or self.world_size <= self.per_rank_limit
         if per_rank and rank < self.per_rank_limit:
             self._loss_series(rank).append(step, value, self.max_points)
@@ -288,9 +289,11 @@ class DashboardModel:
         self._latest_metric[rank] = value
         values = list(self._latest_metric.values())
         mean = sum(values) / len(values)
-        self._ema = (1 - self.smoothing) * self._ema + self.smoothing * mean
-        self._ema_n += 1
-        smoothed = self._ema / (1 - (1 - self.smoothing) ** self._ema_n)  # debiased, as TensorBoard does
+        # the smoothing weight is per step: a coalesced record of n steps (one of len(values) ranks) counts n/ranks
+        keep = (1 - self.smoothing) ** (n / len(values))
+        self._ema = keep * self._ema + (1 - keep) * mean
+        self._ema_keep *= keep
+        smoothed = self._ema / (1 - self._ema_keep)  # debiased, as TensorBoard does
         mean_series = self._loss_series("mean")
         if not mean_series.xs or step >= mean_series.xs[-1]:
             mean_series.append(step, smoothed, self.max_points)
