@@ -270,6 +270,13 @@ def test_a_real_two_process_run_feeds_the_live_panels(ip: Any, runs: Path) -> No
     assert sum(r["rank"] == 0 for r in hbs) >= 5 and sum(r["rank"] == 1 for r in hbs) >= 5
     assert (0, "wait") in phases  # rank 0 beat while blocked in the barrier
     assert dash.stats.extends > 0 and any(c["fig"] == "loss" for c, _ in sent.messages)
+    # collective timings: DDP's bucket all-reduces on both ranks, and rank 0 waiting ~1 s in the barrier for rank 1
+    comm = list(dash.reader.buffers["comm"])
+    assert {r["rank"] for r in comm} == {0, 1}
+    assert any("all_reduce (DDP buckets)" in r["ops"] for r in comm)
+    barrier = {r["rank"]: r["ops"]["barrier"]["seconds"] for r in comm if "barrier" in r["ops"]}
+    assert barrier[0] > 0.7 and barrier[0] > barrier.get(1, 0.0) + 0.5, barrier
+    assert {t["name"] for t in figs["comm"]["traces"]} == {"rank 0", "rank 1"}
     assert "succeeded" in dash.widget.status_html and dash.model.status()["errors"] == []
     assert dash.reader.bad_lines == 0
 

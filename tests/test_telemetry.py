@@ -313,3 +313,54 @@ def test_read_run_records_of_a_worker_that_was_killed_mid_write(tmp_path: Path) 
         fh.write('{"v":1,"kind":"step","rank":0,"seq":1,"t":1.0,"st')
     rs = read_run_records(Path(tmp_path) / "telemetry")
     assert [r["seq"] for r in rs.records] == [0] and rs.bad_lines == 0  # the incomplete line is not read yet
+
+
+# --------------------------------------------------------------------------- collective timings
+def test_collective_wrappers_time_blocking_and_async_calls() -> None:
+    from concurrent.futures import Future
+
+    from jupyter_dist.worker._comm import CommStats, install_collective_timers
+
+    class Work:
+        def __init__(self) -> None:
+            self.fut: Future[None] = Future()
+
+        def get_future(self) -> Future[None]:
+            return self.fut
+
+    works: list[Work] = []
+    fake = types.SimpleNamespace(
+        all_reduce=lambda t, async_op=False: (
+            (time.sleep(0.05), None)[1] if not async_op else works.append(Work()) or works[-1]
+        ),
+        barrier=lambda: time.sleep(0.02),
+    )  # stands in for torch.distributed: only its call shapes matter here
+    stats = CommStats()
+    assert sorted(install_collective_timers(fake, stats)) == ["all_reduce", "barrier"]
+    assert install_collective_timers(fake, stats) == []  # idempotent
+
+    class T:
+        def numel(self) -> int:
+            return 1000
+
+        def element_size(self) -> int:
+            return 4
+
+    fake.all_reduce(T())
+    fake.barrier()
+    work = fake.all_reduce(T(), async_op=True)
+    assert stats.take()["ops"].keys() == {"all_reduce", "barrier"}  # type: ignore[index]
+    time.sleep(0.03)
+    work.fut.set_result(None)  # the async all-reduce completes 30 ms after it was issued
+    got = stats.take()
+    assert got is not None and got["issued"] == 3 and got["count"] == 1 and got["bytes"] == 4000
+    assert got["seconds"] >= 0.03 and stats.take() is None
+
+
+def test_comm_timing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jupyter_dist.worker._comm import enabled
+
+    monkeypatch.setenv("JD_COMM_TIMING", "0")
+    assert not enabled()
+    monkeypatch.setenv("JD_COMM_TIMING", "1")
+    assert enabled()

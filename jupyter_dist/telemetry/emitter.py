@@ -257,6 +257,8 @@ class Emitter:
         """Source of ``gpu`` records (set by the worker when it uses CUDA)."""
         self.cuda_device: int | None = None
         """CUDA device whose allocator figures go into ``mem`` records."""
+        self.comm: Any = None
+        """Source of ``comm`` records: an object whose ``take()`` returns the window's fields or ``None``."""
 
     @classmethod
     def for_run_dir(cls, run_dir: str | os.PathLike[str] | None, *, rank: int, stream_fd: int | None = None,
@@ -418,6 +420,14 @@ class Emitter:
         self.flush(if_older_than=self.interval_s)
         self.heartbeat()
         self.memory()
+        self.comm_record()
+
+    def comm_record(self) -> dict[str, Any] | None:
+        """Write the collective timings gathered since the last call as one ``comm`` record (if any)."""
+        if self.comm is None:
+            return None
+        fields = self.comm.take()
+        return self.emit("comm", **fields) if fields else None
 
     def start_monitor(self, interval_s: float) -> None:
         """Run :meth:`tick` every ``interval_s`` seconds from a daemon thread until :meth:`close`."""
@@ -439,6 +449,8 @@ class Emitter:
     def close(self) -> None:
         """Flush, stop the monitor and close the sinks; later records are dropped."""
         self.flush()
+        with contextlib.suppress(Exception):
+            self.comm_record()
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=1.0)

@@ -39,7 +39,9 @@ and then the fields of its kind:
     from NVML when ``pynvml`` is importable and CUDA is in use: ``index`` (NVML device index), ``util``
     (% of time a kernel ran), ``mem_util`` (%), ``mem_used`` and ``mem_total`` (bytes), ``power_w``, ``temp_c``;
 ``comm``
-    collective timings: ``op``, ``count``, ``seconds`` (total wall time inside the calls), ``bytes``;
+    collective timings of one heartbeat window: ``count``, ``seconds`` (wall time from issue to completion,
+    waiting for other ranks included), ``bytes``, ``window_s``, ``issued`` (collectives issued by the rank so far)
+    and ``ops`` (the same per collective, e.g. ``{"all_reduce (DDP buckets)": {"count", "seconds", "bytes"}}``);
 ``error``
     an uncaught exception in the script: ``error_type``, ``error``, ``traceback`` (its last lines);
 ``exit``

@@ -329,7 +329,7 @@ class DashboardModel:
         if per_rank:
             fig = self.lines["comm"]
             series = fig.get(rank, lambda: Series(f"rank {rank}", rank_color(rank), width=1.0))
-            window = rec.get("window_s") or 1.0
+            window = max(float(rec.get("window_s") or 1.0), 1e-3)
             if not series.xs or rel >= series.xs[-1]:
                 series.append(rel, float(seconds) / float(window), self.max_points)
         bins = self._comm_bins.setdefault(rank, {})

@@ -60,6 +60,8 @@ class Runtime:
         self._exit_written = False
         self._hooks_installed = False
         self._warned_no_run_dir = False
+        self.comm_stats: Any = None
+        """Collective timings (``comm`` records) of a launched, distributed worker."""
 
     # ------------------------------------------------------------------ identity
     @property
@@ -129,6 +131,13 @@ class Runtime:
                         dist.init_process_group("gloo")
                     self._owns_pg = True
                 backend = str(dist.get_backend())
+                if self.env.run_dir is not None:
+                    from ._comm import CommStats, enabled, install_collective_timers
+
+                    if enabled():
+                        self.comm_stats = CommStats()
+                        install_collective_timers(dist, self.comm_stats)
+                        self.emitter.comm = self.comm_stats
             self._start_telemetry(backend)
             self.emitter.set_phase("forward")
 
@@ -198,7 +207,7 @@ class Runtime:
 
         self.init()
         self.emitter.set_phase("wrap")
-        model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device)
+        model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device, comm_stats=self.comm_stats)
         self.model, self.optimizer = model, optimizer
         self.emitter.set_phase("forward")
         if self.env.precision == "fp16-mixed" and self.env.family in ("none", "ddp"):

@@ -118,7 +118,8 @@ def _mixed(precision: str) -> tuple[Any, Any] | None:
     return None
 
 
-def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device) -> tuple[Any, Any]:
+def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
+                   comm_stats: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`."""
     import torch
     import torch.distributed as dist
@@ -141,7 +142,12 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
 
         model = model.to(device)
         ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids, gradient_as_bucket_view=True), optimizer
+        ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+        if comm_stats is not None:
+            from ._comm import ddp_timing_hook
+
+            ddp.register_comm_hook(None, ddp_timing_hook(comm_stats))
+        return ddp, optimizer
 
     if family == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
