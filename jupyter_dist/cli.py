@@ -239,7 +239,49 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--strategy", default="ddp", help="ddp (default), fsdp2, none, zero2 ...")
     d.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     d.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
+    k = sub.add_parser("check", help="preflight: versions, correctness and collective bandwidth on fresh ranks",
+                       description="Run all-reduce, all-gather, reduce-scatter and broadcast over a range of message "
+                                   "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
+                                   "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
+    add_check_arguments(k)
     return parser
+
+
+def add_check_arguments(k: argparse.ArgumentParser) -> None:
+    """Flags shared by ``jupyter-dist check`` and ``%dist_check``."""
+    k.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
+    k.add_argument("--nodes", type=int, default=1, help="nodes (locally: simulated torchrun agents; default 1)")
+    k.add_argument("--sizes", default="1K,64K,1M,16M", help="message sizes (default 1K,64K,1M,16M)")
+    k.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast", help="collectives to time")
+    k.add_argument("--iters", type=int, default=5, help="timed calls per size (default 5)")
+    k.add_argument("--gpu", help="compare with this accelerator's expected bandwidth (catalog name)")
+    k.add_argument("--interconnect", help="and this interconnect between nodes (catalog name)")
+    k.add_argument("--expect-busbw", metavar="BYTES_PER_S", help="reference bus bandwidth, e.g. 100GB (per second)")
+    k.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds (default 180)")
+    k.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
+    k.add_argument("--json", action="store_true", help="print one JSON object (bandwidths in bytes/s)")
+
+
+def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
+    """Run the preflight described by parsed ``check`` flags; returns the :class:`CheckReport`."""
+    from .launch.check import parse_size, parse_sizes, run_check
+    from .plan.hardware import Hardware
+
+    if args.nproc is not None and args.nproc < 1:
+        raise JupyterDistError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nodes < 1:
+        raise JupyterDistError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.timeout <= 0:
+        raise JupyterDistError(f"--timeout must be positive seconds, got {args.timeout}")
+    hardware = None
+    if args.gpu:
+        hardware = Hardware.from_names(args.gpu, gpus_per_node=args.nproc, nodes=args.nodes,
+                                       interconnect=args.interconnect)  # fmt: skip
+    expected = parse_size(args.expect_busbw, what="--expect-busbw") if args.expect_busbw else None
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    return run_check(nproc=args.nproc, nodes=args.nodes, sizes=parse_sizes(args.sizes), ops=ops, iters=args.iters,
+                     plan=plan, hardware=hardware, expected_busbw=expected, timeout=args.timeout,
+                     runs_dir=args.runs_dir)  # fmt: skip
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -302,6 +344,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run.status == "succeeded" else 1
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    report: Any = check_from_args(args)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    return {"healthy": 0, "degraded": 1}.get(report.verdict, 3)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jupyter-dist`` console script."""
     parser = build_parser()
@@ -310,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo}[args.command](args)
+        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check}
+        return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
         return 2

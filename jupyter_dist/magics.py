@@ -62,6 +62,18 @@ def _train_parser() -> MagicArgumentParser:
     return p
 
 
+def _check_parser() -> MagicArgumentParser:
+    from .cli import add_check_arguments
+
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_check", add_help=False,
+        description="Preflight: versions, correctness and collective bandwidth on fresh ranks, with a verdict.",
+    )
+    add_check_arguments(p)
+    p.add_argument("--plan", metavar="VAR", help="compare with this Plan's hardware")
+    return p
+
+
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
     p.add_argument("--rank", type=int, help="rank to show (default: the failing rank, else 0)")
@@ -83,6 +95,7 @@ class DistMagics(Magics):
     plan_parser = _plan_parser()
     train_parser = _train_parser()
     logs_parser = _rank_parser()
+    check_parser = _check_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
@@ -229,6 +242,36 @@ class DistMagics(Magics):
             raise UsageError(str(exc)) from None
         self.last_run = run
         return run
+
+    @line_magic
+    def dist_check(self, line: str) -> Any:
+        """Preflight the communication: ``%dist_check [--nproc N] [--sizes 1K,1M,16M] [--gpu h100-80gb] [--json]``.
+
+        Returns a report (verdict healthy / degraded / broken, with the evidence) that displays as a table.
+        """
+        args = self._parse(self.check_parser, line)
+        if args is None:
+            return None
+        from .cli import check_from_args
+
+        plan = None
+        if args.plan:
+            ns = self.shell.user_ns if self.shell is not None else {}
+            if args.plan not in ns:
+                raise UsageError(f"--plan {args.plan}: no variable of that name in the notebook")
+            plan = ns[args.plan]
+        if args.runs_dir == "runs":
+            args.runs_dir = self.runs_dir
+        try:
+            report = check_from_args(args, plan=plan)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        if args.json:
+            import json
+
+            print(json.dumps(report.to_dict(), indent=2))  # type: ignore[attr-defined]
+            return None
+        return report
 
     @line_magic
     def dist_plan(self, line: str) -> Any:

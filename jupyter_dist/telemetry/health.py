@@ -6,7 +6,7 @@ collective; a heartbeat that stops means the process is frozen (GIL held, stoppe
 
 from __future__ import annotations
 
-__all__ = ["HB_STATES", "HB_COLORS", "hb_state"]
+__all__ = ["HB_STATES", "HB_COLORS", "hb_state", "bus_factor", "bus_bandwidth"]
 
 HB_STATES = ("ok", "slow", "suspect", "hung", "dead", "exited", "unknown")
 """Heartbeat states, from fresh to gone."""
@@ -36,3 +36,28 @@ def hb_state(age_s: float, interval_s: float, *, exited: bool = False, alive: bo
     if age_s <= 15 * period:
         return "suspect"
     return "hung"
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor of collective ``op`` over ``n`` ranks.
+
+    2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for broadcast and reduce (nccl-tests,
+    doc/PERFORMANCE.md, "Bus bandwidth").
+    """
+    if n < 1:
+        raise ValueError(f"world size must be >= 1, got {n}")
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"no bus-bandwidth factor for {op!r}; valid: all_reduce, all_gather, reduce_scatter, broadcast")
+
+
+def bus_bandwidth(op: str, size_bytes: float, seconds: float, n: int) -> tuple[float, float]:
+    """``(algorithm bandwidth, bus bandwidth)`` in bytes/s for one collective of ``size_bytes`` taking ``seconds``."""
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    alg = size_bytes / seconds
+    return alg, alg * bus_factor(op, n)
