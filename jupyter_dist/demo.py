@@ -87,14 +87,15 @@ def run_demo(*, nproc: int = 2, strategy: str = "ddp", steps: int = 300, runs_di
     print(f"started {nproc} processes ({strategy}); run directory {run.dir}", file=out)
     dash = Dashboard(run, widget=False, interval=0.5)
     t0 = time.time()
-    shown = 0
+    shown = -1  # the last seq of rank 0 printed
     while True:
         done = run.done
         dash.update()
-        steps_seen = sorted((r for r in dash.reader.buffers["step"] if r["rank"] == 0), key=lambda r: r["seq"])
-        for rec in steps_seen[shown:]:
+        fresh = sorted((r for r in dash.reader.buffers["step"] if r["rank"] == 0 and r["seq"] > shown),
+                       key=lambda r: r["seq"])  # fmt: skip
+        for rec in fresh:
             print(_progress_line(dash, rec, time.time() - t0), file=out, flush=True)
-        shown = len(steps_seen)
+            shown = rec["seq"]
         if done:
             break
         time.sleep(0.5)

@@ -145,8 +145,22 @@ def test_line_traces_are_capped_by_min_max_decimation_and_resent_whole() -> None
     extends, whole = m.take_extends()
     assert "loss" in whole
     (trace, mean) = m.lines["loss"].series
-    assert len(trace.xs) <= 200 and trace.total == 10_000
-    assert 100.0 in trace.ys and trace.xs[0] == 0 and trace.xs[-1] == 9_999  # the spike and both ends survive
+    assert len(trace.xs) <= 200 and trace.total == 10_000 and trace.bucket > 0
+    assert 100.0 in trace.ys and trace.xs[0] == 0 and trace.xs[-1] >= 9_999 - trace.bucket  # spike and ends survive
+
+
+def test_a_fast_stream_extends_at_the_decimated_resolution_instead_of_resending() -> None:
+    m = DashboardModel(1, max_points=400, clock=FakeClock())
+    wholes, extended = 0, 0
+    for second in range(50):  # 2,000 steps per update: five times the cap each time
+        m.ingest([rec("step", 0, s, 1000.0 + s / 2000, step=s, loss=1.0 + (s % 7)) for s in
+                  range(second * 2000, (second + 1) * 2000)])  # fmt: skip
+        extends, whole = m.take_extends()
+        wholes += "loss" in whole
+        extended += sum(e.points for e in extends if e.figure == "loss")
+        assert max(len(s.xs) for s in m.lines["loss"].series) <= 400
+    assert wholes <= 12, wholes  # about log2(100,000 / 400) re-sends, not one per update
+    assert extended > 0
 
 
 def test_decimation_keeps_extremes_in_x_order() -> None:

@@ -199,6 +199,23 @@ class Nvml:
         return out
 
 
+def _as_float(value: Any) -> float:
+    return float(value.item()) if hasattr(value, "item") else float(value)
+
+
+def _sum_tensors(values: list[Any]) -> float:
+    """Sum one-element tensors with one reduction and one ``.item()`` (one device sync per record)."""
+    if len(values) == 1:
+        return _as_float(values[0])
+    torch = sys.modules.get("torch")
+    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        return float(torch.stack([v.reshape(()) for v in values]).to(torch.float64).sum().item())
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return _as_float(total)
+
+
 class Emitter:
     """Builds records for one rank and fans them out to its sinks; thread-safe.
 
@@ -330,12 +347,15 @@ class Emitter:
         now = self._clock()
         with self._lock:
             for name, value in values.items():
-                if name in self._sums:
-                    self._sums[name] = self._sums[name] + value
-                    self._counts[name] += 1
+                if name not in self._sums:
+                    self._sums[name] = [] if hasattr(value, "detach") else 0.0
+                    self._counts[name] = 0
+                total = self._sums[name]
+                if isinstance(total, list):  # tensors: kept, summed once per record (one dispatcher call per log)
+                    total.append(value)
                 else:
-                    self._sums[name] = value
-                    self._counts[name] = 1
+                    self._sums[name] = total + _as_float(value)
+                self._counts[name] += 1
             self._n += 1
             self._win_step, self._win_t = step_int, now
             if self._last_flush is None or self.interval_s == 0 or now - self._last_flush >= self.interval_s:
@@ -356,7 +376,7 @@ class Emitter:
         fields: dict[str, Any] = {"step": self._win_step, "n": self._n}
         totals: dict[str, float] = {}
         for name, total in self._sums.items():
-            value = float(total.item()) if hasattr(total, "item") else float(total)
+            value = _sum_tensors(total) if isinstance(total, list) else float(total)
             totals[name] = value
             fields[name] = value / self._counts[name]
         if self._ref is not None and self._win_t > self._ref[0]:

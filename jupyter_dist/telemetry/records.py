@@ -169,7 +169,8 @@ def check_metrics(step: Any, metrics: dict[str, Any]) -> tuple[int, dict[str, An
         if hasattr(metric, "detach") and hasattr(metric, "numel"):  # a torch tensor: no .item() here
             if metric.numel() != 1:
                 raise TypeError(f"metric {name!r} must be a scalar; got a tensor of shape {tuple(metric.shape)}")
-            out[name] = metric.detach()
+            # detach only what autograd tracks: a dispatcher call is ~10 us in a training loop with cold caches
+            out[name] = metric.detach() if getattr(metric, "requires_grad", True) else metric
         else:
             out[name] = metric_value(name, metric)
     return value, out

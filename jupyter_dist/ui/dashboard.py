@@ -138,7 +138,8 @@ class Dashboard:
         self.model = DashboardModel(self.run.world_size, plan_memory=plan_memory, device_limit=device_limit,
                                     hb_interval=hb_interval, max_points=max_points, clock=clock,
                                     t0=meta.get("started"))  # fmt: skip
-        self.reader = TelemetryReader(Path(self.run.dir) / "telemetry", interval=interval)
+        # the panels keep their own bounded data: the reader's ring buffers only need recent records
+        self.reader = TelemetryReader(Path(self.run.dir) / "telemetry", interval=interval, maxlen=1000)
         self.stats = UpdateStats()
         """Totals over all updates (bytes sent to the browser, points, ...)."""
         self.last = UpdateStats()
@@ -199,8 +200,9 @@ class Dashboard:
                     self.widget.layout_ids = [f["id"] for f in self.model.figures(now)]
                 if self.model.take_small():
                     small = self.model.small_figures(now)
-                    stats.bytes_sent += _json_size(small)
-                    self.widget.small_figs = small
+                    if small != self.widget.small_figs:  # traitlets sends nothing for an equal value
+                        stats.bytes_sent += _json_size(small)
+                        self.widget.small_figs = small
                 status = self._status(now)
                 if status != self.widget.status_html:
                     stats.bytes_sent += len(status)

@@ -76,15 +76,49 @@ class Series:
     replaced: bool = False
     total: int = 0
     """Points ever appended (before decimation)."""
+    bucket: float = 0.0
+    """Once decimated: the x width whose min and max point new points are folded into (doubles each time)."""
+    _open: list[tuple[float, float | None]] = field(default_factory=list, repr=False)
+    _open_start: float = 0.0
 
     def append(self, x: float, y: float | None, cap: int) -> None:
-        """Add a point; past ``cap`` points the series is decimated to half and marked for a whole re-send."""
-        self.xs.append(float(x))
-        self.ys.append(None if y is None or not math.isfinite(y) else float(y))
+        """Add a point; past ``cap`` points the series is decimated to half and marked for a whole re-send.
+
+        After a decimation, new points are folded at the same resolution (min and max per ``bucket`` of x) before
+        they are kept, so a fast stream extends the trace instead of forcing a whole re-send on every update; the
+        newest open bucket shows once it closes (a lag of one bucket width).
+        """
+        x = float(x)
+        value = None if y is None or not math.isfinite(y) else float(y)
         self.total += 1
+        if self.bucket > 0:
+            if self._open and x >= self._open_start + self.bucket:
+                self._close_bucket()
+            if not self._open:
+                self._open_start = x
+            self._open.append((x, value))
+        else:
+            self.xs.append(x)
+            self.ys.append(value)
         if len(self.xs) > cap:
             self.xs, self.ys = decimate_minmax(self.xs, self.ys, cap // 2)  # type: ignore[arg-type]
+            span = self.xs[-1] - self.xs[0] if len(self.xs) > 1 else 0.0
+            self.bucket = max(self.bucket * 2, span / max(1, cap // 4))
             self.replaced = True
+
+    def _close_bucket(self) -> None:
+        points = self._open
+        self._open = []
+        finite = [p for p in points if p[1] is not None]
+        if not finite:
+            keep = [points[-1]]
+        else:
+            lo = min(finite, key=lambda p: p[1])  # type: ignore[arg-type, return-value]
+            hi = max(finite, key=lambda p: p[1])  # type: ignore[arg-type, return-value]
+            keep = sorted({lo, hi})
+        for px, py in keep:
+            self.xs.append(px)
+            self.ys.append(py)
 
     def trace(self) -> dict[str, Any]:
         """The figure-format trace with all current points."""
@@ -197,6 +231,7 @@ class DashboardModel:
         self._mem: dict[int, dict[str, Any]] = {}
         self._comm_bins: dict[int, dict[int, float]] = {}
         self._comm_bin_s = 1.0
+        self._comm_cols: set[int] = set()
         self.small_dirty: set[str] = set(SMALL_FIGURES)
         self.lines = {
             "loss": _LineFigure("loss", "Loss", "step", "loss", "waiting for jd.log(step, loss=...)"),
@@ -335,13 +370,15 @@ class DashboardModel:
         bins = self._comm_bins.setdefault(rank, {})
         b = int(rel // self._comm_bin_s)
         bins[b] = bins.get(b, 0.0) + float(seconds)
-        if len({k for v in self._comm_bins.values() for k in v}) > 120:  # keep the heatmap <= 120 columns
+        self._comm_cols.add(b)
+        if len(self._comm_cols) > 120:  # keep the heatmap <= 120 columns
             self._comm_bin_s *= 2
             for r, old in self._comm_bins.items():
                 merged: dict[int, float] = {}
                 for k, v in old.items():
                     merged[k // 2] = merged.get(k // 2, 0.0) + v
                 self._comm_bins[r] = merged
+            self._comm_cols = {k // 2 for k in self._comm_cols}
         self.small_dirty.add("comm_heatmap")
 
     def _on_error(self, rec: dict[str, Any], rank: int, t: float) -> None:
