@@ -59,6 +59,8 @@ def _train_parser() -> MagicArgumentParser:
         help="seconds between the ranks' coalesced step records (default 1; 0: one per jd.log call)",
     )
     p.add_argument("--heartbeat", type=float, metavar="S", help="seconds between heartbeats (default 2; 0: off)")
+    p.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)")
     return p
 
 
@@ -168,6 +170,7 @@ class DistMagics(Magics):
                 cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
                 name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
+                hang_timeout=args.hang_timeout,
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None

@@ -7,10 +7,12 @@ records the rank's exit code and error in ``logs/rank-<k>.exit.json`` for the Ru
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(os.environ.get("JD_RUN_DIR", "."))
     _redirect(run_dir / "logs" / f"rank-{rank}.log")
+    if hasattr(faulthandler, "register"):  # SIGUSR1 dumps every thread's stack into the log (hang diagnosis)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     code, error = 0, None
     try:
         init = _shipped(run_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import html
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -27,8 +28,8 @@ from .rundir import RunDir
 __all__ = ["Run", "RunStatus", "open_run", "kill_tree"]
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-STOPPED, TIMED_OUT = "stopped", "timed out"
-FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT)
+STOPPED, TIMED_OUT, HUNG = "stopped", "timed out", "hung"
+FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT, HUNG)
 RunStatus = str
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -213,7 +214,21 @@ class Run:
 
     def _watch(self) -> None:
         started = float(self._meta.get("started", time.time()))
+        hang_timeout = self._meta.get("hang_timeout")
+        tracker = reader = None
+        if hang_timeout:
+            from ..telemetry.health import HealthTracker
+            from ..telemetry.reader import TelemetryReader
+
+            tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
+        next_check = 0.0
         while self._alive():
+            if tracker is not None and reader is not None and self._stop_reason is None and time.time() >= next_check:
+                next_check = time.time() + 1.0
+                tracker.ingest(reader.poll())
+                report = tracker.hang(time.time(), float(hang_timeout))
+                if report is not None:
+                    self._on_hang(report, tracker)
             if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
                 self._stop_reason = TIMED_OUT
                 threading.Thread(target=kill_tree, args=(self._pids(),), daemon=True).start()
@@ -224,13 +239,50 @@ class Run:
             time.sleep(0.2)
         self._finalize()
 
+    def _on_hang(self, report: dict[str, Any], tracker: Any) -> None:
+        """Write ``diagnosis.json`` (who is behind, phases, collectives, every rank's thread stacks), then stop."""
+        self._stop_reason = HUNG
+        marks = {r: len(self.logs(r)) for r in range(self.world_size)}
+        for pid in tracker.pids.values():  # bootstrap registered faulthandler on SIGUSR1: stacks go to the log
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(1.5)
+        stacks = {str(r): self.logs(r)[marks[r]:][-6000:] for r in range(self.world_size)}
+        diagnosis = {"kind": "hang", **report, "stacks": stacks, "t": time.time()}
+        (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
+        self._meta["diagnosis"] = {k: v for k, v in diagnosis.items() if k != "stacks"}
+        kill_tree(self._pids())
+
+    def diagnosis(self) -> Any:
+        """Why the run failed or hung: the hang report, or the ranks' logs classified (first failing rank first)."""
+        path = self.dir / "diagnosis.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        if self.status not in (FAILED, TIMED_OUT):
+            return None
+        from ..telemetry.diagnose import diagnose_ranks
+
+        times, codes = {}, {}
+        for r in range(self.world_size):
+            try:
+                rec = json.loads(self._rd.exit_file(r).read_text())
+            except (OSError, ValueError):
+                continue
+            codes[r] = rec.get("code")
+            if rec.get("code"):
+                times[r] = float(rec.get("t", 0.0))
+        logs = {r: self.logs(r) for r in range(self.world_size)}
+        return diagnose_ranks(logs, times or None, exit_codes=codes)
+
     def _finalize(self) -> None:
         with self._lock:
             if self.done:
                 return
             codes = [p.poll() for p in self._procs]
             rank_codes = self.exit_codes
-            if self._stop_reason in (STOPPED, TIMED_OUT):
+            if self._stop_reason in (STOPPED, TIMED_OUT, HUNG):
                 status = self._stop_reason
             elif self._procs:
                 status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
@@ -256,6 +308,18 @@ class Run:
                 lines += ["    " + ln for ln in self.logs(bad, tail=12).splitlines()]
             if self.status == TIMED_OUT:
                 lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
+            if self.status == HUNG:
+                d = self._meta.get("diagnosis") or {}
+                lines.append(f"  hung: no step for {d.get('stalled_s')} s; {d.get('reason')}")
+                lines.append(f"  phases {d.get('phases')}, collectives issued {d.get('issued')}; stacks in "
+                             "diagnosis.json")  # fmt: skip
+            elif self.status == FAILED:
+                try:
+                    diag = self.diagnosis()
+                except Exception:  # a diagnosis must never hide the failure itself
+                    diag = None
+                if diag is not None and getattr(diag, "findings", None):
+                    lines.append("  diagnosis: " + diag.summary().replace("\n", "\n  "))
         return "\n".join(lines)
 
     def dashboard(self, **kwargs: Any) -> Any:
@@ -279,7 +343,8 @@ class Run:
         display(self._repr_mimebundle_(), raw=True)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        colour = {SUCCEEDED: "#2e7d32", FAILED: "#c62828", RUNNING: "#1565c0", TIMED_OUT: "#c62828"}.get(
+        colour = {SUCCEEDED: "#2e7d32", FAILED: "#c62828", RUNNING: "#1565c0", TIMED_OUT: "#c62828",
+                  HUNG: "#c62828"}.get(
             self.status, "#555"
         )
         body = html.escape(self.summary())

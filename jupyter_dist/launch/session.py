@@ -92,7 +92,7 @@ def start_run(
     code: str, *, nproc: int | None = None, nodes: int = 1, strategy: str = "auto", plan: Any = None,
     launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-    port: int | None = None, dry_run: bool = False,
+    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None,
 ) -> Run | DryRun:
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run."""
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
@@ -100,6 +100,8 @@ def start_run(
         nproc = local_gpu_count() or 2
     if timeout is not None and timeout <= 0:
         raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
+    if hang_timeout is not None and hang_timeout <= 0:
+        raise JupyterDistError(f"--hang-timeout must be positive seconds, got {hang_timeout}")
     world = nproc * nodes
     if plan is not None and not hasattr(plan, "best"):
         raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
@@ -143,7 +145,7 @@ def start_run(
                         port=port, extra_env=jd_env)  # fmt: skip
     meta: dict[str, Any] = {
         "name": name, "status": "pending", "strategy": strat, "world_size": world, "nproc": nproc, "nodes": nodes,
-        "timeout": timeout, "env": scrub_env(lau.env()), "created": time.time(),
+        "timeout": timeout, "hang_timeout": hang_timeout, "env": scrub_env(lau.env()), "created": time.time(),
         "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
     }  # fmt: skip
     rd.write_meta(meta)

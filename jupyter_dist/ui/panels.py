@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..telemetry.health import HB_COLORS, hb_state
+from ..telemetry.health import HB_COLORS, HealthTracker, hb_state
 from .figures import Figure, rank_color
 
 __all__ = ["Series", "Extend", "DashboardModel", "decimate_minmax", "LINE_FIGURES", "SMALL_FIGURES"]
@@ -230,6 +230,9 @@ class DashboardModel:
         self._exited: dict[int, str] = {}
         self._mem: dict[int, dict[str, Any]] = {}
         self._comm_bins: dict[int, dict[int, float]] = {}
+        self.health = HealthTracker()
+        self.hang_timeout = 120.0
+        """Seconds without a step (while heartbeats come) before the status line reports a hang."""
         self._comm_bin_s = 1.0
         self._comm_cols: set[int] = set()
         self.small_dirty: set[str] = set(SMALL_FIGURES)
@@ -245,7 +248,9 @@ class DashboardModel:
     def ingest(self, records: Iterable[dict[str, Any]]) -> int:
         """Take records (any kinds, any rank order; a batch is taken in time order); returns how many were used."""
         used = 0
-        for rec in sorted(records, key=_time_of):
+        batch = sorted(records, key=_time_of)
+        self.health.ingest(batch)
+        for rec in batch:
             kind = rec.get("kind")
             try:
                 rank = int(rec["rank"])
@@ -518,6 +523,17 @@ class DashboardModel:
                 "y": [f"rank {r}" for r in ranks], "z": z, "z_title": "s in collectives",
                 "note": "no collective timings yet (comm records)"}  # fmt: skip
 
+    def straggler(self) -> dict[str, Any]:
+        """Straggler scores from the last five ``comm`` windows of each rank (see ``straggler_scores``)."""
+        return self.health.straggler()
+
+    def hang(self, now: float | None = None) -> dict[str, Any] | None:
+        """A hang report when no rank logged a step for ``hang_timeout`` seconds (see ``hang_report``)."""
+        if self.state != "running":
+            return None
+        now = self.clock() if now is None else now
+        return self.health.hang(now, self.hang_timeout)
+
     def status(self, now: float | None = None) -> dict[str, Any]:
         """The status line's facts: state, elapsed time, step, ranks alive, restarts, errors, skipped lines."""
         now = self.clock() if now is None else now
@@ -526,7 +542,8 @@ class DashboardModel:
         return {"state": self.state, "elapsed_s": None if self.t0 is None else round(max(0.0, now - self.t0), 1),
                 "step": self.max_step, "world_size": self.world_size, "ranks_alive": alive,
                 "restarts": self.restarts, "errors": list(self.errors), "bad_lines": self.bad_lines,
-                "duplicates": self.duplicates, "records": self.records}  # fmt: skip
+                "duplicates": self.duplicates, "records": self.records, "straggler": self.straggler(),
+                "hang": self.hang(now)}  # fmt: skip
 
     def status_html(self, now: float | None = None, *, title: str = "") -> str:
         """The status line as HTML (escaped)."""
@@ -545,6 +562,13 @@ class DashboardModel:
             parts.append(f"{st['restarts']} restart(s)")
         if st["bad_lines"]:
             parts.append(f"{st['bad_lines']} unreadable line(s) skipped")
+        strag = st["straggler"]
+        if strag["straggler"] is not None:
+            parts.append(f'<span style="color:#ef6c00">straggler: rank {strag["straggler"]} computes '
+                         f'{strag["slowdown"]:.0%} slower than the fastest</span>')  # fmt: skip
+        if st["hang"] is not None:
+            parts.append(f'<span style="color:#c62828">hang? no step for {st["hang"]["stalled_s"]:.0f} s: '
+                         f"{html.escape(st['hang']['reason'])}</span>")  # fmt: skip
         out = '<div class="jd-status">' + " · ".join(parts) + "</div>"
         if st["errors"]:
             items = "".join(f"<li>{html.escape(e)}</li>" for e in st["errors"][-5:])

@@ -1,0 +1,134 @@
+"""Communication health during a run: straggler scores, hang detection with the rank that is behind, and failures
+explained -- pure judgements, then real 2-rank gloo scenarios, each bounded to seconds."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import descendants_gone
+
+from jupyter_dist.telemetry.health import HealthTracker, hang_report, straggler_scores
+
+
+# --------------------------------------------------------------------------- pure
+def test_the_rank_that_waits_least_is_the_straggler() -> None:
+    # 10 s windows: ranks 0, 2, 3 wait ~6 s in collectives, rank 1 only 1 s -> it computes 9 s against 4 s
+    got = straggler_scores({0: (6.0, 10.0), 1: (1.0, 10.0), 2: (6.2, 10.0), 3: (5.9, 10.0)})
+    assert got["straggler"] == 1 and got["slowdown"] == pytest.approx(9.0 / 3.8 - 1)
+    assert got["scores"][2] == 1.0 and got["scores"][1] == pytest.approx(3.8 / 9.0)
+    even = straggler_scores({0: (2.0, 10.0), 1: (2.5, 10.0)})
+    assert even["straggler"] is None and min(even["scores"].values()) > 0.9
+    assert straggler_scores({0: (1.0, 10.0)})["straggler"] is None
+
+
+def test_hang_names_the_rank_behind_or_suspects_the_fabric() -> None:
+    hb = {r: {"t": 99.0, "phase": p} for r, p in ((0, "backward"), (1, "forward"), (2, "backward"))}
+    steps = {0: 50.0, 1: 50.0, 2: 50.0}
+    rep = hang_report(now=100.0, last_step_t=steps, last_hb=hb, issued={0: 41, 1: 40, 2: 41}, timeout=30.0)
+    assert rep is not None and rep["culprit"] == 1 and rep["stalled_s"] == 50.0
+    assert "issued 40 collectives, the others 41" in rep["reason"] and "(phase forward)" in rep["reason"]
+    fabric = hang_report(now=100.0, last_step_t=steps, last_hb=hb, issued={0: 41, 1: 41, 2: 41}, timeout=30.0)
+    assert fabric is not None and fabric["culprit"] is None and "fabric" in fabric["reason"]
+    assert hang_report(now=70.0, last_step_t=steps, last_hb=hb, issued={}, timeout=30.0) is None
+    assert hang_report(now=100.0, last_step_t={}, last_hb=hb, issued={}, timeout=30.0) is None
+
+
+def test_tracker_takes_records_in_any_order_and_an_exit_is_not_a_hang() -> None:
+    tr = HealthTracker()
+    tr.ingest([{"kind": "comm", "rank": 1, "t": 5.0, "seconds": 0.1, "window_s": 1.0, "issued": 7},
+               {"kind": "comm", "rank": 1, "t": 4.0, "seconds": 0.1, "window_s": 1.0, "issued": 6},
+               {"kind": "step", "rank": 0, "t": 3.0, "step": 1}, {"kind": "start", "rank": 0, "t": 1.0, "pid": 42},
+               {"kind": "hb", "rank": 0, "t": 9.0, "phase": "forward"}, {"kind": "bogus"}])  # fmt: skip
+    assert tr.issued == {1: 7} and tr.pids == {0: 42} and tr.last_step_t == {0: 3.0}
+    assert tr.hang(100.0, 10.0) is not None
+    tr.ingest([{"kind": "exit", "rank": 0, "t": 99.0, "status": "error"}])
+    assert tr.hang(100.0, 10.0) is None
+
+
+# --------------------------------------------------------------------------- real runs
+STRAGGLER = """
+import time
+import torch
+model = torch.nn.Linear(32, 32)
+model, opt = jd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
+for step in range(80):
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    if jd.rank == 1:
+        time.sleep(0.06)  # the straggler: 60 ms more work per step
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+"""
+
+
+@pytest.mark.slow
+def test_an_injected_sleep_is_named_as_the_straggler_with_its_slowdown(ip: Any, runs: Path) -> None:
+    from jupyter_dist.ui.dashboard import Dashboard
+
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy ddp --heartbeat 0.5 --no-dashboard --timeout 120",
+                            STRAGGLER)  # fmt: skip
+    assert run.wait(150) == "succeeded", run.summary()
+    dash = Dashboard(run, widget=False)
+    st = dash.model.status()["straggler"]
+    assert st["straggler"] == 1, st
+    assert st["slowdown"] > 0.5, st  # rank 1 computes at least 1.5x as long as rank 0
+    assert "straggler: rank 1" in dash.model.status_html()
+
+
+HANG = """
+import time
+import torch
+import torch.distributed as dist
+jd.init()
+for step in range(2000):
+    if jd.rank == 1 and step == 30:
+        time.sleep(600)  # stuck before the collective the other rank enters
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    jd.log(step, loss=1.0 / (step + 1))
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_before_a_collective_is_named_and_the_run_stopped(ip: Any, runs: Path) -> None:
+    t0 = time.monotonic()
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --heartbeat 0.3 --telemetry-interval 0.2 "
+                            "--hang-timeout 4 --no-dashboard --timeout 120", HANG)  # fmt: skip
+    assert run.wait(150) == "hung", run.summary()
+    assert time.monotonic() - t0 < 60
+    diag = json.loads((run.dir / "diagnosis.json").read_text())
+    assert diag["kind"] == "hang" and diag["culprit"] == 1, diag
+    assert diag["issued"]["0"] > diag["issued"]["1"] and diag["phases"]["1"] == "forward"
+    assert "time.sleep(600)" in diag["stacks"]["1"] or "script.py" in diag["stacks"]["1"], diag["stacks"]["1"]
+    assert "all_reduce" in diag["stacks"]["0"] or "Thread" in diag["stacks"]["0"]
+    assert "hung: no step for" in run.summary() and run.diagnosis()["culprit"] == 1
+    assert descendants_gone(run)
+
+
+@pytest.mark.slow
+def test_the_rank_that_dies_is_named_first(ip: Any, runs: Path) -> None:
+    code = ("import time, torch, torch.distributed as dist\njd.init()\n"
+            "if jd.rank == 1:\n    time.sleep(0.5)\n    raise MemoryError('batch too large for host memory')\n"
+            "t = torch.ones(4)\ndist.all_reduce(t)\n")  # fmt: skip
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --no-dashboard --timeout 60", code)
+    assert run.wait(90) == "failed"
+    diag = run.diagnosis()
+    assert diag.first_rank == 1, diag.summary()
+    assert diag.summary().startswith("Rank 1 failed first: MemoryError") and "peer closed" in diag.summary()
+    assert "diagnosis: Rank 1 failed first" in run.summary()
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_are_reported_as_desync(ip: Any, runs: Path) -> None:
+    code = ("import torch, torch.distributed as dist\njd.init()\nt = torch.ones(4)\n"
+            "if jd.rank == 0:\n    dist.all_reduce(t)\nelse:\n    dist.broadcast(t, 0)\n")  # fmt: skip
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --no-dashboard --timeout 60 "
+                            "--env TORCH_DISTRIBUTED_DEBUG=DETAIL", code)  # fmt: skip
+    assert run.wait(90) == "failed", run.summary()
+    kinds = {f.kind for f in run.diagnosis().findings}
+    assert kinds & {"collective_mismatch", "desync"}, (kinds, run.logs(0)[-2000:])
