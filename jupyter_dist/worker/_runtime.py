@@ -392,7 +392,8 @@ class Runtime:
             return
         import traceback
 
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        # a negative limit: the last frames, whatever sys.tracebacklimit another library set (SkyPilot sets 0)
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__, limit=-30))
         with contextlib.suppress(Exception):
             self._emitter.error_record(error, text)
 
