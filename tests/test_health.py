@@ -66,14 +66,20 @@ for step in range(80):
 
 
 @pytest.mark.slow
-def test_an_injected_sleep_is_named_as_the_straggler_with_its_slowdown(ip: Any, runs: Path) -> None:
+@pytest.mark.parametrize("slow_rank", [1, None], ids=["rank1-sleeps", "healthy"])
+def test_an_injected_sleep_is_named_as_the_straggler_with_its_slowdown(ip: Any, runs: Path, slow_rank: Any) -> None:
     from jupyter_dist.ui.dashboard import Dashboard
 
+    code = STRAGGLER.replace("jd.rank == 1", f"jd.rank == {slow_rank}")
     run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy ddp --heartbeat 0.5 --no-dashboard --timeout 120",
-                            STRAGGLER)  # fmt: skip
+                            code)  # fmt: skip
     assert run.wait(150) == "succeeded", run.summary()
     dash = Dashboard(run, widget=False)
     st = dash.model.status()["straggler"]
+    if slow_rank is None:  # same work on both ranks: nobody is named
+        assert st["straggler"] is None and min(st["scores"].values()) > 0.75, st
+        assert "straggler" not in dash.model.status_html()
+        return
     assert st["straggler"] == 1, st
     assert st["slowdown"] > 0.5, st  # rank 1 computes at least 1.5x as long as rank 0
     assert "straggler: rank 1" in dash.model.status_html()
