@@ -138,6 +138,7 @@ class HealthTracker:
         self.pids: dict[int, int] = {}
         self.exited: dict[int, str] = {}
         self._comm: dict[int, list[tuple[float, float]]] = {}
+        self._arrivals: dict[int, dict[int, float]] = {}
 
     def ingest(self, records: Any) -> None:
         """Take records of any kinds."""
@@ -155,6 +156,13 @@ class HealthTracker:
             elif kind == "comm":
                 if isinstance(rec.get("issued"), int):
                     self.issued[rank] = max(self.issued.get(rank, 0), rec["issued"])
+                arrivals = self._arrivals.setdefault(rank, {})
+                for item in rec.get("recent") or []:
+                    if isinstance(item, list) and len(item) == 2:
+                        arrivals[int(item[0])] = float(item[1])
+                if len(arrivals) > 64:
+                    for n in sorted(arrivals)[:-64]:
+                        del arrivals[n]
                 window = self._comm.setdefault(rank, [])
                 window.append((float(rec.get("seconds") or 0.0), float(rec.get("window_s") or 0.0)))
                 del window[: -self.recent]
@@ -166,9 +174,29 @@ class HealthTracker:
                 self.exited[rank] = str(rec.get("status"))
 
     def straggler(self) -> dict[str, Any]:
-        """:func:`straggler_scores` over each rank's last ``recent`` collective windows."""
+        """:func:`straggler_scores` over each rank's last ``recent`` collective windows, plus arrival lags."""
         windows = {r: (sum(c for c, _ in v), sum(w for _, w in v)) for r, v in self._comm.items() if v}
-        return straggler_scores(windows)
+        out = straggler_scores(windows)
+        out["arrival_lag_s"] = self.arrival_lags()
+        return out
+
+    def arrival_lags(self) -> dict[int, float]:
+        """Mean seconds each rank issues a collective after the first rank to issue it.
+
+        Over the last 32 collectives every rank reported; needs one host's clock, or clocks in sync across nodes.
+        """
+        if len(self._arrivals) < 2:
+            return {}
+        common = set.intersection(*(set(a) for a in self._arrivals.values()))
+        numbers = sorted(common)[-32:]
+        if not numbers:
+            return {}
+        lags = {r: 0.0 for r in self._arrivals}
+        for n in numbers:
+            first = min(a[n] for a in self._arrivals.values())
+            for r, a in self._arrivals.items():
+                lags[r] += a[n] - first
+        return {r: round(v / len(numbers), 6) for r, v in lags.items()}
 
     def hang(self, now: float, timeout: float) -> dict[str, Any] | None:
         """:func:`hang_report` from what was seen (``None`` once any rank has exited: that is not a hang)."""

@@ -40,7 +40,8 @@ and then the fields of its kind:
     (% of time a kernel ran), ``mem_util`` (%), ``mem_used`` and ``mem_total`` (bytes), ``power_w``, ``temp_c``;
 ``comm``
     collective timings of one heartbeat window: ``count``, ``seconds`` (wall time from issue to completion,
-    waiting for other ranks included), ``bytes``, ``window_s``, ``issued`` (collectives issued by the rank so far)
+    waiting for other ranks included), ``bytes``, ``window_s``, ``issued`` (collectives issued by the rank so far),
+    ``recent`` (``[number, unix time]`` of its last 16 issued collectives: arrival order across ranks)
     and ``ops`` (the same per collective, e.g. ``{"all_reduce (DDP buckets)": {"count", "seconds", "bytes"}}``);
 ``error``
     an uncaught exception in the script: ``error_type``, ``error``, ``traceback`` (its last lines);

@@ -564,8 +564,10 @@ class DashboardModel:
             parts.append(f"{st['bad_lines']} unreadable line(s) skipped")
         strag = st["straggler"]
         if strag["straggler"] is not None:
+            lag = strag.get("arrival_lag_s", {}).get(strag["straggler"])
+            late = f", arrives {lag * 1e3:.0f} ms late at collectives" if lag else ""
             parts.append(f'<span style="color:#ef6c00">straggler: rank {strag["straggler"]} computes '
-                         f'{strag["slowdown"]:.0%} slower than the fastest</span>')  # fmt: skip
+                         f'{strag["slowdown"]:.0%} slower than the fastest{late}</span>')  # fmt: skip
         if st["hang"] is not None:
             parts.append(f'<span style="color:#c62828">hang? no step for {st["hang"]["stalled_s"]:.0f} s: '
                          f"{html.escape(st['hang']['reason'])}</span>")  # fmt: skip

@@ -41,6 +41,7 @@ class CommStats:
         self._ops: dict[str, list[float]] = {}
         self.issued = 0
         """Collectives issued by this rank so far (a hang shows as the rank whose count stopped lowest)."""
+        self._recent: list[list[float]] = []  # [collective number, unix time issued] of the last few
         self._since = time.time()
 
     def add(self, op: str, seconds: float, nbytes: int = 0) -> None:
@@ -55,6 +56,8 @@ class CommStats:
         """Note one collective started."""
         with self._lock:
             self.issued += 1
+            self._recent.append([self.issued, time.time()])
+            del self._recent[:-16]
 
     def take(self) -> dict[str, Any] | None:
         """The fields of a ``comm`` record for the window since the last call, or ``None`` if nothing happened."""
@@ -70,6 +73,7 @@ class CommStats:
                 "bytes": int(sum(v[2] for v in ops.values())),
                 "window_s": round(window, 3),
                 "issued": self.issued,
+                "recent": [[int(n), round(t, 6)] for n, t in self._recent],
                 "ops": {k: {"count": int(v[0]), "seconds": round(v[1], 6), "bytes": int(v[2])} for k, v in ops.items()},
             }
 
