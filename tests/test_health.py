@@ -112,8 +112,11 @@ def test_a_rank_stuck_before_a_collective_is_named_and_the_run_stopped(ip: Any, 
     diag = json.loads((run.dir / "diagnosis.json").read_text())
     assert diag["kind"] == "hang" and diag["culprit"] == 1, diag
     assert diag["issued"]["0"] > diag["issued"]["1"] and diag["phases"]["1"] == "forward"
-    assert "time.sleep(600)" in diag["stacks"]["1"] or "script.py" in diag["stacks"]["1"], diag["stacks"]["1"]
-    assert "all_reduce" in diag["stacks"]["0"] or "Thread" in diag["stacks"]["0"]
+    # every rank's stacks, and the cell line each main thread was on
+    assert "Current thread" in diag["stacks"]["1"] and "Current thread" in diag["stacks"]["0"]
+    assert diag["where"]["1"].endswith("time.sleep(600)  # stuck before the collective the other rank enters")
+    assert diag["where"]["0"].endswith("dist.all_reduce(t)") and "_comm.py" in diag["stacks"]["0"]
+    assert "rank 1 was at script.py:" in run.summary()
     assert "hung: no step for" in run.summary() and run.diagnosis()["culprit"] == 1
     assert descendants_gone(run)
 

@@ -10,6 +10,7 @@ import atexit
 import html
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -249,11 +250,25 @@ class Run:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(1.5)
-        stacks = {str(r): self.logs(r)[marks[r]:][-6000:] for r in range(self.world_size)}
-        diagnosis = {"kind": "hang", **report, "stacks": stacks, "t": time.time()}
+        stacks = {str(r): self.logs(r)[marks[r] :][-6000:] for r in range(self.world_size)}
+        diagnosis = {"kind": "hang", **report, "where": self._script_lines(stacks), "stacks": stacks, "t": time.time()}
         (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
         self._meta["diagnosis"] = {k: v for k, v in diagnosis.items() if k != "stacks"}
         kill_tree(self._pids())
+
+    def _script_lines(self, stacks: dict[str, str]) -> dict[str, str]:
+        """Per rank, the cell line its main thread was on (from faulthandler's "Current thread" block)."""
+        try:
+            source = self._rd.script.read_text().splitlines()
+        except OSError:
+            return {}
+        where = {}
+        for rank, text in stacks.items():
+            current = text.rsplit("Current thread", 1)[-1]
+            m = re.search(r'script\.py", line (\d+)', current)
+            if m and 0 < int(m.group(1)) <= len(source):
+                where[rank] = f"script.py:{m.group(1)}: {source[int(m.group(1)) - 1].strip()}"
+        return where
 
     def diagnosis(self) -> Any:
         """Why the run failed or hung: the hang report, or the ranks' logs classified (first failing rank first)."""
@@ -311,6 +326,7 @@ class Run:
             if self.status == HUNG:
                 d = self._meta.get("diagnosis") or {}
                 lines.append(f"  hung: no step for {d.get('stalled_s')} s; {d.get('reason')}")
+                lines += [f"  rank {r} was at {w}" for r, w in (d.get("where") or {}).items()]
                 lines.append(f"  phases {d.get('phases')}, collectives issued {d.get('issued')}; stacks in "
                              "diagnosis.json")  # fmt: skip
             elif self.status == FAILED:
@@ -343,10 +359,13 @@ class Run:
         display(self._repr_mimebundle_(), raw=True)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        colour = {SUCCEEDED: "#2e7d32", FAILED: "#c62828", RUNNING: "#1565c0", TIMED_OUT: "#c62828",
-                  HUNG: "#c62828"}.get(
-            self.status, "#555"
-        )
+        colour = {
+            SUCCEEDED: "#2e7d32",
+            FAILED: "#c62828",
+            RUNNING: "#1565c0",
+            TIMED_OUT: "#c62828",
+            HUNG: "#c62828",
+        }.get(self.status, "#555")
         body = html.escape(self.summary())
         card = (f'<div style="border-left:4px solid {colour};padding:4px 8px"><pre style="margin:0">{body}</pre>'
                 "</div>")  # fmt: skip
