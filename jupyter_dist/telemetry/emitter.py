@@ -405,8 +405,10 @@ class Emitter:
         return self.emit("error", error_type=type(error).__name__, error=str(error), traceback=tail)
 
     def exit_record(self, status: str, error: BaseException | None = None, **fields: Any) -> dict[str, Any] | None:
-        """Flush the ``step`` window, then write the ``exit`` record with ``status`` and the error's type and text."""
+        """Flush the ``step`` window and collective timings, then write the ``exit`` record (status, error)."""
         self.flush()
+        with contextlib.suppress(Exception):
+            self.comm_record()
         self.set_phase("done")
         return self.emit(
             "exit",
@@ -469,8 +471,6 @@ class Emitter:
     def close(self) -> None:
         """Flush, stop the monitor and close the sinks; later records are dropped."""
         self.flush()
-        with contextlib.suppress(Exception):
-            self.comm_record()
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=1.0)

@@ -61,6 +61,7 @@ __all__ = [
     "log",
     "save",
     "resume",
+    "checkpoint",
     "barrier",
     "phase",
     "finish",
@@ -161,6 +162,15 @@ def save(
     (with a warning) when there is no run directory and no ``root``.
     """
     return get_runtime().save(state, step, root=root, keep=keep)
+
+
+def checkpoint(state: dict[str, Any], step: int) -> str | None:
+    """Periodic checkpoint: call it every step.
+
+    Saves ``state`` like :func:`save` when ``step + 1`` is a multiple of ``--checkpoint-every``
+    (``JD_CHECKPOINT_EVERY``), keeping the newest ``--keep`` (``JD_KEEP``); returns the path, or ``None``.
+    """
+    return get_runtime().checkpoint(state, step)
 
 
 def resume(

@@ -6,8 +6,9 @@ Layout of one checkpoint::
       COMPLETE            JSON written by rank 0 last, before the directory gets its final name
       dcp/                torch.distributed.checkpoint of the modules and optimizers (sharded for FSDP2)
       deepspeed/          engine.save_checkpoint(...) of a DeepSpeed engine, when the state holds one
-      extra-rank<k>.pt    torch.save of everything else, per rank (RNG states, epoch, ``state_dict()`` of
-                          stateful objects such as LR schedulers)
+      extra-rank<k>.pt    torch.save of everything else, per rank: the rank's RNG states (Python, NumPy, torch CPU
+                          and CUDA, restored on resume), plain values, ``state_dict()`` of stateful objects such
+                          as LR schedulers and samplers
 
 Writing goes to ``.tmp-step-<N>`` and is renamed after a barrier, so a ``step-<N>`` directory always holds a whole
 checkpoint; resume also requires the ``COMPLETE`` marker and picks the highest step.
@@ -30,7 +31,7 @@ from ._env import WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import Runtime
 
-__all__ = ["save", "resume", "latest_checkpoint", "COMPLETE"]
+__all__ = ["save", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state", "COMPLETE"]
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -158,7 +159,7 @@ def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = No
             state_dict_saver.save(split.dcp_state(), checkpoint_id=os.path.join(tmp, "dcp"), no_dist=_no_dist())
     extras = dict(split.extras)
     extras.update({k: v.state_dict() for k, v in split.stateful.items()})
-    blob = {"step": step, "extras": extras, "stateful": sorted(split.stateful)}
+    blob = {"step": step, "extras": extras, "stateful": sorted(split.stateful), "rng": rng_state()}
     torch.save(blob, os.path.join(tmp, f"extra-rank{rank}.pt"))
     _barrier()
     if rank == 0:
@@ -222,21 +223,104 @@ def _agree(rt: Runtime, value: Any) -> Any:
     return value
 
 
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint under ``root``, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, COMPLETE)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found, reverse=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """The random number generator states of this process: Python, NumPy (if imported), torch CPU and CUDA."""
+    import random
+    import sys
+
+    import torch
+
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if "numpy" in sys.modules:
+        out["numpy"] = sys.modules["numpy"].random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured (generators absent now or then are left alone)."""
+    import random
+    import sys
+
+    import torch
+
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a different number of devices: leave CUDA's generators
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _all_ok(rt: Runtime, ok: bool) -> bool:
+    """Whether every rank says ``ok`` (one all-reduce when a process group exists)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and rt.world_size > 1:
+        import torch
+
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag)
+        return int(flag.item()) == 0
+    return ok
+
+
 def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, Any], int] | None:
-    """Load the newest complete checkpoint under ``root`` into ``state``'s objects; collective."""
+    """Load the newest complete checkpoint under ``root`` into ``state``'s objects; collective.
+
+    A checkpoint that fails to load on any rank (a corrupt or truncated file) is skipped with a warning, and the
+    one before it is tried; every rank agrees on which one was loaded.
+    """
+    split = _Split(state)
+    candidates = _agree(rt, complete_checkpoints(root) if rt.rank == 0 else None) or []
+    for step, path in candidates:
+        error = None
+        try:
+            out = _load(rt, split, state, path)
+        except Exception as exc:  # noqa: BLE001 - any failure to read means: not this checkpoint
+            error, out = exc, None
+        if _all_ok(rt, error is None):
+            assert out is not None
+            return out, step
+        warnings.warn(f"jd.resume: checkpoint {path} could not be loaded on every rank "
+                      f"({type(error).__name__ + ': ' + str(error) if error else 'failed on another rank'}); "
+                      "trying the previous one", RuntimeWarning, stacklevel=3)  # fmt: skip
+    if candidates:
+        raise WorkerError(f"jd.resume: none of the {len(candidates)} checkpoint(s) under {root} could be loaded")
+    return None
+
+
+def _load(rt: Runtime, split: _Split, state: dict[str, Any], path: str) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import state_dict_loader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    split = _Split(state)
-    found = _agree(rt, latest_checkpoint(root) if rt.rank == 0 else None)
-    if found is None:
-        return None
-    step, path = found
     for engine in split.engines.values():
         load_path, _ = engine.load_checkpoint(path, tag="deepspeed")
         if load_path is None:
             raise WorkerError(f"jd.resume: DeepSpeed found no checkpoint under {path}/deepspeed")
+    mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
+    blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
     if split.modules or split.optimizers:
         template = split.dcp_state()
         with _single_process_ok():
@@ -245,12 +329,12 @@ def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, 
             set_model_state_dict(module, template[key])
         for key, opt in split.optimizers.items():
             set_optimizer_state_dict(split.owner[key], opt, template[key])
-    mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
-    blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
     out = dict(state)
     for key, value in blob["extras"].items():
         if key in split.stateful:
             split.stateful[key].load_state_dict(value)
         else:
             out[key] = value
-    return out, step
+    if blob.get("rng") and os.path.exists(mine):  # the same rank's generators; a resharded run keeps its own
+        set_rng_state(blob["rng"])
+    return out

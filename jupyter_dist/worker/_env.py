@@ -69,6 +69,10 @@ class WorkerEnv:
     """``JD_LOG_STDIO=1``: redirect fd 1 and 2 to ``logs/rank-<k>.log`` at import."""
     heartbeat_s: float = 2.0
     """``JD_HEARTBEAT_S``: seconds between ``hb`` (and ``mem``/``gpu``) records; 0 turns them off."""
+    checkpoint_every: int = 0
+    """``JD_CHECKPOINT_EVERY``: ``jd.checkpoint(state, step)`` saves when ``step + 1`` is a multiple (0: never)."""
+    keep: int | None = None
+    """``JD_KEEP``: checkpoints kept by ``jd.checkpoint`` (older ones are pruned; ``None``: all)."""
     telemetry_interval_s: float = 1.0
     """``JD_TELEMETRY_INTERVAL_S``: seconds between coalesced ``step`` records; 0 writes one per ``jd.log`` call."""
     telemetry_stdout: bool = False
@@ -83,6 +87,10 @@ class WorkerEnv:
             raise WorkerError(f"JD_PRECISION={self.precision!r} is not valid; valid: {', '.join(PRECISIONS)}")
         if self.heartbeat_s < 0:
             raise WorkerError(f"JD_HEARTBEAT_S={self.heartbeat_s} must be >= 0 (0 turns heartbeats off)")
+        if self.checkpoint_every < 0:
+            raise WorkerError(f"JD_CHECKPOINT_EVERY={self.checkpoint_every} must be >= 0 (0: no periodic saves)")
+        if self.keep is not None and self.keep < 1:
+            raise WorkerError(f"JD_KEEP={self.keep} must be >= 1")
         if self.telemetry_interval_s < 0:
             raise WorkerError(
                 f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
@@ -121,6 +129,8 @@ class WorkerEnv:
             log_stdio=env.get("JD_LOG_STDIO", "") == "1",
             heartbeat_s=heartbeat,
             telemetry_interval_s=interval,
+            checkpoint_every=_int(env, "JD_CHECKPOINT_EVERY", 0),
+            keep=_int(env, "JD_KEEP", 0) or None,
             telemetry_stdout=env.get("JD_TELEMETRY_STDOUT", "") == "1",
         )
 

@@ -295,6 +295,13 @@ class Runtime:
         with self.phase("checkpoint"):
             return save(self, state, step, root=where, keep=keep)
 
+    def checkpoint(self, state: dict[str, Any], step: int) -> str | None:
+        """Save when ``step + 1`` is a multiple of ``JD_CHECKPOINT_EVERY`` (keeping ``JD_KEEP``); else nothing."""
+        every = self.env.checkpoint_every
+        if every <= 0 or (step + 1) % every:
+            return None
+        return self.save(state, step, keep=self.env.keep)
+
     def resume(self, state: dict[str, Any] | None = None, *, root: Any = None) -> tuple[dict[str, Any], int] | None:
         """Load the newest complete checkpoint; see :func:`jupyter_dist.worker.resume`."""
         from ._checkpoint import resume
