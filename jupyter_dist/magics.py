@@ -59,6 +59,11 @@ def _train_parser() -> MagicArgumentParser:
         help="seconds between the ranks' coalesced step records (default 1; 0: one per jd.log call)",
     )
     p.add_argument("--heartbeat", type=float, metavar="S", help="seconds between heartbeats (default 2; 0: off)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="jd.checkpoint(state, step) saves every N steps (JD_CHECKPOINT_EVERY)")
+    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (JD_KEEP)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints")
     p.add_argument("--hang-timeout", type=float, metavar="S",
                    help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)")
     return p
@@ -158,6 +163,20 @@ class DistMagics(Magics):
             raise UsageError(f"--name {args.name!r} must be a valid Python variable name (the Run is bound to it)")
         if args.nproc is not None and args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+        for flag, value, var in (("--checkpoint-every", args.checkpoint_every, "JD_CHECKPOINT_EVERY"),
+                                 ("--keep", args.keep, "JD_KEEP")):  # fmt: skip
+            if value is None:
+                continue
+            if value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+            env.setdefault(var, str(value))
+        if args.resume:
+            from pathlib import Path
+
+            old = Path(args.resume.strip("'\"")).expanduser().resolve()
+            if not (old / "run.json").exists():
+                raise UsageError(f"--resume {args.resume}: not a jupyter-dist run directory (no run.json)")
+            env.setdefault("JD_CHECKPOINT_DIR", str(old / "checkpoints"))
         for flag, value, var in (("--telemetry-interval", args.telemetry_interval, "JD_TELEMETRY_INTERVAL_S"),
                                  ("--heartbeat", args.heartbeat, "JD_HEARTBEAT_S")):  # fmt: skip
             if value is None:

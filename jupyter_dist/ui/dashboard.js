@@ -75,6 +75,12 @@ function toPlotly(fig) {
     }));
     if (fig.y_log) layout.yaxis.type = "log";
     hlineShapes(layout, fig.hlines);
+    for (const v of fig.vlines || []) {
+      layout.shapes.push({ type: "line", yref: "paper", y0: 0, y1: 1, x0: v.x, x1: v.x,
+                           line: { color: v.color || "#6a1b9a", dash: "dash", width: 1.5 } });
+      layout.annotations.push({ yref: "paper", y: 1, x: v.x, xanchor: "left", yanchor: "top", showarrow: false,
+                                text: v.name, font: { size: 10, color: v.color || "#6a1b9a" } });
+    }
     layout.showlegend = data.length > 1;
   } else if (fig.kind === "bar") {
     data = fig.series.map((s) => ({

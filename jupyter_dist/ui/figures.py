@@ -8,6 +8,7 @@ A *figure* is a plain dict (JSON-safe, no plotly import in the kernel), one of t
      "traces": [{"name": "rank 0", "x": [0, 1, ...], "y": [2.3, 2.1, ...], "color": "#1f77b4",
                  "width": 1.0, "dash": "solid" | "dot" | "dash", "opacity": 1.0}, ...],
      "hlines": [{"y": 1.5, "name": "plan", "color": "#888", "dash": "dash"}, ...],
+     "vlines": [{"x": 120, "name": "restart 1", "color": "#6a1b9a"}, ...],   # events on the x axis
      "note": "text shown when there is no data yet"}
 
 ``bar`` (grouped bars, one group per category)::

@@ -147,6 +147,7 @@ class _LineFigure:
         self.series: list[Series] = []
         self.by_key: dict[Any, int] = {}
         self.hlines: list[dict[str, Any]] = []
+        self.vlines: list[dict[str, Any]] = []
         self.y_log = False
         self.dirty = True  # structure changed: re-send whole
 
@@ -161,6 +162,7 @@ class _LineFigure:
     def figure(self) -> Figure:
         return {"id": self.id, "kind": "line", "title": self.title, "x_title": self.x_title, "y_title": self.y_title,
                 "y_log": self.y_log, "traces": [s.trace() for s in self.series], "hlines": list(self.hlines),
+                "vlines": list(self.vlines),
                 "note": self.note}  # fmt: skip
 
 
@@ -281,7 +283,19 @@ class DashboardModel:
             self.world_size = ws
         self._starts[rank] = self._starts.get(rank, 0) + 1
         if self._starts[rank] > 1:  # the same rank started again: an elastic restart
-            self.restarts = max(self.restarts, self._starts[rank] - 1)
+            n = self._starts[rank] - 1
+            fig = self.lines["loss"]
+            if n > self.restarts:  # mark it once, at the last step seen before it
+                fig.vlines.append({"x": self.max_step or 0, "name": f"restart {n}", "color": "#6a1b9a"})
+                fig.dirty = True
+                mean = fig.by_key.get("mean")
+                if mean is not None and fig.series[mean].xs:  # the curves continue from the resumed step
+                    s = fig.series[mean]
+                    s.append(s.xs[-1], None, self.max_points)
+            self.restarts = max(self.restarts, n)
+            key = fig.by_key.get(rank)
+            if key is not None and fig.series[key].xs:
+                fig.series[key].append(fig.series[key].xs[-1], None, self.max_points)  # a gap, then the new segment
         self._exited.pop(rank, None)
         self.small_dirty.add("heartbeat")
 
@@ -335,7 +349,7 @@ class DashboardModel:
         self._ema_keep *= keep
         smoothed = self._ema / (1 - self._ema_keep)  # debiased, as TensorBoard does
         mean_series = self._loss_series("mean")
-        if not mean_series.xs or step >= mean_series.xs[-1]:
+        if not mean_series.xs or step >= mean_series.xs[-1] or mean_series.ys[-1] is None:
             mean_series.append(step, smoothed, self.max_points)
         if not per_rank:
             for key, agg in (("min", min), ("max", max)):

@@ -432,6 +432,21 @@ def _draw_hlines(hls: list[tuple[float, str, str, str]], sy: _Scale, x0: float, 
     return out
 
 
+def _draw_vlines(fig: Figure, sx: _Scale, xlo: float, xhi: float, y0: float, y1: float) -> list[str]:
+    """Events on a line figure's x axis (e.g. an elastic restart): ``{"x": ..., "name": ..., "color": ...}``."""
+    out = []
+    for vl in _list(fig.get("vlines")):
+        x = _num(vl.get("x")) if isinstance(vl, dict) else None
+        if x is None or not xlo <= x <= xhi:
+            continue
+        color = _color(vl.get("color"), "#6a1b9a")
+        px = sx(x)
+        out.append(f'<line x1="{_c(px)}" y1="{_c(y0)}" x2="{_c(px)}" y2="{_c(y1)}" stroke="{_esc(color)}" '
+                   'stroke-dasharray="4,3"/>')  # fmt: skip
+        out.append(_text(px + 3, y0 + 10, _fit(str(vl.get("name") or ""), 80, 9), size=9, fill=color))
+    return ['<g class="vlines">', *out, "</g>"] if out else []
+
+
 # ----------------------------------------------------------------------------------------------------- line
 
 
@@ -519,6 +534,7 @@ def _line(fig: Figure, w: float, h: float) -> str:
         f'<rect x="{_c(x0)}" y="{_c(y0)}" width="{_c(x1 - x0)}" height="{_c(y1 - y0)}" fill="none" stroke="{FRAME}"/>'
     )
     body += _draw_hlines(hls, sy, x0, x1)
+    body += _draw_vlines(fig, sx, xlo, xhi, y0, y1)
 
     limit = max(16, int(2 * (x1 - x0)))
     body.append('<g class="traces" fill="none" stroke-linejoin="round" stroke-linecap="round">')

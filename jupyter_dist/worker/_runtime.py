@@ -39,6 +39,25 @@ def _pg_ready() -> bool:
     return bool(dist is not None and dist.is_initialized())
 
 
+def _attempt_store(dist: Any) -> dict[str, Any]:
+    """Under torchrun, the agent's store with a prefix per restart attempt (``init_process_group`` kwargs).
+
+    torchrun's agent keeps one TCPStore across elastic restarts and the env:// rendezvous adds no per-attempt
+    prefix, so a restarted rank can read the address its peer published in the previous attempt and fail with
+    "Connection refused" (seen with gloo on torch 2.13, depending on which rank starts first). A prefix per
+    ``TORCHELASTIC_RESTART_COUNT`` keeps attempts apart. Elsewhere: ``{}`` (the default env:// path).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not env.get("MASTER_PORT"):
+        return {}
+    from datetime import timedelta
+
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timedelta(seconds=600))  # fmt: skip
+    prefixed = dist.PrefixStore(f"/jupyter_dist/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return {"store": prefixed, "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
+
+
 class Runtime:
     """State of one worker process. ``jupyter_dist.worker`` delegates to a single instance (:func:`get_runtime`).
 
@@ -124,11 +143,13 @@ class Runtime:
                 import torch.distributed as dist
 
                 if not dist.is_initialized():
+                    kwargs = _attempt_store(dist)
                     if torch.cuda.is_available():
                         torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
-                        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+                        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()),
+                                                **kwargs)  # fmt: skip
                     else:
-                        dist.init_process_group("gloo")
+                        dist.init_process_group("gloo", **kwargs)
                     self._owns_pg = True
                 backend = str(dist.get_backend())
                 if self.env.run_dir is not None:

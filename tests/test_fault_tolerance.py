@@ -1,0 +1,149 @@
+"""Fault tolerance with real torchrun processes on CPU/gloo: a rank SIGKILLed mid-run is restarted by torchrun
+(``--max-restarts 1``), resumes from the last complete checkpoint and ends with exactly the parameters of an
+uninterrupted run; a rank killed while writing a checkpoint leaves a half-written one that resume ignores; a stopped
+run is continued by a new ``%%dist_train --resume RUN_DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import descendants_gone
+
+from jupyter_dist.telemetry import records
+from jupyter_dist.ui.panels import DashboardModel
+
+pytest.importorskip("torch")
+
+CELL = """
+import os, signal
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+model, opt = jd.wrap(model, opt)
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+got = jd.resume()
+start = 0 if got is None else got[1] + 1
+print("start", start, "attempt", os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
+for step in range(start, 30):
+    g = torch.Generator().manual_seed(1000 * step + jd.rank)  # the data position is the step
+    X = torch.randn(32, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(X), X.sum(1, keepdim=True))  # dropout draws from the global RNG
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+    if MODE == "kill_in_save" and step == 19 and jd.rank == 1 and first_attempt:
+        real_save = torch.save
+        def dying_save(*a, **k):  # the rank dies while the checkpoint of step 19 is being written
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save = dying_save
+    jd.checkpoint({"model": model, "optimizer": opt}, step)
+    if MODE in ("kill", "stop") and step == 17 and jd.rank == 1 and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
+params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+if jd.rank == 0:
+    torch.save([p.clone() for p in params], os.path.join(os.environ["JD_RUN_DIR"], "final.pt"))
+"""
+
+
+def final_params(run: Any) -> list[Any]:
+    import torch
+
+    return torch.load(run.dir / "final.pt")  # type: ignore[no-any-return]
+
+
+def train(ip: Any, strategy: str, mode: str, extra: str = "") -> Any:
+    line = (f"--nproc 2 --strategy {strategy} --checkpoint-every 5 --keep 2 --no-dashboard --timeout 150 "
+            f"--telemetry-interval 0 {extra}")  # fmt: skip
+    return ip.run_cell_magic("dist_train", line, f"MODE = {mode!r}\n" + CELL)
+
+
+def same(a: list[Any], b: list[Any]) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(ip: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Final parameters of uninterrupted runs, per strategy (computed once per module)."""
+    magics = ip.magics_manager.registry["DistMagics"]
+    out = {}
+    for strategy in ("ddp", "fsdp2"):
+        magics.runs_dir = str(tmp_path_factory.mktemp(f"ref-{strategy}"))
+        run = train(ip, strategy, "none")
+        assert run.wait(180) == "succeeded", run.summary()
+        out[strategy] = final_params(run)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends(
+    ip: Any, runs: Path, reference: dict[str, list[Any]], strategy: str
+) -> None:
+    run = train(ip, strategy, "kill", "--max-restarts 1")
+    assert run.wait(180) == "succeeded", run.summary() + run.launcher_log()[-2000:]
+    assert "start 15 attempt 1" in run.logs(1)  # restarted once, resumed after the checkpoint of step 14
+    assert sorted(p.name for p in (run.dir / "checkpoints").iterdir()) == ["step-24", "step-29"]  # --keep 2
+    assert same(final_params(run), reference[strategy])
+    # the dashboard marks the restart and the loss curve continues from the resumed step
+    model = DashboardModel(2)
+    model.ingest(run.records())
+    assert model.restarts == 1
+    loss = model.lines["loss"]
+    assert [v["name"] for v in loss.vlines] == ["restart 1"] and loss.vlines[0]["x"] >= 17
+    xs = loss.series[loss.by_key[1]].xs
+    ys = loss.series[loss.by_key[1]].ys
+    gap = ys.index(None)
+    assert xs[gap + 1] == 15 and xs[-1] == 29  # a gap, then steps 15.. again
+    assert descendants_gone(run)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_half_written_when_its_rank_died_is_ignored(ip: Any, runs: Path, reference: Any) -> None:
+    run = train(ip, "ddp", "kill_in_save", "--max-restarts 1")
+    assert run.wait(180) == "succeeded", run.summary()
+    assert "start 15 attempt 1" in run.logs(1)  # step-19 was never completed: back to step 14
+    assert same(final_params(run), reference["ddp"])
+
+
+@pytest.mark.slow
+def test_a_stopped_run_continues_in_a_new_cell_with_resume(ip: Any, runs: Path, reference: Any) -> None:
+    first = train(ip, "ddp", "stop")  # no restarts: the run fails when rank 1 dies at step 17
+    assert first.wait(180) == "failed"
+    assert (first.dir / "checkpoints" / "step-14" / "COMPLETE").exists()
+    second = train(ip, "ddp", "none", f"--resume {first.dir}")
+    assert second.wait(180) == "succeeded", second.summary()
+    assert "start 15" in second.logs(0)
+    assert same(final_params(second), reference["ddp"])
+    assert second._meta["env"]["JD_CHECKPOINT_DIR"] == str(first.dir / "checkpoints")
+
+
+def test_resume_needs_a_run_directory(ip: Any, runs: Path) -> None:
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="not a jupyter-dist run directory"):
+        ip.run_cell_magic("dist_train", f"--resume {runs / 'nope'}", "pass")
+    with pytest.raises(UsageError, match="--checkpoint-every must be >= 1"):
+        ip.run_cell_magic("dist_train", "--checkpoint-every 0", "pass")
+
+
+def test_the_dashboard_marks_a_restart_and_continues_the_curve() -> None:
+    m = DashboardModel(1)
+    recs = [records.make_record("start", rank=0, seq=0, t=1.0, world_size=1)]
+    recs += [records.make_record("step", rank=0, seq=1 + s, t=2.0 + s, step=s, loss=1.0 / (s + 1)) for s in range(8)]
+    recs += [records.make_record("start", rank=0, seq=20, t=20.0, world_size=1)]
+    recs += [records.make_record("step", rank=0, seq=21 + s, t=21.0 + s, step=5 + s, loss=0.1) for s in range(5)]
+    m.ingest(recs)
+    fig = m.lines["loss"].figure()
+    assert fig["vlines"] == [{"x": 7, "name": "restart 1", "color": "#6a1b9a"}]
+    rank0 = next(t for t in fig["traces"] if t["name"] == "rank 0")
+    assert rank0["x"][7:10] == [7.0, 7.0, 5.0] and rank0["y"][8] is None
+    mean = next(t for t in fig["traces"] if t["name"].startswith("mean"))
+    assert mean["x"][-1] == 9.0 and None in mean["y"]
+    from jupyter_dist.ui.static import figure_svg
+
+    assert "restart 1" in figure_svg(fig)
