@@ -35,6 +35,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ._data import ResumableSampler
 from ._env import PRECISIONS, WorkerEnv, WorkerError
 from ._runtime import Runtime, get_runtime, on_import
 
@@ -62,6 +63,7 @@ __all__ = [
     "save",
     "resume",
     "checkpoint",
+    "ResumableSampler",
     "barrier",
     "phase",
     "finish",
