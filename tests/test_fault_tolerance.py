@@ -21,7 +21,10 @@ import os, signal
 import torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+# DeepSpeed strategies use the optimizer of the generated config
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+if os.environ["JD_STRATEGY"].startswith("zero"):
+    opt = None
 model, opt = jd.wrap(model, opt)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 got = jd.resume()
@@ -100,6 +103,22 @@ def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends
     gap = ys.index(None)
     assert xs[gap + 1] == 15 and xs[-1] == 29  # a gap, then steps 15.. again
     assert descendants_gone(run)
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_zero2_restarts_and_ends_where_an_uninterrupted_run_ends(ip: Any, runs: Path) -> None:
+    pytest.importorskip("deepspeed")
+    import os
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/jupyter-dist/torch_extensions"))
+    ref = train(ip, "zero2", "none", "--env DS_ACCELERATOR=cpu")
+    assert ref.wait(300) == "succeeded", ref.summary()
+    run = train(ip, "zero2", "kill", "--env DS_ACCELERATOR=cpu --max-restarts 1")
+    assert run.wait(300) == "succeeded", run.summary()
+    assert "start 15 attempt 1" in run.logs(1)
+    assert (run.dir / "checkpoints" / "step-29" / "deepspeed").is_dir()  # DeepSpeed's own checkpoint format
+    assert same(final_params(run), final_params(ref))
 
 
 @pytest.mark.slow
