@@ -198,3 +198,44 @@ def test_resumable_sampler_matches_distributed_sampler_and_continues_exactly(tmp
     assert list(fresh) == rest and len(seen + rest) == 52 and len(set(seen + rest)) == 52
     with pytest.raises(ValueError, match="the data order would change"):
         ResumableSampler(50, num_replicas=2, rank=1, seed=3).load_state_dict(s.state_dict())
+
+
+STOPPABLE = """
+import time
+import torch
+model = torch.nn.Linear(4, 4)
+model, opt = jd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01))
+got = jd.resume()
+start = 0 if got is None else got[1] + 1
+print("start", start, flush=True)
+for step in range(start, STEPS):
+    loss = model(torch.ones(2, 4)).sum()
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+    jd.checkpoint({"model": model, "optimizer": opt}, step)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.slow
+def test_stop_saves_a_checkpoint_and_a_new_cell_resumes_after_it(ip: Any, runs: Path) -> None:
+    import time
+
+    line = "--nproc 2 --strategy ddp --checkpoint-every 100000 --no-dashboard --timeout 150 --telemetry-interval 0"
+    run = ip.run_cell_magic("dist_train", line, STOPPABLE.replace("STEPS", "100000"))
+    deadline = time.time() + 90
+    while not any(r["step"] >= 20 for r in run.records("step")):
+        assert time.time() < deadline and not run.done, run.summary()
+        time.sleep(0.2)
+    assert run.stop() == "stopped"
+    (ckpt,) = list((run.dir / "checkpoints").iterdir())  # the only save: the one the stop asked for
+    saved = int(ckpt.name.split("-")[1])
+    assert saved >= 20 and (ckpt / "COMPLETE").exists()
+    exits = run.records("exit")
+    assert {r["rank"] for r in exits} == {0, 1} and all(r.get("checkpoint") == str(ckpt) for r in exits), exits
+    assert descendants_gone(run)
+    again = ip.run_cell_magic("dist_train", line.replace("150", "90") + f" --resume {run.dir}",
+                              STOPPABLE.replace("STEPS", str(saved + 5)))  # fmt: skip
+    assert again.wait(120) == "succeeded", again.summary()
+    assert f"start {saved + 1}" in again.logs(0)

@@ -185,8 +185,14 @@ class Run:
             raise
         return self.status
 
-    def stop(self, *, reason: str = STOPPED, grace: float = 5.0) -> RunStatus:
-        """End every process of the run (SIGTERM, then SIGKILL after ``grace`` s)."""
+    def stop(self, *, reason: str = STOPPED, grace: float | None = None) -> RunStatus:
+        """End every process of the run (SIGTERM, then SIGKILL after ``grace`` s).
+
+        With ``--checkpoint-every`` the ranks save a checkpoint at their next ``jd.checkpoint`` call before they
+        exit, so the default grace is then 40 s (else 5 s).
+        """
+        if grace is None:
+            grace = 40.0 if (self._meta.get("env") or {}).get("JD_CHECKPOINT_EVERY") else 5.0
         with self._lock:
             if self.done:
                 return self.status

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,7 @@ class Runtime:
         self._warned_no_run_dir = False
         self.comm_stats: Any = None
         """Collective timings (``comm`` records) of a launched, distributed worker."""
+        self._stop_requested: float | None = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -319,9 +321,19 @@ class Runtime:
     def checkpoint(self, state: dict[str, Any], step: int) -> str | None:
         """Save when ``step + 1`` is a multiple of ``JD_CHECKPOINT_EVERY`` (keeping ``JD_KEEP``); else nothing."""
         every = self.env.checkpoint_every
-        if every <= 0 or (step + 1) % every:
+        if every <= 0:
             return None
-        return self.save(state, step, keep=self.env.keep)
+        from ._checkpoint import _all_ok
+
+        stopping = not _all_ok(self, self._stop_requested is None)  # one tiny all-reduce per call
+        if not stopping and (step + 1) % every:
+            return None
+        path = self.save(state, step, keep=self.env.keep)
+        if stopping:
+            _log.warning("jupyter_dist.worker: stopped after saving %s", path)
+            self.write_exit("terminated", None, signal="SIGTERM", checkpoint=path)
+            raise SystemExit(0)
+        return path
 
     def resume(self, state: dict[str, Any] | None = None, *, root: Any = None) -> tuple[dict[str, Any], int] | None:
         """Load the newest complete checkpoint; see :func:`jupyter_dist.worker.resume`."""
@@ -446,6 +458,16 @@ class Runtime:
                 stream.flush()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.env.checkpoint_every > 0 and self._initialized:
+            # a clean stop: the next jd.checkpoint() call saves (all ranks agree on the step) and exits. The SIGTERMs
+            # of torchrun and of Run.stop arrive together; one more after 20 s means the save never came: go.
+            now = time.monotonic()
+            if self._stop_requested is None:
+                self._stop_requested = now
+                _log.warning("jupyter_dist.worker: SIGTERM: saving a checkpoint at the next jd.checkpoint() call")
+                return
+            if now - self._stop_requested < 20.0:
+                return
         self.write_exit("terminated", None, signal=signal.Signals(signum).name)
         if self._emitter is not None:
             self._emitter.close()
