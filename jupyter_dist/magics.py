@@ -62,6 +62,8 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="jd.checkpoint(state, step) saves every N steps (JD_CHECKPOINT_EVERY)")
     p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (JD_KEEP)")
+    p.add_argument("--async-save", action="store_true",
+                   help="jd.checkpoint writes in the background while training goes on (JD_ASYNC_SAVE=1)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints")
     p.add_argument("--hang-timeout", type=float, metavar="S",
@@ -170,6 +172,8 @@ class DistMagics(Magics):
             if value < 1:
                 raise UsageError(f"{flag} must be >= 1, got {value}")
             env.setdefault(var, str(value))
+        if args.async_save:
+            env.setdefault("JD_ASYNC_SAVE", "1")
         if args.resume:
             from pathlib import Path
 

@@ -153,17 +153,20 @@ def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:
 
 
 def save(
-    state: dict[str, Any], step: int, *, root: str | os.PathLike[str] | None = None, keep: int | None = None
+    state: dict[str, Any], step: int, *, root: str | os.PathLike[str] | None = None, keep: int | None = None,
+    async_: bool = False,
 ) -> str | None:
     """Checkpoint ``state`` at ``step`` into ``<run dir>/checkpoints/step-<step>/``; every rank must call it.
 
     ``state`` maps names to modules (plain, DDP, FSDP2: saved with ``torch.distributed.checkpoint``, sharded where
     the model is), optimizers (paired with the module whose parameters they update), a DeepSpeed engine (its own
     ``save_checkpoint``), objects with ``state_dict``/``load_state_dict`` (LR schedulers, ...) and plain values
-    (saved per rank). ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the directory, or ``None``
+    (saved per rank). ``keep`` prunes all but the newest ``keep`` checkpoints. ``async_=True`` writes modules and
+    optimizers from a background thread while training continues; the checkpoint counts (is committed) at the next
+    save, resume or clean exit. Returns the directory, or ``None``
     (with a warning) when there is no run directory and no ``root``.
     """
-    return get_runtime().save(state, step, root=root, keep=keep)
+    return get_runtime().save(state, step, root=root, keep=keep, async_=async_)
 
 
 def checkpoint(state: dict[str, Any], step: int) -> str | None:

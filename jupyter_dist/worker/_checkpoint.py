@@ -31,7 +31,10 @@ from ._env import WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import Runtime
 
-__all__ = ["save", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state", "COMPLETE"]
+__all__ = [
+    "save", "commit_pending", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state",
+    "COMPLETE",
+]  # fmt: skip
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -135,8 +138,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = None, keep: int | None = None) -> str:
-    """Write a checkpoint of ``state`` at ``step``; collective (every rank calls it). Returns the final path."""
+def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = None, keep: int | None = None,
+         async_: bool = False) -> str:  # fmt: skip
+    """Write a checkpoint of ``state`` at ``step``; collective (every rank calls it). Returns the final path.
+
+    With ``async_`` the modules and optimizers are staged to CPU memory and written by a background thread
+    (``torch.distributed.checkpoint.async_save``, on a process group of its own so its collectives never interleave
+    with training's) while training goes on; the checkpoint is committed (marker, rename) at the next
+    ``jd.save``/``jd.checkpoint``/``jd.resume`` or at a clean exit, so until then it does not count.
+    """
     import torch
     from torch.distributed.checkpoint import state_dict_saver
 
@@ -144,6 +154,7 @@ def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = No
         raise WorkerError(f"jd.save: step must be an int >= 0, got {step!r}")
     if keep is not None and keep < 1:
         raise WorkerError(f"jd.save: keep={keep} must be >= 1 (or None to keep every checkpoint)")
+    commit_pending(rt)
     split = _Split(state)
     rank = rt.rank
     tmp = os.path.join(root or "", f".tmp-step-{step}")
@@ -154,39 +165,76 @@ def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = No
     _barrier()
     for engine in split.engines.values():
         engine.save_checkpoint(tmp, tag="deepspeed", save_latest=False)
+    future = None
     if split.modules or split.optimizers:
         with _single_process_ok():
-            state_dict_saver.save(split.dcp_state(), checkpoint_id=os.path.join(tmp, "dcp"), no_dist=_no_dist())
+            if async_ and not split.engines:
+                future = state_dict_saver.async_save(split.dcp_state(), checkpoint_id=os.path.join(tmp, "dcp"),
+                                                     process_group=_save_group(rt), no_dist=_no_dist())  # fmt: skip
+            else:
+                state_dict_saver.save(split.dcp_state(), checkpoint_id=os.path.join(tmp, "dcp"), no_dist=_no_dist())
     extras = dict(split.extras)
     extras.update({k: v.state_dict() for k, v in split.stateful.items()})
     blob = {"step": step, "extras": extras, "stateful": sorted(split.stateful), "rng": rng_state()}
     torch.save(blob, os.path.join(tmp, f"extra-rank{rank}.pt"))
+    marker = {
+        "step": step, "world_size": rt.world_size, "strategy": rt.env.strategy, "modules": sorted(split.modules),
+        "optimizers": sorted(split.optimizers), "engines": sorted(split.engines), "extras": sorted(extras),
+        "async": future is not None,
+    }  # fmt: skip
+    pending = _Pending(future, tmp, final, marker, root or ".", keep)
+    if future is not None:
+        rt._pending_save = pending
+        return final
+    _commit(rt, pending)
+    return final
+
+
+def _save_group(rt: Runtime) -> Any:
+    """A gloo group for asynchronous saves (created once, collectively, at the first one)."""
+    import torch.distributed as dist
+
+    if _no_dist():
+        return None
+    if getattr(rt, "_save_pg", None) is None:
+        rt._save_pg = dist.new_group(backend="gloo")
+    return rt._save_pg
+
+
+class _Pending:
+    def __init__(self, future: Any, tmp: str, final: str, marker: dict[str, Any], root: str, keep: int | None) -> None:
+        self.future, self.tmp, self.final, self.marker, self.root, self.keep = future, tmp, final, marker, root, keep
+
+
+def commit_pending(rt: Runtime) -> str | None:
+    """Finish and commit an asynchronous save (collective); returns its path, or ``None`` when none is pending."""
+    pending = getattr(rt, "_pending_save", None)
+    if pending is None:
+        return None
+    rt._pending_save = None
+    _commit(rt, pending)
+    return pending.final
+
+
+def _commit(rt: Runtime, p: _Pending) -> None:
+    if p.future is not None:
+        p.future.result()  # this rank's shards are on disk (raises what the writer raised)
     _barrier()
-    if rank == 0:
-        marker = {
-            "step": step,
-            "t": time.time(),
-            "world_size": rt.world_size,
-            "strategy": rt.env.strategy,
-            "modules": sorted(split.modules),
-            "optimizers": sorted(split.optimizers),
-            "engines": sorted(split.engines),
-            "extras": sorted(extras),
-        }
-        with open(os.path.join(tmp, COMPLETE), "w") as f:
+    if rt.rank == 0:
+        marker = {**p.marker, "t": time.time()}
+        with open(os.path.join(p.tmp, COMPLETE), "w") as f:
             json.dump(marker, f)
             f.flush()
             os.fsync(f.fileno())
-        if os.path.exists(final):  # saving the same step again replaces it
-            old = f"{final}.old-{os.getpid()}"
-            os.rename(final, old)
+        if os.path.exists(p.final):  # saving the same step again replaces it
+            old = f"{p.final}.old-{os.getpid()}"
+            os.rename(p.final, old)
             shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, final)
-        _fsync_dir(root or ".")
-        if keep is not None:
-            _prune(root or ".", keep)
+        os.rename(p.tmp, p.final)
+        _fsync_dir(p.root)
+        if p.keep is not None:
+            _prune(p.root, p.keep)
     _barrier()
-    return final
 
 
 def _fsync_dir(path: str) -> None:
@@ -291,6 +339,7 @@ def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, 
     A checkpoint that fails to load on any rank (a corrupt or truncated file) is skipped with a warning, and the
     one before it is tried; every rank agrees on which one was loaded.
     """
+    commit_pending(rt)
     split = _Split(state)
     candidates = _agree(rt, complete_checkpoints(root) if rt.rank == 0 else None) or []
     for step, path in candidates:

@@ -71,6 +71,8 @@ class WorkerEnv:
     """``JD_HEARTBEAT_S``: seconds between ``hb`` (and ``mem``/``gpu``) records; 0 turns them off."""
     checkpoint_every: int = 0
     """``JD_CHECKPOINT_EVERY``: ``jd.checkpoint(state, step)`` saves when ``step + 1`` is a multiple (0: never)."""
+    async_save: bool = False
+    """``JD_ASYNC_SAVE=1``: ``jd.checkpoint`` writes in the background (``torch.distributed.checkpoint.async_save``)."""
     keep: int | None = None
     """``JD_KEEP``: checkpoints kept by ``jd.checkpoint`` (older ones are pruned; ``None``: all)."""
     telemetry_interval_s: float = 1.0
@@ -131,6 +133,7 @@ class WorkerEnv:
             telemetry_interval_s=interval,
             checkpoint_every=_int(env, "JD_CHECKPOINT_EVERY", 0),
             keep=_int(env, "JD_KEEP", 0) or None,
+            async_save=env.get("JD_ASYNC_SAVE", "") == "1",
             telemetry_stdout=env.get("JD_TELEMETRY_STDOUT", "") == "1",
         )
 

@@ -83,6 +83,8 @@ class Runtime:
         self.comm_stats: Any = None
         """Collective timings (``comm`` records) of a launched, distributed worker."""
         self._stop_requested: float | None = None
+        self._pending_save: Any = None
+        self._save_pg: Any = None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -302,7 +304,8 @@ class Runtime:
             return None
         return os.path.join(self.env.run_dir, "checkpoints")
 
-    def save(self, state: dict[str, Any], step: int, *, root: Any = None, keep: int | None = None) -> str | None:
+    def save(self, state: dict[str, Any], step: int, *, root: Any = None, keep: int | None = None,
+             async_: bool = False) -> str | None:  # fmt: skip
         """Collective checkpoint; see :func:`jupyter_dist.worker.save`."""
         from ._checkpoint import save
 
@@ -316,7 +319,7 @@ class Runtime:
             )
             return None
         with self.phase("checkpoint"):
-            return save(self, state, step, root=where, keep=keep)
+            return save(self, state, step, root=where, keep=keep, async_=async_)
 
     def checkpoint(self, state: dict[str, Any], step: int) -> str | None:
         """Save when ``step + 1`` is a multiple of ``JD_CHECKPOINT_EVERY`` (keeping ``JD_KEEP``); else nothing."""
@@ -328,7 +331,7 @@ class Runtime:
         stopping = not _all_ok(self, self._stop_requested is None)  # one tiny all-reduce per call
         if not stopping and (step + 1) % every:
             return None
-        path = self.save(state, step, keep=self.env.keep)
+        path = self.save(state, step, keep=self.env.keep, async_=self.env.async_save and not stopping)
         if stopping:
             _log.warning("jupyter_dist.worker: stopped after saving %s", path)
             self.write_exit("terminated", None, signal="SIGTERM", checkpoint=path)
@@ -447,6 +450,13 @@ class Runtime:
 
     def _at_exit(self) -> None:
         error = self._error
+        if error is None and self._pending_save is not None:
+            from ._checkpoint import commit_pending
+
+            try:  # a clean end commits the last asynchronous save (every rank gets here)
+                commit_pending(self)
+            except Exception as exc:  # the checkpoint stays uncommitted, so resume ignores it
+                _log.warning("jupyter_dist.worker: the last asynchronous checkpoint was not committed: %s", exc)
         self.write_exit("ok" if error is None else "error", error)
         if error is None:
             with contextlib.suppress(Exception):
