@@ -243,3 +243,24 @@ def test_stop_saves_a_checkpoint_and_a_new_cell_resumes_after_it(ip: Any, runs: 
                               STOPPABLE.replace("STEPS", str(saved + 5)))  # fmt: skip
     assert again.wait(120) == "succeeded", again.summary()
     assert f"start {saved + 1}" in again.logs(0)
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    import torch
+
+    from jupyter_dist.worker import Runtime, WorkerEnv
+
+    rt = Runtime(WorkerEnv(distributed=False, run_dir=str(tmp_path), heartbeat_s=0))
+    model = torch.nn.Linear(3, 3)
+    rt.save({"model": model}, 1)
+    good = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    rt.save({"model": model}, 2)
+    for shard in (tmp_path / "checkpoints" / "step-2" / "dcp").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:10])  # truncated on disk, though marked complete
+    fresh = torch.nn.Linear(3, 3)
+    with pytest.warns(RuntimeWarning, match="step-2 could not be loaded.*trying the previous one"):
+        got = rt.resume({"model": fresh})
+    assert got is not None and got[1] == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), good, strict=True))

@@ -346,14 +346,19 @@ def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, 
         error = None
         try:
             out = _load(rt, split, state, path)
-        except Exception as exc:  # noqa: BLE001 - any failure to read means: not this checkpoint
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             error, out = exc, None
         if _all_ok(rt, error is None):
             assert out is not None
             return out, step
-        warnings.warn(f"jd.resume: checkpoint {path} could not be loaded on every rank "
-                      f"({type(error).__name__ + ': ' + str(error) if error else 'failed on another rank'}); "
-                      "trying the previous one", RuntimeWarning, stacklevel=3)  # fmt: skip
+        why = "failed on another rank"
+        if error is not None:  # DCP wraps the cause in a multi-line report: its last line says what broke
+            lines = str(error).strip().splitlines() or [""]
+            why = f"{type(error).__name__}: {lines[-1][:300]}"
+        warnings.warn(f"jd.resume: checkpoint {path} could not be loaded on every rank ({why}); trying the previous "
+                      "one", RuntimeWarning, stacklevel=3)  # fmt: skip
     if candidates:
         raise WorkerError(f"jd.resume: none of the {len(candidates)} checkpoint(s) under {root} could be loaded")
     return None
