@@ -211,3 +211,18 @@ def test_plan_accepts_names_counts_and_configs() -> None:
     assert plan(cfg).model.params == 124_439_808
     with pytest.raises(PlanInputError, match="cannot plan for a list"):
         plan([1, 2])  # type: ignore[arg-type]
+
+
+def test_hybrid_sharding_needs_two_gpus_per_shard_group() -> None:
+    from jupyter_dist.errors import ParallelismError
+    from jupyter_dist.plan.hardware import Hardware
+    from jupyter_dist.plan.planner import plan as make_plan
+
+    one_per_node = Hardware.from_names("h100-80gb", gpus_per_node=1, nodes=4)
+    names = [c.name for c in make_plan("llama-2-7b", one_per_node).candidates if "hybrid" in c.name]
+    assert "fsdp-hybrid-shard" not in names and "fsdp2-hybrid" in names  # FSDP2's (4, 1) mesh is correct
+    with pytest.raises(ParallelismError, match="with 1 GPU\\(s\\) per node a group holds one GPU"):
+        make_plan("llama-2-7b", one_per_node, strategy="fsdp-hybrid-shard")
+    eight = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2)
+    hybrid = [c for c in make_plan("llama-2-7b", eight).candidates if "hybrid" in c.name]
+    assert hybrid and all(c.settings["shard_group_size"] == 8 for c in hybrid)

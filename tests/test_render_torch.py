@@ -340,9 +340,12 @@ def test_an_unknown_candidate_lists_the_ones_there_are() -> None:
 
 def test_fsdp1_hybrid_shard_over_one_gpu_per_node_is_refused() -> None:
     p = _plan(2, 1, grad_accum=1)
-    assert p.candidate("fsdp-hybrid-shard").settings["shard_group_size"] == 1
+    with pytest.raises(KeyError):  # the planner no longer offers it
+        p.candidate("fsdp-hybrid-shard")
+    hacked = dataclasses.replace(p, candidates=(*p.candidates, dataclasses.replace(
+        p.candidate("fsdp2-hybrid"), name="fsdp-hybrid-shard", strategy="fsdp-hybrid-shard")))  # fmt: skip
     with pytest.raises(RenderError, match="groups of 1 GPU.*fsdp-no-shard, ddp or fsdp2-hybrid"):
-        render_train_script(p, RenderOptions(candidate="fsdp-hybrid-shard"))
+        render_train_script(hacked, RenderOptions(candidate="fsdp-hybrid-shard"))  # and the renderer refuses it
     render_train_script(p, RenderOptions(candidate="fsdp2-hybrid"))  # FSDP2 handles the (2, 1) mesh
 
 

@@ -135,6 +135,10 @@ def _evaluate(
         math.gcd(dims.shard_size, max(1, hardware.gpus_per_node // dims.tp)) if strategy.hybrid
         else dims.shard_size if strategy.shard_optimizer else 1
     )  # fmt: skip
+    if strategy.hybrid and strategy.family == "fsdp" and settings["shard_group_size"] < 2:
+        # FSDP1's HYBRID_SHARD over shard groups of one GPU reduces gradients wrongly (measured with torch 2.13 on
+        # gloo; the renderer refuses it too); FSDP2's hybrid mesh handles it (it only replicates then)
+        return None
     notes: list[str] = []
     if strategy.offload_optimizer:
         per_node_cpu = hardware.accelerator.node_cpu_memory_bytes
@@ -225,6 +229,13 @@ def plan(
         if not shown:  # e.g. a hybrid strategy on one node: evaluate it anyway on the base dims
             c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume)
             shown = [c] if c else []
+        if not shown and requested.hybrid and requested.family == "fsdp":
+            raise ParallelismError(
+                f"{requested.name} shards inside groups of GPUs on one node and replicates across nodes; with "
+                f"{hw.gpus_per_node} GPU(s) per node{' (divided by tp)' if fixed.get('tp', 1) > 1 else ''} a group "
+                "holds one GPU, where FSDP1's HYBRID_SHARD reduces gradients wrongly. Use fsdp2-hybrid, fsdp2 or "
+                "fsdp-full-shard"
+            )
     else:
         shown = evaluated
 
