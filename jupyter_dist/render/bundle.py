@@ -161,7 +161,13 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
             "the deepspeed launcher needs a DeepSpeed strategy (zero1/2/3...), but the candidate is "
             f"{layout.candidate.name}; use --launcher torchrun or pick a zero* candidate"
         )
-    files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts)
+    if opts.launcher == "accelerate":
+        files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts)  # the launch needs it: errors surface
+    else:
+        try:
+            files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts)
+        except RenderError as exc:  # e.g. expert parallelism: accelerate has no such plugin; the rest still applies
+            notes.append(f"accelerate_config.yaml not generated: {exc}")
     if layout.multi_node:
         launch = launch_command(plan, opts, node_rank=ShellVar("NODE_RANK"), master_addr=ShellVar("MASTER_ADDR"),
                                 layout=layout)  # fmt: skip

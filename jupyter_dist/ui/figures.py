@@ -1,6 +1,6 @@
 """The panel figure format shared by the live widget (drawn with Plotly in the browser) and the static export.
 
-A *figure* is a plain dict (JSON-safe, no plotly import in the kernel), one of three kinds:
+A *figure* is a plain dict (JSON-safe, no plotly import in the kernel), one of four kinds:
 
 ``line``::
 
@@ -19,6 +19,13 @@ A *figure* is a plain dict (JSON-safe, no plotly import in the kernel), one of t
      "bar_colors": None | ["#2e7d32", "#c62828"],  # per-category colours (single-series bars)
      "labels": None | ["forward", "backward"],       # per-category text drawn on the bars
      "hlines": [...], "note": "..."}
+
+``hbar`` (horizontal stacked bars, one row per category; the planner's memory chart)::
+
+    {"id": "plan-memory", "kind": "hbar", "title": "...", "x_title": "GiB per GPU",
+     "categories": ["zero2", "fsdp2"], "series": [{"name": "params", "values": [12.6, 3.1], "color": "#..."}, ...],
+     "labels": ["66.3 GiB fits"], "label_colors": ["#2e7d32"], "highlight": [0],   # row indices drawn bold
+     "vlines": [{"x": 79.6, "name": "H100 80GB: 79.6 GiB", "color": "#c62828"}], "note": "..."}
 
 ``heatmap``::
 

@@ -672,6 +672,77 @@ def _bar(fig: Figure, w: float, h: float) -> str:
     return _finish(fig, frame, body)
 
 
+# ----------------------------------------------------------------------------------------------------- hbar
+
+
+def _hbar(fig: Figure, w: float, h: float) -> str:
+    """Horizontal stacked bars: one row per category, series stacked left to right, ``vlines`` as limits."""
+    series = [s for s in _list(fig.get("series")) if isinstance(s, dict)]
+    values = [[_num(v) for v in _list(s.get("values"))] for s in series]
+    cats = [str(c) for c in _list(fig.get("categories"))]
+    n = len(cats)
+    totals = [sum(max(0.0, vs[i] or 0.0) for vs in values if i < len(vs)) for i in range(n)]
+    vls = [(x, str(vl.get("name") or ""), _color(vl.get("color"), "#c62828"))
+           for vl in _list(fig.get("vlines")) if isinstance(vl, dict) and (x := _num(vl.get("x"))) is not None]
+    if not n or not any(totals):
+        return _note_figure(fig, w, h)
+    texts = [str(t) if t is not None else "" for t in _list(fig.get("labels"))]
+    text_colors = _list(fig.get("label_colors"))
+    bold = {i for i in _list(fig.get("highlight")) if isinstance(i, int)}
+    colors = [_color(s.get("color"), PALETTE[i % len(PALETTE)]) for i, s in enumerate(series)]
+    legend = [(str(s.get("name") or f"series {i}"), colors[i], "box", "") for i, s in enumerate(series)]
+    frame = _begin(fig, w, h, legend)
+    cat_w = min(w * 0.34, max(_text_w(c, 9.5) for c in cats) + 10)
+    text_w = min(w * 0.22, max((_text_w(t, 9) for t in texts), default=0.0) + 8)
+    x0, x1 = 6 + cat_w, w - 8 - text_w
+    y0 = frame.top + 4 + (10 if vls else 0)
+    y1 = h - 16 - (14 if fig.get("x_title") else 0)
+    hi = max(*totals, *(x for x, *_ in vls)) * 1.02
+    ticks = _x_ticks(0.0, hi, x1 - x0)
+    hi = max(hi, ticks[-1])
+    sx = _Scale(0.0, hi, x0, x1)
+    band = (y1 - y0) / n
+    body = [f'<g class="grid" stroke="{GRID}" stroke-width="1">']
+    body += [f'<line x1="{_c(sx(t))}" y1="{_c(y0)}" x2="{_c(sx(t))}" y2="{_c(y1)}"/>' for t in ticks]
+    body.append("</g>")
+    body.append('<g class="xaxis">')
+    body += [_text(sx(t), y1 + 12, lab, size=9, anchor="middle", fill=MUTED)
+             for t, lab in zip(ticks, format_ticks(ticks), strict=True)]  # fmt: skip
+    body.append("</g>")
+    bars, labels = ['<g class="bars">'], ['<g class="labels" font-size="9.5">']
+    bh = max(2.0, min(band * 0.72, 18.0))
+    for i, cat in enumerate(cats):
+        cy = y0 + (i + 0.5) * band
+        weight = ' font-weight="700"' if i in bold else ""
+        labels.append(_text(x0 - 5, cy + 3.5, _fit(cat, cat_w - 6, 9.5), size=9.5, anchor="end", extra=weight))
+        acc = 0.0
+        for k, vs in enumerate(values):
+            v = vs[i] if i < len(vs) else None
+            if v is None or v <= 0:
+                continue
+            a, b = sx(acc), sx(acc + v)
+            acc += v
+            tip = f"{cat} \u00b7 {legend[k][0]}: {format_number(v, 3)}"
+            bars.append(f'<rect x="{_c(a)}" y="{_c(cy - bh / 2)}" width="{_c(max(b - a, 0.3))}" height="{_c(bh)}" '
+                        f'fill="{_esc(colors[k])}"><title>{_esc(tip)}</title></rect>')  # fmt: skip
+        if i < len(texts) and texts[i]:
+            tc = _color(text_colors[i], TEXT) if i < len(text_colors) else TEXT
+            labels.append(_text(sx(acc) + 4, cy + 3.5, texts[i], size=9, fill=tc, extra=weight))
+    bars.append("</g>")
+    labels.append("</g>")
+    body += bars + labels
+    for x, name, color in vls:
+        px = sx(x)
+        body.append(f'<line x1="{_c(px)}" y1="{_c(y0 - 8)}" x2="{_c(px)}" y2="{_c(y1)}" stroke="{_esc(color)}" '
+                    'stroke-width="1.5" stroke-dasharray="5,3"/>')  # fmt: skip
+        anchor = "end" if px > (x0 + x1) / 2 else "start"
+        dx = -3 if anchor == "end" else 3
+        body.append(_text(px + dx, y0 - 2, _fit(name, (x1 - x0) / 2, 9), size=9, anchor=anchor, fill=color))
+    if fig.get("x_title"):
+        body.append(_text((x0 + x1) / 2, h - 4, str(fig["x_title"]), size=9.5, anchor="middle", fill=MUTED))
+    return _finish(fig, frame, body)
+
+
 # ----------------------------------------------------------------------------------------------------- heatmap
 
 
@@ -780,6 +851,8 @@ def figure_svg(fig: Figure, *, width: int = 420, height: int = 240) -> str:
         return _bar(fig, w, h)
     if kind == "heatmap":
         return _heatmap(fig, w, h)
+    if kind == "hbar":
+        return _hbar(fig, w, h)
     return _note_figure(fig, w, h, f"unsupported figure kind {kind!r}")
 
 

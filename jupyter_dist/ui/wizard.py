@@ -1,0 +1,660 @@
+"""The strategy wizard: ipywidgets controls, one handler that calls the pure planner, and the answer under them.
+
+``Wizard()`` (or ``%dist_wizard``) shows, recomputed on every change: the recommendation with its reasons and
+warnings, a per-GPU memory chart of every strategy against the device limit, speed and the effective batch; a
+what-if table per slider (nodes, micro-batch, sequence length) showing where each strategy stops fitting; every
+artifact of the compiler's bundle with copy, download and "write to folder"; and a Launch button that runs the plan
+with ``%%dist_train`` semantics and shows the run's live panels.
+
+Planning and compiling live elsewhere: the handler copies control values into a
+:class:`~jupyter_dist.ui.wizard_model.WizardInputs`, calls :func:`~jupyter_dist.ui.wizard_model.evaluate`
+(the planner) and :func:`~jupyter_dist.render.bundle.render_bundle` (the compiler), and shows what they return.
+Invalid inputs are shown as a one-line message next to their control; the panel never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import JupyterDistError, MissingDependencyError
+from ..plan import ACCELERATORS, INTERCONNECTS, ModelSpec, Plan, preset_names, strategy_names
+from ..plan.units import GiB
+from .static import figure_svg
+from .wizard_model import (
+    DIM_FIELDS,
+    WHATIF_VALUES,
+    Answer,
+    WizardInputs,
+    evaluate,
+    memory_figure,
+    summary_html,
+    train_line,
+    whatif,
+    whatif_html,
+)
+
+__all__ = ["Wizard", "BUNDLE_FILES"]
+
+log = logging.getLogger(__name__)
+
+BUNDLE_FILES = ("plan.json", "train.py", "ds_config.json", "accelerate_config.yaml", "launch.sh", "skypilot.yaml",
+                "job.sbatch", "nccl.env")  # fmt: skip
+"""The Configs tabs, in order (the compiler's bundle; a file a strategy does not use says so)."""
+
+_TABS = ("Plan", "What-if", "Configs", "Launch")
+_PLAN_TAB, _WHATIF_TAB, _CONFIGS_TAB, _LAUNCH_TAB = range(4)
+_WARN = "#c62828"
+
+
+def _widgets() -> Any:
+    try:
+        import ipywidgets
+    except ImportError:
+        raise MissingDependencyError('the wizard needs ipywidgets: pip install "jupyter-dist[notebook]"') from None
+    return ipywidgets
+
+
+def _row(w: Any) -> Any:
+    """Let a control take the column's width (no fixed widths beyond the cell)."""
+    w.layout.width = "auto"
+    w.layout.flex = "1 1 auto"
+    w.layout.min_width = "0"
+    w.style.description_width = "118px"
+    return w
+
+
+def _file_pane(name: str, text: str, description: str) -> str:
+    e = html.escape
+    data = base64.b64encode(text.encode()).decode()
+    return (
+        f"<div class='jd-wiz-file' data-file='{e(name)}'><div style='margin:2px 0 4px 0'>"
+        f"<button class='jd-copy' onclick=\"navigator.clipboard.writeText(atob('{data}'))\">Copy</button> "
+        f"<a download='{e(name)}' href='data:text/plain;base64,{data}'><button>Download</button></a> "
+        f"<small style='color:#555'>{e(description)}</small></div>"
+        f"<pre style='max-height:360px;overflow:auto;margin:0;white-space:pre'>{e(text)}</pre></div>"
+    )
+
+
+class Wizard:
+    """Plan live in a notebook: controls, the recommendation, what-if, configs and a Launch button.
+
+    Parameters
+    ----------
+    model
+        An ``nn.Module`` (or a class / factory building one) measured on the meta device, or a preset name, or a
+        :class:`~jupyter_dist.plan.ModelSpec`; default: the ``llama-2-7b`` preset.
+    inputs
+        Initial answers (a :class:`~jupyter_dist.ui.wizard_model.WizardInputs`); keyword ``answers`` override
+        single fields, e.g. ``Wizard(gpu="a100-80gb", nodes=2, seq_len=4096)``.
+    code
+        The training cell the Launch button runs (default: the demo's small transformer LM, 100 steps).
+    plan_var
+        The notebook variable the launched plan is bound to (the printed ``%%dist_train --plan`` line uses it).
+    runs_dir
+        Where Launch puts run directories.
+
+    Examples
+    --------
+    ::
+
+        from jupyter_dist import Wizard
+        w = Wizard(model=MyTransformer, gpu="h100-80gb", nodes=2)
+        w                      # displays the panel
+        w.plan.best.name       # the current recommendation
+        w.bundle.files["ds_config.json"]
+    """
+
+    def __init__(self, model: Any = None, *, inputs: WizardInputs | None = None, code: str | None = None,
+                 plan_var: str = "wizard_plan", runs_dir: str | os.PathLike[str] = "runs", shell: Any = None,
+                 **answers: Any) -> None:  # fmt: skip
+        ipw = _widgets()
+        if not plan_var.isidentifier():
+            raise JupyterDistError(f"plan_var {plan_var!r} must be a valid Python variable name")
+        inp = inputs if inputs is not None else WizardInputs()
+        known = {f.name for f in fields(WizardInputs)}
+        for key, value in answers.items():
+            if key not in known:
+                raise JupyterDistError(f"unknown wizard input {key!r}; valid: {', '.join(sorted(known))}")
+            setattr(inp, key, value)
+        if model is not None:
+            if isinstance(model, str):
+                inp.source, inp.preset = "preset", model
+            else:
+                spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
+                inp.source, inp.module_spec = "module", spec
+        self.inputs = inp
+        self.plan_var = plan_var
+        self.runs_dir = runs_dir
+        self._shell = shell
+        self.answer: Answer | None = None
+        self.plan: Plan | None = None
+        """The current plan (the last valid one while an input is wrong)."""
+        self.bundle: Any = None
+        """The compiled bundle of the selected candidate (``None`` when it cannot be compiled)."""
+        self.run: Any = None
+        """The last run started with Launch."""
+        self.dashboard: Any = None
+        self.last_update_ms = 0.0
+        """Wall time of the last recompute (planner, chart, configs, widget values), in milliseconds."""
+        self.updates = 0
+        self._holding = 0
+        self._whatif_stale = True
+        self._syncing = False
+        self.chart_figure: dict[str, Any] | None = None
+        """The figure dict the chart was drawn from (see :mod:`jupyter_dist.ui.figures`)."""
+        self.train_line = ""
+        """The ``%%dist_train`` line equivalent to the last Launch."""
+        self._build(ipw, code)
+        self.refresh()
+
+    # ---- construction ---------------------------------------------------------------------------------------
+    def _build(self, ipw: Any, code: str | None) -> None:
+        inp = self.inputs
+        c: dict[str, Any] = {}
+        sources = [("Preset", "preset"), ("Dimensions", "dims"), ("HF config", "hf")]
+        if inp.module_spec is not None:
+            sources.append(("Module", "module"))
+        c["source"] = ipw.ToggleButtons(options=sources, value=inp.source, description="Model")
+        c["source"].style.button_width = "auto"
+        c["preset"] = ipw.Dropdown(options=preset_names(), value=inp.preset, description="Preset")
+        dim_desc = {"layers": "Layers", "hidden": "Hidden size", "heads": "Heads", "kv_heads": "KV heads (0=heads)",
+                    "ffn": "FFN (0=auto)", "vocab": "Vocabulary", "experts": "Experts (0=dense)",
+                    "top_k": "Top-k (0=2)"}  # fmt: skip
+        for name in DIM_FIELDS:
+            c[name] = ipw.IntText(value=getattr(inp, name), description=dim_desc[name])
+        c["hf_config"] = ipw.Textarea(value=inp.hf_config, description="config.json",
+                                      placeholder='paste a Hugging Face config.json: {"model_type": "llama", ...}',
+                                      rows=5)  # fmt: skip
+        self.upload = ipw.FileUpload(accept=".json", multiple=False, description="Upload config.json")
+        self.module_label = ipw.HTML()
+        c["gpu"] = ipw.Dropdown(
+            options=[(f"{a.label} ({a.memory_bytes / GiB:.0f} GiB)", k) for k, a in ACCELERATORS.items()],
+            value=inp.gpu, description="Accelerator",
+        )  # fmt: skip
+        c["gpus_per_node"] = ipw.IntText(value=inp.gpus_per_node, description="GPUs per node")
+        c["nodes"] = ipw.IntText(value=inp.nodes, description="Nodes")
+        c["interconnect"] = ipw.Dropdown(options=[("auto (typical for the accelerator)", "auto")]
+                                         + [(i.label, k) for k, i in INTERCONNECTS.items()],
+                                         value=inp.interconnect, description="Interconnect")  # fmt: skip
+        c["micro_batch"] = ipw.IntText(value=inp.micro_batch, description="Micro-batch")
+        c["seq_len"] = ipw.IntText(value=inp.seq_len, description="Sequence length")
+        c["batch_mode"] = ipw.ToggleButtons(options=[("Accumulation", "accum"), ("Global batch", "global")],
+                                            value=inp.batch_mode, description="Batch by")  # fmt: skip
+        c["batch_mode"].style.button_width = "auto"
+        c["grad_accum"] = ipw.IntText(value=inp.grad_accum, description="Grad accumulation")
+        c["global_batch"] = ipw.IntText(value=inp.global_batch, description="Global batch")
+        c["precision"] = ipw.Dropdown(options=["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"],
+                                      value=inp.precision, description="Precision")  # fmt: skip
+        c["optimizer"] = ipw.Dropdown(options=["adamw", "adamw-8bit", "sgd"], value=inp.optimizer,
+                                      description="Optimizer")  # fmt: skip
+        c["checkpointing"] = ipw.Dropdown(options=["none", "selective", "full"], value=inp.checkpointing,
+                                          description="Act. checkpointing")  # fmt: skip
+        c["flash_attn"] = ipw.Checkbox(value=inp.flash_attn, description="Flash attention", indent=True)
+        c["strategy"] = ipw.Dropdown(options=[("auto (best that fits)", "auto"), *((s, s) for s in strategy_names())],
+                                     value=inp.strategy, description="Strategy")  # fmt: skip
+        c["tp"] = ipw.IntText(value=inp.tp, description="TP (0=auto)")
+        c["pp"] = ipw.IntText(value=inp.pp, description="PP (0=auto)")
+        self.controls = c
+        self.messages = {name: ipw.HTML(layout=ipw.Layout(margin="0 0 0 8px")) for name in c}
+        self.rows = {}
+        for name, w in c.items():
+            _row(w)
+            msg = self.messages[name]
+            msg.add_class("jd-wiz-msg")
+            box = ipw.VBox([w, msg], layout=ipw.Layout(width="100%", margin="0"))
+            box.add_class(f"jd-wiz-{name.replace('_', '-')}")
+            self.rows[name] = box
+        self.upload.observe(self._on_upload, names="value")
+        for w in c.values():
+            w.observe(self._on_change, names="value")
+
+        def section(title: str, names: list[str], extra: tuple[Any, ...] = ()) -> Any:
+            head = ipw.HTML(f"<b>{title}</b>")
+            return ipw.VBox([head, *(self.rows[n] for n in names), *extra],
+                            layout=ipw.Layout(min_width="0", overflow="hidden"))  # fmt: skip
+
+        self.dims_box = ipw.VBox([self.rows[n] for n in DIM_FIELDS])
+        self.hf_box = ipw.VBox([self.rows["hf_config"], self.upload])
+        model_box = section("Model", ["source", "preset"], (self.dims_box, self.hf_box, self.module_label))
+        hw_box = section("Hardware", ["gpu", "gpus_per_node", "nodes", "interconnect"])
+        train_box = section("Training", ["micro_batch", "seq_len", "batch_mode", "grad_accum", "global_batch",
+                                         "precision", "optimizer", "checkpointing", "flash_attn"])  # fmt: skip
+        par_box = section("Parallelism", ["strategy", "tp", "pp"])
+        grid = ipw.GridBox([model_box, hw_box, train_box, par_box], layout=ipw.Layout(
+            grid_template_columns="repeat(auto-fit, minmax(260px, 1fr))", grid_gap="4px 18px", width="100%"))
+
+        # the answer
+        self.status = ipw.HTML()
+        self.status.add_class("jd-wiz-status")
+        self.summary = ipw.HTML()
+        self.summary.add_class("jd-wiz-summary-box")
+        self.chart = ipw.HTML(layout=ipw.Layout(width="100%"))
+        self.chart.add_class("jd-wiz-chart")
+        self.show_all = ipw.Checkbox(value=False, description="all candidates (with TP/PP/CP/EP variants)",
+                                     indent=False)  # fmt: skip
+        self.show_all.observe(lambda _: self._draw_chart(), names="value")
+        plan_tab = ipw.VBox([self.summary, self.chart, self.show_all])
+
+        # what-if
+        self.sliders = {}
+        self.whatif_tables = {}
+        boxes = []
+        for dim, values in WHATIF_VALUES.items():
+            sl = ipw.SelectionSlider(options=[(f"{v:,}", v) for v in values], description=dim.replace("_", "-"),
+                                     continuous_update=False)  # fmt: skip
+            sl.value = self._nearest(dim, getattr(inp, dim))
+            _row(sl)
+            sl.observe(self._on_slider, names="value")
+            self.sliders[dim] = sl
+            table = ipw.HTML()
+            table.add_class(f"jd-whatif-{dim.replace('_', '-')}")
+            self.whatif_tables[dim] = table
+            boxes += [sl, table]
+        whatif_tab = ipw.VBox([ipw.HTML("<small>Each slider moves its input above; the tables re-plan at every "
+                                        "value and show where each strategy stops fitting.</small>"), *boxes])
+
+        # configs
+        self.candidate = _row(ipw.Dropdown(options=[("recommended", "")], value="", description="Compile"))
+        self.launcher = _row(ipw.Dropdown(options=["torchrun", "deepspeed", "accelerate"], value="torchrun",
+                                          description="Launcher"))  # fmt: skip
+        self.candidate.observe(self._on_compile_change, names="value")
+        self.launcher.observe(self._on_compile_change, names="value")
+        self.compile_msg = ipw.HTML()
+        self.commands = ipw.HTML()
+        self.file_panes = {name: ipw.HTML(layout=ipw.Layout(width="100%")) for name in BUNDLE_FILES}
+        self.files_tab = ipw.Tab(children=[self.file_panes[n] for n in BUNDLE_FILES], titles=list(BUNDLE_FILES))
+        self.folder = _row(ipw.Text(value="jupyter-dist-configs", description="Folder"))
+        self.write_button = ipw.Button(description="Write to folder", icon="save")
+        self.write_button.on_click(lambda _: self.write_configs())
+        self.write_msg = ipw.HTML()
+        configs_tab = ipw.VBox([
+            ipw.HBox([self.candidate, self.launcher], layout=ipw.Layout(flex_flow="row wrap", width="100%")),
+            self.compile_msg, self.commands, self.files_tab,
+            ipw.HBox([self.folder, self.write_button], layout=ipw.Layout(width="100%")), self.write_msg,
+        ])  # fmt: skip
+
+        # launch
+        from ..launch.examples import DEMO_CELL
+
+        self.nproc = _row(ipw.IntText(value=2, description="Processes"))
+        self.run_name = _row(ipw.Text(value="wizard", description="Run name"))
+        self.code = ipw.Textarea(value=code if code is not None else DEMO_CELL.format(steps=100).strip() + "\n",
+                                 description="Training cell", rows=10, layout=ipw.Layout(width="100%"))  # fmt: skip
+        self.code.style.description_width = "118px"
+        self.launch_button = ipw.Button(description="Launch", icon="play", button_style="success")
+        self.launch_button.on_click(lambda _: self.launch())
+        self.launch_msg = ipw.HTML()
+        self.launch_msg.add_class("jd-wiz-launch-msg")
+        self.launch_line = ipw.HTML()
+        self.launch_area = ipw.Box(layout=ipw.Layout(width="100%"))
+        launch_tab = ipw.VBox([
+            ipw.HTML("<small>Runs the selected candidate's strategy on this machine's processes (CPU/gloo without "
+                     "GPUs) with <code>%%dist_train</code> semantics, and shows its live panels.</small>"),
+            ipw.HBox([self.nproc, self.run_name], layout=ipw.Layout(flex_flow="row wrap", width="100%")),
+            self.code, self.launch_button, self.launch_msg, self.launch_line, self.launch_area,
+        ])  # fmt: skip
+
+        self.tabs = ipw.Tab(children=[plan_tab, whatif_tab, configs_tab, launch_tab], titles=list(_TABS))
+        self.tabs.observe(self._on_tab, names="selected_index")
+        self.widget = ipw.VBox([ipw.HTML("<b style='font-size:1.1em'>jupyter-dist: strategy wizard</b>"), grid,
+                                self.status, self.tabs], layout=ipw.Layout(width="100%"))  # fmt: skip
+        self.widget.add_class("jd-wizard")
+        self._show_source()
+
+    # ---- reading and writing controls ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Change several controls and recompute once at the end."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if not self._holding:
+            self.refresh()
+
+    def set(self, **values: Any) -> Wizard:
+        """Set controls by input name (``w.set(nodes=2, seq_len=4096)``), recomputing once."""
+        unknown = [k for k in values if k not in self.controls]
+        if unknown:
+            raise JupyterDistError(f"no wizard control {unknown[0]!r}; valid: {', '.join(self.controls)}")
+        with self.hold():
+            for k, v in values.items():
+                self.controls[k].value = v
+        return self
+
+    def _read(self) -> WizardInputs:
+        inp = self.inputs
+        for name, w in self.controls.items():
+            setattr(inp, name, w.value)
+        return inp
+
+    def _nearest(self, dim: str, value: Any) -> int:
+        values = WHATIF_VALUES[dim]
+        if not isinstance(value, int) or value < 1:
+            return values[0]
+        return min(values, key=lambda v: abs(v - value) / v)
+
+    def _show_source(self) -> None:
+        src = self.controls["source"].value
+        self.rows["preset"].layout.display = "flex" if src == "preset" else "none"
+        self.dims_box.layout.display = "flex" if src == "dims" else "none"
+        self.hf_box.layout.display = "flex" if src == "hf" else "none"
+        spec = self.inputs.module_spec
+        if src == "module" and spec is not None:
+            self.module_label.value = (f"<small>Measured on the meta device: <b>{html.escape(spec.name)}</b>, "
+                                       f"{spec.params:,} parameters</small>")  # fmt: skip
+        else:
+            self.module_label.value = ""
+        mode = self.controls["batch_mode"].value
+        self.rows["grad_accum"].layout.display = "flex" if mode == "accum" else "none"
+        self.rows["global_batch"].layout.display = "flex" if mode == "global" else "none"
+
+    # ---- handlers ---------------------------------------------------------------------------------------------
+    def _on_change(self, change: dict[str, Any]) -> None:
+        owner = change.get("owner")
+        if owner is self.controls["source"] and change["new"] == "dims" and not self._holding:
+            self._prefill_dims()
+            return
+        if owner is self.controls["gpu"] and not self._holding:
+            top = ACCELERATORS[change["new"]].max_gpus_per_node
+            gpn = self.controls["gpus_per_node"]
+            if isinstance(gpn.value, int) and gpn.value > top:
+                with self.hold():
+                    gpn.value = top
+                return
+        if not self._holding:
+            self.refresh()
+
+    def _prefill_dims(self) -> None:
+        """Switching to dimensions starts from the model shown before (the preset or the measured module)."""
+        try:
+            spec = (self.inputs.module_spec if self.inputs.module_spec is not None
+                    else ModelSpec.from_preset(self.controls["preset"].value))  # fmt: skip
+        except JupyterDistError:
+            return
+        with self.hold():
+            for name in DIM_FIELDS:
+                value = getattr(spec, name, None)
+                self.controls[name].value = int(value) if isinstance(value, int) else 0
+
+    def _on_upload(self, change: dict[str, Any]) -> None:
+        files = change["new"]
+        if not files:
+            return
+        item = files[0] if isinstance(files, (list, tuple)) else next(iter(files.values()))
+        try:
+            text = bytes(item["content"]).decode("utf-8")
+        except UnicodeDecodeError:
+            self.messages["hf_config"].value = self._msg(f"{item.get('name', 'the file')} is not UTF-8 text")
+            return
+        with self.hold():
+            self.controls["source"].value = "hf"
+            self.controls["hf_config"].value = text
+
+    def _on_slider(self, change: dict[str, Any]) -> None:
+        if self._syncing:
+            return
+        for dim, sl in self.sliders.items():
+            if change["owner"] is sl and self.controls[dim].value != change["new"]:
+                self.controls[dim].value = change["new"]
+
+    def _on_tab(self, change: dict[str, Any]) -> None:
+        if change["new"] == _WHATIF_TAB and self._whatif_stale:
+            self._guard(self._draw_whatif)
+
+    def _on_compile_change(self, change: dict[str, Any]) -> None:
+        if not self._holding:
+            self._guard(self._compile)
+
+    # ---- recompute --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _msg(text: str) -> str:
+        return f"<span style='color:{_WARN};font-size:0.9em'>\u26a0 {html.escape(text)}</span>"
+
+    def _guard(self, fn: Any) -> None:
+        """Run a view update; an unexpected error becomes one line in the status, never a traceback."""
+        try:
+            fn()
+        except Exception as exc:  # the panel shows one line; the traceback goes to the log
+            log.debug("wizard update failed", exc_info=True)
+            self.status.value = self._msg(f"internal error while updating the wizard: {type(exc).__name__}: {exc}")
+
+    def refresh(self) -> Answer | None:
+        """Re-plan from the controls and update every view (the one handler every control calls)."""
+        t0 = time.perf_counter()
+        self._guard(self._refresh)
+        self.last_update_ms = (time.perf_counter() - t0) * 1e3
+        self.updates += 1
+        return self.answer
+
+    def _refresh(self) -> None:
+        self._show_source()
+        answer = evaluate(self._read())
+        self.answer = answer
+        for name, msg in self.messages.items():
+            text = answer.problems.get(name, "")
+            new = self._msg(text) if text else ""
+            if msg.value != new:
+                msg.value = new
+        for dim, sl in self.sliders.items():
+            value = self.controls[dim].value
+            if value in WHATIF_VALUES[dim] and sl.value != value:
+                with self.hold_sliders():
+                    sl.value = value
+        if answer.problems:
+            first = next(iter(answer.problems.values()))
+            self.status.value = (self._msg(f"fix the input marked \u26a0: {first}")
+                                 + "<small style='color:#777'> (the answer below is for the last valid inputs)"
+                                 "</small>")  # fmt: skip
+            self.summary.layout.opacity = "0.45"
+            self.chart.layout.opacity = "0.45"
+            return
+        self.summary.layout.opacity = "1"
+        self.chart.layout.opacity = "1"
+        p = answer.plan
+        assert p is not None
+        self.plan = p
+        self.summary.value = summary_html(p)
+        self._draw_chart()
+        names = [c.name for c in p.candidates if c.fits] or [c.name for c in p.candidates[:1]]
+        options = [(f"recommended ({p.recommended})" if p.recommended else "recommended (none fits)", ""),
+                   *((n, n) for n in names)]  # fmt: skip
+        with self.hold_compile():
+            keep = self.candidate.value if self.candidate.value in names else ""
+            self.candidate.options = options
+            self.candidate.value = keep
+        self._compile()
+        self._whatif_stale = True
+        if self.tabs.selected_index == _WHATIF_TAB:
+            self._draw_whatif()
+        self.status.value = (f"<small style='color:#777' data-ms='{answer.elapsed_ms:.2f}'>planned "
+                             f"{len(p.candidates)} candidates in {answer.elapsed_ms:.1f} ms</small>")  # fmt: skip
+
+    @contextlib.contextmanager
+    def hold_sliders(self) -> Iterator[None]:
+        """Move sliders to follow the controls without their handler writing back."""
+        self._syncing = True
+        try:
+            yield
+        finally:
+            self._syncing = False
+
+    @contextlib.contextmanager
+    def hold_compile(self) -> Iterator[None]:
+        """Change the candidate list without recompiling per change."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+
+    def _draw_chart(self) -> None:
+        if self.plan is None:
+            return
+        fig = memory_figure(self.plan, show_all=self.show_all.value)
+        self.chart_figure = fig
+        rows = len(fig["categories"])
+        self.chart.value = figure_svg(fig, width=720, height=74 + 17 * rows)
+
+    def _selected(self) -> str | None:
+        return self.candidate.value or (self.plan.recommended if self.plan is not None else None)
+
+    def _compile(self) -> None:
+        from ..render.bundle import _DESCRIPTIONS, render_bundle
+        from ..render.common import RenderOptions
+
+        p = self.plan
+        name = self._selected()
+        self.bundle = None
+        if p is None or name is None:
+            self.compile_msg.value = self._msg("nothing fits, so there is nothing to compile; change the inputs")
+            for pane in self.file_panes.values():
+                pane.value = ""
+            return
+        try:
+            bundle = render_bundle(p, RenderOptions(candidate=name, launcher=self.launcher.value))
+        except JupyterDistError as exc:
+            self.compile_msg.value = self._msg(str(exc))
+            return
+        self.bundle = bundle
+        self.compile_msg.value = "".join(f"<div><small>{html.escape(n)}</small></div>" for n in bundle.notes)
+        self.commands.value = "".join(
+            f"<div><b>{html.escape(k)}</b>: <code>{html.escape(c.shell(with_env=False))}</code></div>"
+            for k, c in bundle.commands.items()
+        )
+        for fname, pane in self.file_panes.items():
+            text = bundle.files.get(fname)
+            if text is None:
+                why = next((n for n in bundle.notes if n.startswith(fname)), None)
+                why = why or f"{bundle.candidate.name} does not use {fname}"
+                pane.value = f"<div class='jd-wiz-file' data-file='{fname}'><i>{html.escape(why)}</i></div>"
+            else:
+                pane.value = _file_pane(fname, text, _DESCRIPTIONS.get(fname, ""))
+
+    def _draw_whatif(self) -> None:
+        inp = self._read()
+        if self.answer is None or self.answer.problems:
+            for table in self.whatif_tables.values():
+                table.value = self._msg("fix the inputs marked above first")
+            return
+        for dim, table in self.whatif_tables.items():
+            table.value = whatif_html(whatif(inp, dim), current=getattr(inp, dim))
+        self._whatif_stale = False
+
+    # ---- actions ---------------------------------------------------------------------------------------------
+    def write_configs(self, folder: str | os.PathLike[str] | None = None) -> list[Path]:
+        """Write the bundle's files to ``folder`` (default: the Folder field); returns the paths written."""
+        if self.bundle is None:
+            self.write_msg.value = self._msg("no configs to write: the plan has no compiled candidate")
+            return []
+        target = Path(folder if folder is not None else self.folder.value.strip() or ".").expanduser()
+        try:
+            paths: list[Path] = self.bundle.write_to(target)
+        except OSError as exc:
+            self.write_msg.value = self._msg(f"cannot write to {target}: {exc.strerror or exc}")
+            return []
+        self.write_msg.value = (f"<small>wrote {len(paths)} files to <code>{html.escape(str(target.resolve()))}"
+                                f"</code>: {html.escape(', '.join(p.name for p in paths))}</small>")  # fmt: skip
+        return paths
+
+    def _user_ns(self) -> dict[str, Any] | None:
+        shell = self._shell
+        if shell is None:
+            try:
+                from IPython import get_ipython
+
+                shell = get_ipython()
+            except ImportError:
+                shell = None
+        return getattr(shell, "user_ns", None)
+
+    def launch(self, *, timeout: float | None = None) -> Any:
+        """Run the selected candidate's strategy locally with ``%%dist_train --plan`` semantics; returns the Run."""
+        from ..launch.session import STRATEGY_CHOICES, start_run
+
+        p = self.plan
+        if p is None or (self.answer is not None and self.answer.problems):
+            self.launch_msg.value = self._msg("fix the inputs marked above first: there is no valid plan to run")
+            return None
+        name = self._selected()
+        if name is None:
+            self.launch_msg.value = self._msg("nothing fits on this hardware, so there is no strategy to run")
+            return None
+        cand = p.candidate(name)
+        nproc = self.nproc.value
+        if not isinstance(nproc, int) or nproc < 1:
+            self.launch_msg.value = self._msg(f"processes must be >= 1, got {nproc!r}")
+            return None
+        run_name = self.run_name.value.strip()
+        if not run_name.isidentifier():
+            self.launch_msg.value = self._msg(f"run name {run_name!r} must be a valid Python variable name")
+            return None
+        strategy = "auto" if name == p.recommended else cand.strategy
+        if strategy not in STRATEGY_CHOICES and strategy != "auto":
+            self.launch_msg.value = self._msg(
+                f"{cand.strategy} cannot be chosen by name for a local launch; pick the recommended candidate or "
+                f"one of: {', '.join(s for s in STRATEGY_CHOICES if s not in ('auto', 'none'))}")
+            return None
+        ns = self._user_ns()
+        if ns is not None:
+            ns[self.plan_var] = p
+        extra = "" if strategy == "auto" else f"--strategy {strategy}"
+        line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=extra)
+        try:
+            run = start_run(self.code.value, nproc=nproc, strategy=strategy, plan=p, name=run_name,
+                            runs_dir=self.runs_dir, timeout=timeout)  # fmt: skip
+        except JupyterDistError as exc:
+            self.launch_msg.value = self._msg(str(exc))
+            return None
+        self.run = run
+        if ns is not None:
+            ns[run_name] = run
+        notes = []
+        if cand.dims.world_size != cand.dims.dp:
+            notes.append(f"the local run applies {cand.strategy} data parallelism only; the {cand.dims.label()} "
+                         "degrees need the generated train.py on a cluster")  # fmt: skip
+        if p.world_size != nproc:
+            notes.append(f"the plan is for {p.world_size} GPUs; this run uses {nproc} local processes")
+        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> ({cand.strategy}, {nproc} processes) "
+                                 f"in <code>{html.escape(str(run.dir))}</code>"
+                                 + "".join(f"<br><small>{html.escape(n)}</small>" for n in notes) + "</div>")
+        data = base64.b64encode(line.encode()).decode()
+        self.launch_line.value = (
+            f"<div>The same run in a cell (the plan is bound to <code>{html.escape(self.plan_var)}</code>): "
+            f"<code class='jd-wiz-line'>{html.escape(line)}</code> "
+            f"<button onclick=\"navigator.clipboard.writeText(atob('{data}'))\">Copy</button></div>"
+        )
+        self.train_line = line
+        try:
+            dash = run.dashboard(interval=0.5)
+        except JupyterDistError as exc:  # no anywidget/plotly: the run goes on, its card says where it is
+            self.launch_area.children = ()
+            self.launch_msg.value += f"<small>(no live panels: {html.escape(str(exc))})</small>"
+        else:
+            self.dashboard = dash
+            if dash.widget is not None:
+                self.launch_area.children = (dash.widget,)
+        return run
+
+    # ---- display ---------------------------------------------------------------------------------------------
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        data = self.widget._repr_mimebundle_(include=include, exclude=exclude)
+        if isinstance(data, tuple):
+            data = data[0]
+        data = dict(data or {})
+        data["text/plain"] = repr(self)
+        return data
+
+    def __repr__(self) -> str:
+        best = self.plan.recommended if self.plan is not None else None
+        return f"Wizard(model={self.inputs.source}, recommended={best!r})"
