@@ -9,7 +9,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "plan", "open_run", "Dashboard", "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["__version__", "plan", "open_run", "Dashboard", "Wizard", "load_ipython_extension",
+           "unload_ipython_extension"]
 
 
 def plan(*args: Any, **kwargs: Any) -> Any:
@@ -31,6 +32,13 @@ def Dashboard(source: Any, **kwargs: Any) -> Any:  # noqa: N802 - reads as the c
     from .ui.dashboard import Dashboard as _Dashboard
 
     return _Dashboard(source, **kwargs)
+
+
+def Wizard(model: Any = None, **kwargs: Any) -> Any:  # noqa: N802 - reads as the class it returns
+    """The strategy wizard panel; see :class:`jupyter_dist.ui.wizard.Wizard`."""
+    from .ui.wizard import Wizard as _Wizard
+
+    return _Wizard(model, **kwargs)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -83,6 +83,21 @@ def _check_parser() -> MagicArgumentParser:
     return p
 
 
+def _wizard_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_wizard",
+        add_help=False,
+        description="The strategy wizard, its controls preset from the flags of %dist_plan.",
+    )
+    add_plan_arguments(p)
+    w = p.add_argument_group("wizard")
+    w.add_argument("--model-var", metavar="VAR",
+                   help="an nn.Module (or a class / factory) from the notebook, measured on the meta device")
+    w.add_argument("--plan-var", default="wizard_plan", metavar="VAR",
+                   help="notebook variable Launch binds the plan to (default wizard_plan)")
+    return p
+
+
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
     p.add_argument("--rank", type=int, help="rank to show (default: the failing rank, else 0)")
@@ -105,6 +120,7 @@ class DistMagics(Magics):
     train_parser = _train_parser()
     logs_parser = _rank_parser()
     check_parser = _check_parser()
+    wizard_parser = _wizard_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
@@ -326,6 +342,45 @@ class DistMagics(Magics):
         args = self.plan_parser.parse_args(argv)
         try:
             return plan_from_args(args)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+
+
+    @line_magic
+    def dist_wizard(self, line: str) -> Any:
+        """Show the strategy wizard: controls that re-plan on every change, configs, what-if and Launch.
+
+        Takes the flags of ``%dist_plan`` as the controls' starting values, plus ``--model-var VAR`` for a model
+        object from the notebook; returns the :class:`~jupyter_dist.ui.wizard.Wizard` (its ``.plan``,
+        ``.bundle`` and ``.run`` follow the panel).
+
+        Examples
+        --------
+        ::
+
+            In [1]: %dist_wizard --model llama-3-8b --gpu a100-80gb --nodes 2 --seq-len 4096
+            In [2]: w = %dist_wizard --model-var net --checkpointing selective
+        """
+        args = self._parse(self.wizard_parser, line)
+        if args is None:
+            return None
+        from .plan import ModelSpec
+        from .ui.wizard import Wizard
+        from .ui.wizard_model import inputs_from_args
+
+        ns = self.shell.user_ns if self.shell is not None else {}
+        try:
+            spec = None
+            if args.model_var:
+                if args.model_var not in ns:
+                    raise UsageError(f"--model-var {args.model_var}: no variable of that name in the notebook")
+                spec = ModelSpec.from_module(ns[args.model_var], name=args.model_var)
+            elif args.module:
+                from .cli import _load_module
+
+                spec = ModelSpec.from_module(_load_module(args.module))
+            inputs = inputs_from_args(args, spec)
+            return Wizard(inputs=inputs, plan_var=args.plan_var, runs_dir=self.runs_dir, shell=self.shell)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
 
