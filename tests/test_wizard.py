@@ -1,0 +1,388 @@
+"""The strategy wizard without a front-end: set control values, check the plan, the chart data, the config tabs, the
+inline messages and Launch. The wizard must show exactly what the planner and the compiler return (it holds no
+planning logic), and never raise or show a traceback for bad input."""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+
+from jupyter_dist.errors import JupyterDistError
+from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, plan
+from jupyter_dist.plan.units import GiB
+from jupyter_dist.render.bundle import render_bundle
+from jupyter_dist.render.common import RenderOptions
+from jupyter_dist.ui import wizard as wizard_mod
+from jupyter_dist.ui.static import figure_svg
+from jupyter_dist.ui.wizard import BUNDLE_FILES, Wizard
+from jupyter_dist.ui.wizard_model import WizardInputs, evaluate, whatif
+
+pytest.importorskip("ipywidgets")
+
+LLAMA_CONFIG = {
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def problems(w: Wizard) -> dict[str, str]:
+    """The inline messages shown next to controls, as plain text."""
+    return {k: html.unescape(re.sub("<[^>]+>", "", m.value)) for k, m in w.messages.items() if m.value}
+
+
+def pane_text(w: Wizard, name: str) -> str:
+    """The file text a Configs tab shows (the unescaped <pre>)."""
+    m = re.search(r"<pre[^>]*>(.*)</pre>", w.file_panes[name].value, re.S)
+    assert m, w.file_panes[name].value[:200]
+    return html.unescape(m.group(1))
+
+
+def test_default_wizard_shows_the_planners_answer() -> None:
+    w = Wizard()
+    direct = plan("llama-2-7b", Hardware.from_names("h100-80gb"), TrainingShape())
+    assert w.plan is not None and w.plan.recommended == direct.recommended
+    assert [c.name for c in w.plan.candidates] == [c.name for c in direct.candidates]
+    assert f"<code>{direct.recommended}</code>" in w.summary.value
+    assert "Effective batch" in w.summary.value
+    # the chart: one row per strategy, recommended first, stacked components summing to the candidate's total
+    fig = w.chart_figure
+    assert fig is not None and fig["kind"] == "hbar"
+    assert fig["categories"][0] == f"\u2605 {direct.recommended}"
+    first = direct.candidate(direct.recommended)
+    assert sum(s["values"][0] for s in fig["series"]) == pytest.approx(first.memory.total / GiB)
+    assert fig["vlines"][0]["x"] == pytest.approx(direct.hardware.accelerator.memory_bytes / GiB)
+    assert {c.split()[-1] for c in fig["categories"]} == {c.strategy for c in direct.candidates} | {
+        direct.recommended}  # fmt: skip
+    ET.fromstring(w.chart.value)  # well-formed SVG
+    assert w.last_update_ms > 0 and not problems(w)
+
+
+def test_changing_controls_updates_plan_chart_and_config_tabs() -> None:
+    w = Wizard(model="llama-2-7b")
+    before_chart = w.chart.value
+    before_sbatch = w.file_panes["job.sbatch"].value
+    w.controls["nodes"].value = 4
+    assert w.plan is not None and w.plan.hardware.nodes == 4 and w.plan.world_size == 32
+    assert w.chart.value != before_chart
+    assert w.file_panes["job.sbatch"].value != before_sbatch
+    assert "#SBATCH --nodes=4" in w.bundle.files["job.sbatch"]
+    assert "num_nodes: 4" in w.bundle.files["skypilot.yaml"]
+    # each tab shows the compiler's file for the recommended candidate, nothing else
+    expected = render_bundle(w.plan, RenderOptions(candidate=w.plan.recommended))
+    for name in BUNDLE_FILES:
+        if name in expected.files:
+            assert pane_text(w, name) == expected.files[name]
+    # a longer sequence changes the recommendation's activations: the chart's purple segment grows
+    acts = [s for s in w.chart_figure["series"] if s["name"] == "activations"][0]["values"][0]
+    w.controls["seq_len"].value = 8192
+    acts2 = [s for s in w.chart_figure["series"] if s["name"] == "activations"][0]["values"][0]
+    assert acts2 > acts
+    assert w.plan.training.seq_len == 8192
+
+
+def test_set_batches_changes_into_one_recompute() -> None:
+    w = Wizard()
+    n = w.updates
+    w.set(nodes=2, micro_batch=2, seq_len=4096, checkpointing="selective")
+    assert w.updates == n + 1
+    assert (w.plan.hardware.nodes, w.plan.training.micro_batch, w.plan.training.seq_len) == (2, 2, 4096)
+    with pytest.raises(JupyterDistError, match="no wizard control 'bogus'"):
+        w.set(bogus=1)
+
+
+@pytest.mark.parametrize(("values", "control", "text"), [
+    ({"nodes": 0}, "nodes", "nodes must be >= 1, got 0"),
+    ({"gpus_per_node": 0}, "gpus_per_node", "must be >= 1"),
+    ({"gpus_per_node": 16}, "gpus_per_node", "exceeds the 8"),
+    ({"tp": 3}, "tp", "does not divide world size 8"),
+    ({"pp": 3}, "pp", "does not divide world size 8"),
+    ({"tp": -1}, "tp", "0 (the planner chooses) or a positive integer"),
+    ({"micro_batch": 0}, "micro_batch", "micro-batch must be a positive integer"),
+    ({"seq_len": -5}, "seq_len", "seq-len must be a positive integer"),
+    ({"batch_mode": "global", "global_batch": 100}, "global_batch", "not a multiple"),
+    ({"source": "hf", "hf_config": "{oops"}, "hf_config", "not valid JSON"),
+    ({"source": "hf", "hf_config": ""}, "hf_config", "paste or upload"),
+    ({"source": "dims", "heads": 3}, "heads", "not divisible by heads (3)"),
+    ({"source": "dims", "layers": 0}, "layers", "layers must be a positive integer"),
+], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{k}={v[k]}" for k in v))  # fmt: skip
+def test_invalid_inputs_show_a_message_next_to_their_control(values: dict[str, Any], control: str, text: str) -> None:
+    w = Wizard()
+    valid = w.plan
+    if "global_batch" in values:  # 100 sequences never split over 8 GPUs x micro-batch 1 x any dp
+        values = {**values, "micro_batch": 3}
+    w.set(**values)
+    shown = problems(w)
+    assert control in shown, shown
+    assert text in shown[control]
+    assert "Traceback" not in w.status.value and "fix the input marked" in w.status.value
+    assert w.plan is valid  # the last valid answer stays, dimmed
+    assert w.summary.layout.opacity == "0.45"
+    w.set(**{k: getattr(WizardInputs(), k) for k in values})  # back to valid: the message goes away
+    assert not problems(w) and w.summary.layout.opacity == "1"
+
+
+def test_no_plan_fits_says_so_and_what_would_help() -> None:
+    w = Wizard(model="llama-3-70b", gpu="a10g", gpus_per_node=1, nodes=1)
+    assert w.plan is not None and w.plan.recommended is None
+    assert "Nothing fits" in w.summary.value
+    assert w.bundle is None and "nothing to compile" in w.compile_msg.value
+    assert w.launch() is None and "nothing fits" in w.launch_msg.value.lower()
+
+
+def test_unexpected_errors_become_one_line_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = Wizard()
+
+    def boom(inputs: WizardInputs) -> Any:
+        raise RuntimeError("planner exploded")
+
+    monkeypatch.setattr(wizard_mod, "evaluate", boom)
+    w.controls["nodes"].value = 2  # must not raise
+    assert "internal error while updating the wizard: RuntimeError: planner exploded" in w.status.value
+
+
+def test_gpu_change_clamps_gpus_per_node_and_interconnect_is_used() -> None:
+    w = Wizard(gpu="cpu", gpus_per_node=32, model="gpt2")
+    assert w.plan.hardware.gpus_per_node == 32
+    w.controls["gpu"].value = "a100-80gb"  # 8 per node at most: clamped, not an error
+    assert w.controls["gpus_per_node"].value == 8 and not problems(w)
+    w.set(nodes=2, interconnect="ethernet-25")
+    assert w.plan.hardware.interconnect.name == "ethernet-25"
+
+
+def test_hf_config_pasted_and_uploaded() -> None:
+    w = Wizard()
+    text = json.dumps(LLAMA_CONFIG)
+    w.set(source="hf", hf_config=text)
+    expected = ModelSpec.from_hf_config(LLAMA_CONFIG)
+    assert w.plan.model.params == expected.params
+    w2 = Wizard()
+    data = json.dumps({**LLAMA_CONFIG, "num_hidden_layers": 11}).encode()
+    w2.upload.value = ({"name": "config.json", "type": "application/json", "size": len(data),
+                        "content": memoryview(data),
+                        "last_modified": datetime.datetime.now(datetime.timezone.utc)},)  # fmt: skip
+    assert w2.controls["source"].value == "hf"
+    assert w2.plan.model.layers == 11
+
+
+def test_a_module_from_the_notebook_is_measured_on_the_meta_device() -> None:
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(1000, 64)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+            self.head = torch.nn.Linear(64, 1000)
+
+    w = Wizard(model=Net, gpu="cpu", gpus_per_node=2)
+    real = sum(p.numel() for p in Net().parameters())
+    assert w.inputs.source == "module" and w.plan.model.params == real
+    assert "Module" in [label for label, _ in w.controls["source"].options]
+    assert f"{real:,} parameters" in w.module_label.value
+    # switching to dimensions starts from the measured shape
+    w.controls["source"].value = "dims"
+    assert w.controls["layers"].value == w.inputs.module_spec.layers
+
+
+def test_dims_prefill_from_the_preset_when_switching() -> None:
+    w = Wizard(model="llama-2-13b")
+    w.controls["source"].value = "dims"
+    spec = ModelSpec.from_preset("llama-2-13b")
+    assert (w.controls["layers"].value, w.controls["hidden"].value, w.controls["heads"].value) == (
+        spec.layers, spec.hidden, spec.heads)  # fmt: skip
+    assert w.plan.model.params == pytest.approx(spec.params, rel=0.01)
+    assert w.rows["preset"].layout.display == "none" and w.dims_box.layout.display == "flex"
+
+
+def test_whatif_tables_and_sliders() -> None:
+    w = Wizard(model="llama-2-13b")
+    assert all(t.value == "" for t in w.whatif_tables.values())  # lazy: drawn when the tab is shown
+    w.tabs.selected_index = 1
+    table = w.whatif_tables["nodes"].value
+    assert "data-dim='nodes'" in table
+    # every cell agrees with a plan made at that value
+    wi = whatif(w.inputs, "seq_len")
+    for i, v in enumerate(wi["values"]):
+        p = evaluate(WizardInputs(**{**w.inputs.to_dict(), "module_spec": None, "seq_len": v})).plan
+        assert p is not None
+        for strategy, cells in wi["cells"].items():
+            cell = cells[i]
+            best = next(c for c in ([p.best] if p.best and p.best.strategy == strategy else []) + list(p.candidates)
+                        if c.strategy == strategy)  # fmt: skip
+            assert cell is not None and cell[2] == best.name and cell[1] == pytest.approx(best.memory.total / GiB)
+    # ddp of a 13B model never fits on one 80 GB GPU; a longer sequence only makes it worse
+    assert all(c is not None and c[0] == "no" for c in wi["cells"]["ddp"])
+    # a slider moves its control, the plan follows, the current column is outlined
+    w.sliders["nodes"].value = 4
+    assert w.controls["nodes"].value == 4 and w.plan.hardware.nodes == 4
+    assert "outline:2px solid #1976d2;'>4</th>" in w.whatif_tables["nodes"].value
+    # a control moves its slider (when the value is one of the slider's)
+    w.controls["micro_batch"].value = 8
+    assert w.sliders["micro_batch"].value == 8
+
+
+def test_configs_candidate_launcher_and_write_to_folder(tmp_path: Path) -> None:
+    w = Wizard(model="llama-2-7b")
+    names = [v for _, v in w.candidate.options]
+    assert "" in names and "zero3" in names
+    w.candidate.value = "zero3"
+    assert w.bundle.candidate.name == "zero3"
+    ds = json.loads(w.bundle.files["ds_config.json"])
+    assert ds["zero_optimization"]["stage"] == 3
+    assert "&quot;stage&quot;: 3" in w.file_panes["ds_config.json"].value
+    w.candidate.value = "fsdp2"
+    assert "does not use ds_config.json" in w.file_panes["ds_config.json"].value
+    w.launcher.value = "accelerate"
+    assert "accelerate launch" in w.commands.value
+    # downloads carry the exact file text
+    pane = w.file_panes["train.py"].value
+    import base64
+
+    data = re.search(r"href='data:text/plain;base64,([^']+)'", pane).group(1)
+    assert base64.b64decode(data).decode() == w.bundle.files["train.py"]
+    written = w.write_configs(tmp_path / "out")
+    assert {p.name for p in written} >= set(w.bundle.files)
+    assert (tmp_path / "out" / "train.py").read_text() == w.bundle.files["train.py"]
+    assert "wrote" in w.write_msg.value
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert w.write_configs(blocker / "sub") == []
+    assert "cannot write to" in w.write_msg.value
+    # the candidate stays selected while it still exists after a change, else it falls back to the recommendation
+    w.controls["seq_len"].value = 1024
+    assert w.candidate.value == "fsdp2"
+
+
+def test_bundle_notes_what_accelerate_cannot_express() -> None:
+    p = plan("mixtral-8x7b", Hardware.from_names("h100-80gb", nodes=4), TrainingShape(seq_len=4096))
+    assert p.best is not None and p.best.dims.ep > 1
+    b = render_bundle(p)
+    assert "accelerate_config.yaml" not in b.files
+    assert any("accelerate_config.yaml not generated" in n and "expert parallelism" in n for n in b.notes)
+    with pytest.raises(JupyterDistError, match="expert parallelism"):
+        render_bundle(p, RenderOptions(launcher="accelerate"))
+
+
+def test_layout_has_no_fixed_widths() -> None:
+    w = Wizard()
+
+    def walk(widget: Any) -> Any:
+        yield widget
+        for child in getattr(widget, "children", ()):
+            yield from walk(child)
+
+    fixed = []
+    for widget in walk(w.widget):
+        layout = getattr(widget, "layout", None)
+        for attr in ("width", "min_width", "max_width"):
+            value = getattr(layout, attr, None) if layout is not None else None
+            if value and re.search(r"\d(px|em|cm|in|pt)", str(value)):
+                fixed.append((type(widget).__name__, attr, value))
+    assert not fixed, fixed
+    assert 'width="100%"' in w.chart.value  # the SVG scales to the cell
+
+
+def test_hbar_figure_renders_rows_limit_and_escapes() -> None:
+    fig = {"kind": "hbar", "title": "t", "categories": ["<a>", "b"], "x_title": "GiB",
+           "series": [{"name": "p", "values": [1.0, 2.0]}, {"name": "q", "values": [3.0, None]}],
+           "labels": ["4.0 fits", "2.0 fits"], "highlight": [0], "vlines": [{"x": 5.0, "name": "limit"}]}  # fmt: skip
+    svg = figure_svg(fig, width=500, height=120)
+    root = ET.fromstring(svg)
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title")
+             is not None]  # fmt: skip
+    assert len(rects) == 3  # None is skipped
+    assert "&lt;a&gt;" in svg and "limit" in svg and 'font-weight="700"' in svg
+    # the widest bar (4) and the limit (5) fit inside the drawing
+    xs = [float(r.get("x")) + float(r.get("width")) for r in rects]
+    assert max(xs) < 500
+    assert "no data yet" in figure_svg({"kind": "hbar", "categories": [], "series": []})
+
+
+def test_dist_wizard_magic(ip: Any) -> None:
+    w = ip.run_line_magic("dist_wizard", "--model llama-3-8b --gpu a100-80gb --nodes 2 --seq-len 4096 "
+                                         "--micro-batch 2 --checkpointing selective --global-batch 64")  # fmt: skip
+    assert isinstance(w, Wizard)
+    assert w.controls["preset"].value == "llama-3-8b" and w.controls["gpu"].value == "a100-80gb"
+    assert (w.plan.hardware.nodes, w.plan.training.seq_len, w.plan.training.micro_batch) == (2, 4096, 2)
+    assert w.controls["batch_mode"].value == "global" and w.plan.training.global_batch == 64
+    direct = ip.run_line_magic("dist_plan", "--model llama-3-8b --gpu a100-80gb --nodes 2 --seq-len 4096 "
+                                            "--micro-batch 2 --checkpointing selective --global-batch 64")  # fmt: skip
+    assert w.plan.recommended == direct.recommended  # the same plan as %dist_plan's rich output
+    torch = pytest.importorskip("torch")
+    ip.user_ns["net"] = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
+    w2 = ip.run_line_magic("dist_wizard", "--model-var net --gpu cpu --gpus-per-node 2")
+    assert w2.plan.model.params == 32 * 32 + 32 + 32 * 8 + 8
+    with pytest.raises(UsageError, match="no variable of that name"):
+        ip.run_line_magic("dist_wizard", "--model-var nope")
+    with pytest.raises(UsageError, match="llama-2-7b"):
+        ip.run_line_magic("dist_wizard", "--model not-a-model")
+    with pytest.raises(UsageError, match="not --params"):
+        ip.run_line_magic("dist_wizard", "--params 7B")
+
+
+def test_launch_validates_its_inputs() -> None:
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2)
+    w.nproc.value = 0
+    assert w.launch() is None and "processes must be &gt;= 1" in w.launch_msg.value
+    w.nproc.value = 2
+    w.run_name.value = "not a name"
+    assert w.launch() is None and "valid Python variable name" in w.launch_msg.value
+    w.controls["nodes"].value = 0
+    w.run_name.value = "ok"
+    assert w.launch() is None and "fix the inputs" in w.launch_msg.value
+    with pytest.raises(JupyterDistError, match="plan_var"):
+        Wizard(plan_var="1x")
+    with pytest.raises(JupyterDistError, match="unknown wizard input 'gpus'"):
+        Wizard(gpus=8)
+
+
+CELL = """import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+model, opt = jd.wrap(model, opt)
+X, y = torch.randn(64, 8), torch.randn(64, 1)
+for step in range(15):
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss, samples=64)
+"""
+
+
+@pytest.mark.slow
+def test_launch_runs_the_plan_and_the_printed_line_reproduces_it(ip: Any, runs: Path) -> None:
+    from conftest import descendants_gone
+
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2, code=CELL, runs_dir=runs, shell=ip)
+    assert w.plan.recommended == "ddp"
+    w.run_name.value = "wiz"
+    run = w.launch(timeout=180)
+    assert run is not None, w.launch_msg.value
+    assert ip.user_ns["wizard_plan"] is w.plan and ip.user_ns["wiz"] is run
+    assert w.train_line == "%%dist_train --plan wizard_plan --nproc 2 --name wiz"
+    assert w.train_line in w.launch_line.value.replace("&#x27;", "'")
+    assert run.wait(180) == "succeeded", run.logs()
+    assert run._meta["strategy"] == "ddp" and run._meta["plan"]["recommended"] == "ddp"
+    steps = [r for r in run.records("step")]
+    assert steps and max(r["step"] for r in steps) == 14
+    assert descendants_gone(run)
+    if w.dashboard is not None:  # the live panels sit under the Launch button
+        assert w.launch_area.children == (w.dashboard.widget,)
+        w.dashboard.stop() if hasattr(w.dashboard, "stop") else None
+    # the printed line, run as a cell, does the same thing
+    again = ip.run_cell_magic("dist_train", w.train_line.removeprefix("%%dist_train ") + " --wait --no-dashboard",
+                              CELL).__class__  # fmt: skip
+    rerun = ip.user_ns["wiz"]
+    assert again.__name__ == "Run" and rerun is not run
+    assert rerun.wait(180) == "succeeded"
+    assert rerun._meta["strategy"] == run._meta["strategy"] and rerun._meta["plan"] == run._meta["plan"]
+    assert descendants_gone(rerun)
