@@ -265,7 +265,16 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_stop(self, line: str) -> Any:
-        """Stop the last run (or the Run variable named on the line): every worker process ends."""
+        """Stop the last run (or the Run variable named on the line): every worker process ends.
+
+        ``%dist_stop --pool`` ends the interactive pool of ``%dist_start``; so does a bare ``%dist_stop`` while a pool
+        runs and no run does (with both live it asks which).
+        """
+        from .pool_magics import route_stop
+
+        pool = route_stop(self.shell, line, self.last_run)
+        if pool is not None:
+            return pool
         run = self._run_arg(line.strip() or None)
         run.stop()
         return run
@@ -393,10 +402,16 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
     _registered[id(ipython)] = magics
+    from .pool_magics import register as register_pool_magics  # %dist_start, %%dist, %dist_push/pull, %dist_mode
+
+    register_pool_magics(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Remove the magics registered by :func:`load_ipython_extension`."""
+    from .pool_magics import unregister as unregister_pool_magics
+
+    unregister_pool_magics(ipython)
     magics = _registered.pop(id(ipython), None)
     if magics is None:
         return

@@ -350,6 +350,19 @@ class Pool:
         env.update(self._env)
         return env
 
+    def dry_run(self) -> Any:
+        """What :meth:`start` would run (command, environment, script), started nothing and written nothing."""
+        from .rundir import RunDir
+        from .session import PRELUDE, DryRun
+
+        rd = RunDir(Path(self._runs_dir).expanduser().resolve() / f"{self.name}-DRYRUN")
+        env = {"JD_STRATEGY": self.strategy, "JD_PRECISION": "fp32" if self.plan is None else
+               self.plan.training.precision.value, "JD_POOL": "1", **self._env,
+               "JD_POOL_ADDR": "127.0.0.1:<port chosen at start>", "JD_POOL_KEY": "<random per pool, never written>",
+               "JD_POOL_KERNEL_PID": str(os.getpid())}  # fmt: skip
+        lau = LocalLauncher(run_dir=rd, nproc=self.nproc, extra_env=env)
+        return DryRun(script=PRELUDE + POOL_SCRIPT, argv=lau.args(), env=lau.env())
+
     def start(self) -> Pool:
         """Start the ranks and wait until every one has connected (at most ``start_timeout`` s)."""
         from .session import PRELUDE
@@ -729,6 +742,14 @@ class Pool:
         if timeout is not None and not timeout > 0:
             raise PoolError(f"--timeout must be positive seconds, got {timeout}")
         targets = self.ranks if ranks is None else parse_ranks(",".join(map(str, ranks)), self.world_size)
+        texts: dict[int, dict[str, list[str]]] = {r: {"stdout": [], "stderr": []} for r in targets}
+
+        def collect(rank: int, stream: str, text: str) -> None:
+            if rank in texts and stream in texts[rank]:
+                texts[rank][stream].append(text)
+            if on_output is not None:
+                on_output(rank, stream, text)
+
         with self._op():
             t0 = time.monotonic()
             name = f"<dist-cell-{self._request + 1}>"
@@ -736,10 +757,15 @@ class Pool:
             if len(self._sources) > 500:
                 self._sources.pop(next(iter(self._sources)))
             rid = self._send(targets, {"op": "exec", "code": code, "name": name})
-            waited = self._wait(rid, targets, timeout=timeout, on_output=on_output)
-            self.cells += 1
+            try:
+                waited = self._wait(rid, targets, timeout=timeout, on_output=collect)
+            finally:
+                self.cells += 1
         result = CellResult(ranks={r: RankReport(rank=r) for r in targets}, elapsed=time.monotonic() - t0,
                             interrupted=waited.interrupted, timed_out=waited.timed_out, timeout=timeout)  # fmt: skip
+        for r, streams in texts.items():
+            result.ranks[r].stdout = "".join(streams["stdout"])
+            result.ranks[r].stderr = "".join(streams["stderr"])
         for r, reply in waited.replies.items():
             rep = result.ranks[r]
             rep.value = reply.header.get("value")
