@@ -25,7 +25,9 @@ A *figure* is a plain dict (JSON-safe, no plotly import in the kernel), one of f
     {"id": "plan-memory", "kind": "hbar", "title": "...", "x_title": "GiB per GPU",
      "categories": ["zero2", "fsdp2"], "series": [{"name": "params", "values": [12.6, 3.1], "color": "#..."}, ...],
      "labels": ["66.3 GiB fits"], "label_colors": ["#2e7d32"], "highlight": [0],   # row indices drawn bold
-     "vlines": [{"x": 79.6, "name": "H100 80GB: 79.6 GiB", "color": "#c62828"}], "note": "..."}
+     "vlines": [{"x": 79.6, "name": "H100 80GB: 79.6 GiB", "color": "#c62828"}],
+     "x_max": None | 160.0,   # cut longer bars at this value (their label still gives the total)
+     "note": "..."}
 
 ``heatmap``::
 

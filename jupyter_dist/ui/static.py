@@ -698,8 +698,12 @@ def _hbar(fig: Figure, w: float, h: float) -> str:
     y0 = frame.top + 4 + (10 if vls else 0)
     y1 = h - 16 - (14 if fig.get("x_title") else 0)
     hi = max(*totals, *(x for x, *_ in vls)) * 1.02
-    ticks = _x_ticks(0.0, hi, x1 - x0)
-    hi = max(hi, ticks[-1])
+    x_max = _num(fig.get("x_max"))
+    clipped = x_max is not None and 0 < x_max < hi
+    if clipped:
+        hi = float(x_max)  # type: ignore[arg-type]
+    ticks = [t for t in _x_ticks(0.0, hi, x1 - x0) if t <= hi * 1.0001] if clipped else _x_ticks(0.0, hi, x1 - x0)
+    hi = hi if clipped else max(hi, ticks[-1])
     sx = _Scale(0.0, hi, x0, x1)
     band = (y1 - y0) / n
     body = [f'<g class="grid" stroke="{GRID}" stroke-width="1">']
@@ -718,16 +722,26 @@ def _hbar(fig: Figure, w: float, h: float) -> str:
         acc = 0.0
         for k, vs in enumerate(values):
             v = vs[i] if i < len(vs) else None
-            if v is None or v <= 0:
+            if v is None or v <= 0 or acc >= hi:
+                acc += max(v or 0.0, 0.0)
                 continue
-            a, b = sx(acc), sx(acc + v)
+            a, b = sx(acc), sx(min(acc + v, hi))
             acc += v
             tip = f"{cat} \u00b7 {legend[k][0]}: {format_number(v, 3)}"
             bars.append(f'<rect x="{_c(a)}" y="{_c(cy - bh / 2)}" width="{_c(max(b - a, 0.3))}" height="{_c(bh)}" '
                         f'fill="{_esc(colors[k])}"><title>{_esc(tip)}</title></rect>')  # fmt: skip
+        end = sx(min(acc, hi))
+        if acc > hi:  # cut: a white zig-zag says the bar goes on
+            top, bot = cy - bh / 2, cy + bh / 2
+            bars.append(f'<polyline points="{_c(end - 6)},{_c(top)} {_c(end - 2)},{_c(cy)} {_c(end - 6)},{_c(bot)}" '
+                        'fill="none" stroke="#fff" stroke-width="2"/>')  # fmt: skip
         if i < len(texts) and texts[i]:
             tc = _color(text_colors[i], TEXT) if i < len(text_colors) else TEXT
-            labels.append(_text(sx(acc) + 4, cy + 3.5, texts[i], size=9, fill=tc, extra=weight))
+            if end + 4 + _text_w(texts[i], 9) > w - 2:  # no room right of a cut bar: write it inside
+                labels.append(_text(end - 10, cy + 3.5, texts[i], size=9, anchor="end", fill="#fff",
+                                    extra=weight + ' stroke="' + tc + '" stroke-width="2.5" paint-order="stroke"'))
+            else:
+                labels.append(_text(end + 4, cy + 3.5, texts[i], size=9, fill=tc, extra=weight))
     bars.append("</g>")
     labels.append("</g>")
     body += bars + labels

@@ -68,7 +68,7 @@ def _row(w: Any) -> Any:
     w.layout.width = "auto"
     w.layout.flex = "1 1 auto"
     w.layout.min_width = "0"
-    w.style.description_width = "118px"
+    w.style.description_width = "108px"
     return w
 
 
@@ -163,7 +163,9 @@ class Wizard:
         sources = [("Preset", "preset"), ("Dimensions", "dims"), ("HF config", "hf")]
         if inp.module_spec is not None:
             sources.append(("Module", "module"))
-        c["source"] = ipw.ToggleButtons(options=sources, value=inp.source, description="Model")
+        c["source"] = ipw.ToggleButtons(options=sources, value=inp.source, tooltips=[
+            "a preset from the catalog", "layers, widths, heads, experts", "a Hugging Face config.json",
+            "the model object given to Wizard(model=...)"][: len(sources)])
         c["source"].style.button_width = "auto"
         c["preset"] = ipw.Dropdown(options=preset_names(), value=inp.preset, description="Preset")
         dim_desc = {"layers": "Layers", "hidden": "Hidden size", "heads": "Heads", "kv_heads": "KV heads (0=heads)",
@@ -186,18 +188,20 @@ class Wizard:
                                          + [(i.label, k) for k, i in INTERCONNECTS.items()],
                                          value=inp.interconnect, description="Interconnect")  # fmt: skip
         c["micro_batch"] = ipw.IntText(value=inp.micro_batch, description="Micro-batch")
-        c["seq_len"] = ipw.IntText(value=inp.seq_len, description="Sequence length")
+        c["seq_len"] = ipw.IntText(value=inp.seq_len, description="Seq. length")
         c["batch_mode"] = ipw.ToggleButtons(options=[("Accumulation", "accum"), ("Global batch", "global")],
-                                            value=inp.batch_mode, description="Batch by")  # fmt: skip
+                                            value=inp.batch_mode,
+                                            tooltips=["micro-batches accumulated per step",
+                                                      "sequences per optimizer step over all GPUs"])  # fmt: skip
         c["batch_mode"].style.button_width = "auto"
-        c["grad_accum"] = ipw.IntText(value=inp.grad_accum, description="Grad accumulation")
+        c["grad_accum"] = ipw.IntText(value=inp.grad_accum, description="Grad. accum.")
         c["global_batch"] = ipw.IntText(value=inp.global_batch, description="Global batch")
         c["precision"] = ipw.Dropdown(options=["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"],
                                       value=inp.precision, description="Precision")  # fmt: skip
         c["optimizer"] = ipw.Dropdown(options=["adamw", "adamw-8bit", "sgd"], value=inp.optimizer,
                                       description="Optimizer")  # fmt: skip
         c["checkpointing"] = ipw.Dropdown(options=["none", "selective", "full"], value=inp.checkpointing,
-                                          description="Act. checkpointing")  # fmt: skip
+                                          description="Checkpointing")  # fmt: skip
         c["flash_attn"] = ipw.Checkbox(value=inp.flash_attn, description="Flash attention", indent=True)
         c["strategy"] = ipw.Dropdown(options=[("auto (best that fits)", "auto"), *((s, s) for s in strategy_names())],
                                      value=inp.strategy, description="Strategy")  # fmt: skip
@@ -226,11 +230,11 @@ class Wizard:
         self.hf_box = ipw.VBox([self.rows["hf_config"], self.upload])
         model_box = section("Model", ["source", "preset"], (self.dims_box, self.hf_box, self.module_label))
         hw_box = section("Hardware", ["gpu", "gpus_per_node", "nodes", "interconnect"])
-        train_box = section("Training", ["micro_batch", "seq_len", "batch_mode", "grad_accum", "global_batch",
-                                         "precision", "optimizer", "checkpointing", "flash_attn"])  # fmt: skip
+        train_box = section("Training", ["micro_batch", "seq_len", "batch_mode", "grad_accum", "global_batch"])
+        num_box = section("Numerics and memory", ["precision", "optimizer", "checkpointing", "flash_attn"])
         par_box = section("Parallelism", ["strategy", "tp", "pp"])
-        grid = ipw.GridBox([model_box, hw_box, train_box, par_box], layout=ipw.Layout(
-            grid_template_columns="repeat(auto-fit, minmax(260px, 1fr))", grid_gap="4px 18px", width="100%"))
+        grid = ipw.GridBox([model_box, hw_box, train_box, num_box, par_box], layout=ipw.Layout(
+            grid_template_columns="repeat(auto-fit, minmax(250px, 1fr))", grid_gap="2px 16px", width="100%"))
 
         # the answer
         self.status = ipw.HTML()
@@ -289,7 +293,7 @@ class Wizard:
         self.run_name = _row(ipw.Text(value="wizard", description="Run name"))
         self.code = ipw.Textarea(value=code if code is not None else DEMO_CELL.format(steps=100).strip() + "\n",
                                  description="Training cell", rows=10, layout=ipw.Layout(width="100%"))  # fmt: skip
-        self.code.style.description_width = "118px"
+        self.code.style.description_width = "108px"
         self.launch_button = ipw.Button(description="Launch", icon="play", button_style="success")
         self.launch_button.on_click(lambda _: self.launch())
         self.launch_msg = ipw.HTML()

@@ -303,6 +303,12 @@ def chart_rows(p: Plan, *, show_all: bool = False, limit: int = 14) -> list[Cand
     return rows[:limit]
 
 
+def _axis_end(rows: list[Candidate], cap_gib: float) -> float | None:
+    """Cut the axis at twice the device memory when a bar goes beyond it (DDP of a 70B model needs ~1.3 TiB)."""
+    top = max((c.memory.total / GiB for c in rows), default=0.0)
+    return 2 * cap_gib if top > 2.2 * cap_gib else None
+
+
 def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
     """A stacked bar per candidate (GiB per GPU by component) against the device's memory."""
     rows = chart_rows(p, show_all=show_all)
@@ -322,6 +328,7 @@ def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
         "labels": labels, "label_colors": colors,
         "highlight": [i for i, c in enumerate(rows) if c.name == p.recommended],
         "vlines": [{"x": cap, "name": f"{acc.label}: {cap:.1f} GiB", "color": NOFIT}],
+        "x_max": _axis_end(rows, cap),
         "note": "no candidate",
     }  # fmt: skip
 

@@ -1,0 +1,92 @@
+"""The strategy wizard in a real JupyterLab in headless Chromium: it renders, a control changed through the page
+re-plans in the kernel and the recommendation and chart change; bad input shows an inline message; the Configs tab
+shows the compiler's files. Screenshots (wide and laptop-narrow) are kept as test artifacts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from browser import JupyterLabServer, cell_locator, open_notebook_and_run_all, screenshot_cell, write_notebook
+
+SHOW = "from jupyter_dist import Wizard\nw = Wizard(model='llama-3-70b')\nw"
+
+
+def _commit(locator: Any, value: str) -> None:
+    """Type into an ipywidgets number box and send it (IntText sends on Enter)."""
+    locator.fill(value)
+    locator.press("Enter")
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_wizard_replans_when_a_control_changes_in_the_page(jupyterlab: JupyterLabServer, browser_page: Any,
+                                                           artifacts: Path) -> None:  # fmt: skip
+    from playwright.sync_api import expect
+
+    page = browser_page
+    write_notebook(jupyterlab.root_dir / "wizard.ipynb", [SHOW])
+    open_notebook_and_run_all(page, jupyterlab, "wizard.ipynb", timeout=90)
+    cell = cell_locator(page, 0)
+    wiz = cell.locator(".jd-wizard")
+    expect(wiz).to_be_visible(timeout=60_000)
+    verdict = wiz.locator(".jd-wiz-verdict")
+    expect(verdict).to_have_attribute("data-fits", "yes", timeout=30_000)
+    first = verdict.get_attribute("data-candidate")
+    assert first, "no recommendation shown"
+    chart = wiz.locator(".jd-wiz-chart svg")
+    expect(chart).to_be_visible()
+    chart_before = chart.inner_html()
+    screenshot_cell(page, 0, artifacts / "wizard-initial.png")
+
+    # a bad value: an inline message next to the control, no traceback anywhere
+    nodes = wiz.locator(".jd-wiz-nodes input")
+    _commit(nodes, "0")
+    msg = wiz.locator(".jd-wiz-nodes .jd-wiz-msg")
+    expect(msg).to_contain_text("nodes must be >= 1, got 0")
+    expect(wiz.locator(".jd-wiz-status")).to_contain_text("fix the input marked")
+    assert "Traceback" not in cell.inner_text()
+
+    # a good value: 4 nodes = 32 GPUs; the recommendation and the chart change
+    t0 = time.monotonic()
+    _commit(nodes, "4")
+    expect(msg).to_have_text("")
+    expect(verdict).not_to_have_attribute("data-candidate", first, timeout=15_000)
+    latency = time.monotonic() - t0
+    second = verdict.get_attribute("data-candidate")
+    assert second and second != first
+    assert chart.inner_html() != chart_before
+    expect(chart).to_contain_text(f"\u2605 {second}")
+
+    # a dropdown: on 24 GB GPUs nothing fits a 70B model on 32 GPUs, and the panel says so
+    gpu = wiz.locator(".jd-wiz-gpu select")
+    gpu.select_option(label="NVIDIA A10G 24GB (22 GiB)")
+    expect(verdict).to_have_attribute("data-fits", "no", timeout=15_000)
+    expect(verdict).to_contain_text("Nothing fits")
+    screenshot_cell(page, 0, artifacts / "wizard-nothing-fits.png")
+    gpu.select_option(label="NVIDIA A100 80GB SXM4 (80 GiB)")
+    expect(verdict).to_have_attribute("data-fits", "yes", timeout=15_000)
+    screenshot_cell(page, 0, artifacts / "wizard-after-change.png")
+
+    # the Configs tab shows the compiler's files for the current plan
+    wiz.locator(".lm-TabBar-tab", has_text="Configs").first.click()
+    plan_pane = wiz.locator(".jd-wiz-file[data-file='plan.json']")
+    expect(plan_pane).to_be_visible(timeout=15_000)
+    expect(plan_pane).to_contain_text('"nodes": 4')
+    screenshot_cell(page, 0, artifacts / "wizard-configs.png")
+
+    # a laptop-width window: the control columns wrap, nothing overflows the cell sideways
+    page.set_viewport_size({"width": 1000, "height": 800})
+    wiz.locator(".lm-TabBar-tab", has_text="Plan").first.click()
+    time.sleep(0.5)
+    overflow = wiz.evaluate("(el) => el.scrollWidth - el.clientWidth")
+    assert overflow <= 2, f"the wizard is {overflow}px wider than its cell"
+    screenshot_cell(page, 0, artifacts / "wizard-laptop.png")
+    # the whole panel at a desktop size (the README's screenshot)
+    page.set_viewport_size({"width": 1280, "height": 2000})
+    screenshot_cell(page, 0, artifacts / "wizard-full.png")
+    (artifacts / "timing.txt").write_text(
+        f"page change -> new recommendation in the page: {latency * 1000:.0f} ms (incl. Playwright polling)\n"
+    )
