@@ -54,6 +54,7 @@ INTERRUPT_GRACE_S = 10.0
 """Seconds the ranks get to end an interrupted cell before the pool is declared broken."""
 
 _CELL_RE = re.compile(r'File "(<dist-cell-\d+>)", line (\d+)')
+_THREAD_RE = re.compile(r"(?:Current thread|Thread) 0x[0-9a-fA-F]+ [^\n]*\(most recent call first\):")
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
@@ -149,8 +150,8 @@ class CellError(JupyterDistError):
         self.result = result
         bad = result.failed
         if result.timed_out:
-            msg = f"the cell ran past --timeout {result.timeout:g} s and was interrupted on rank(s) " + ", ".join(
-                f"{r} (at {result.ranks[r].where or 'an unknown line'})" for r in bad
+            msg = f"the cell ran past --timeout {result.timeout:g} s and was interrupted: " + "; ".join(
+                f"rank {r} was at {result.ranks[r].where or 'an unknown line'}" for r in bad
             )
         else:
             first = result.ranks[bad[0]].error or {}
@@ -575,6 +576,8 @@ class Pool:
             return {}
         self.run._done.wait(wait)  # torchrun notices the dead worker, stops the others and exits
         text = self.run.launcher_log()
+        if "Root Cause" in text:  # torchrun lists the ranks it terminated itself first, the root cause after
+            text = text.rsplit("Root Cause", 1)[1]
         m = re.search(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
         if m:
             rank, code = int(m.group(1)), int(m.group(2))
@@ -712,10 +715,17 @@ class Pool:
         return {r: self._locate(texts.get(r, "")) for r in ranks}
 
     def _locate(self, dump: str) -> str:
-        block = dump.rsplit("Current thread", 1)[-1] if "Current thread" in dump else dump
-        frames = _FRAME_RE.findall(block)
-        if not frames:
-            return "no stack (the rank did not answer SIGUSR1)"
+        """The cell line in a faulthandler dump: the thread running a cell (the main one), innermost frame first."""
+        blocks = _THREAD_RE.split(dump)[1:] or [dump]
+        frames_by_thread = [_FRAME_RE.findall(b) for b in blocks]
+        frames = next((fs for fs in frames_by_thread if any(f[0].startswith("<dist-cell-") for f in fs)), None)
+        if frames is None:
+            current = dump.rsplit("Current thread", 1)[-1] if "Current thread" in dump else dump
+            frames = _FRAME_RE.findall(current)
+            if not frames:
+                return "no stack (the rank did not answer SIGUSR1)"
+            fname, line, func = frames[0]
+            return f"{Path(fname).name}:{line} in {func} (not in a cell)"
         for fname, line, _func in frames:  # most recent call first
             if fname.startswith("<dist-cell-"):
                 src = self._sources.get(fname, "").splitlines()
@@ -726,8 +736,7 @@ class Pool:
                 if not inner[0].startswith("<dist-cell-"):
                     text += f" (inside {Path(inner[0]).name}:{inner[1]} in {inner[2]})"
                 return text
-        fname, line, func = frames[0]
-        return f"{Path(fname).name}:{line} in {func} (not in a cell)"
+        return "no cell frame"
 
     def execute(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
                 on_output: Callable[[int, str, str], None] | None = None) -> CellResult:  # fmt: skip
