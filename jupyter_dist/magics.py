@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -68,7 +69,34 @@ def _train_parser() -> MagicArgumentParser:
                    help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints")
     p.add_argument("--hang-timeout", type=float, metavar="S",
                    help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)")
+    _add_cluster_arguments(p)
     return p
+
+
+def _add_cluster_arguments(p: MagicArgumentParser) -> None:
+    """``--backend slurm|skypilot`` and the options of each (see jupyter_dist.launch.cluster)."""
+    p.add_argument("--backend", choices=("local", "slurm", "skypilot"),
+                   help="where the job runs: local torchrun (default: the DistMagics.default_backend setting), a "
+                        "SLURM cluster (sbatch) or SkyPilot")  # fmt: skip
+    g = p.add_argument_group("SLURM (--backend slurm)")
+    g.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
+    g.add_argument("--account", help="SLURM account to charge")
+    g.add_argument("--time", dest="time_limit", metavar="T", help="SLURM time limit, HH:MM:SS or D-HH:MM:SS")
+    g = p.add_argument_group("SkyPilot (--backend skypilot)")
+    g.add_argument("--gpus", metavar="NAME:N", help="accelerators per node, e.g. H100:8 (default: CPU processes)")
+    g.add_argument("--cluster", help="SkyPilot cluster name (reused when it is up; default jd-<name>)")
+    g.add_argument("--infra", "--cloud", dest="infra", metavar="INFRA",
+                   help="aws, gcp/us-central1, kubernetes, slurm, ... (default: SkyPilot chooses)")  # fmt: skip
+    g.add_argument("--spot", action="store_true", help="spot / preemptible instances")
+    g.add_argument("--idle-minutes", type=int, metavar="N", help="autostop the cluster after N idle minutes")
+    g.add_argument("--down", action="store_true", help="tear the cluster down when the job ends (or at autostop)")
+    g.add_argument("--managed", action="store_true",
+                   help="managed job: recovers from preemption, resumes from checkpoints keyed on the task id")
+    g.add_argument("--setup", metavar="CMDS", help="setup commands on each node (default: pip install jupyter-dist)")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="checkpoint root on the nodes (e.g. a bucket mount); the job's folder is keyed on its task id")
+    p.add_argument("--secret", action="append", default=[], metavar="NAME",
+                   help="pass this environment variable's value to the job by name (never written to files)")
 
 
 def _check_parser() -> MagicArgumentParser:
@@ -111,6 +139,9 @@ class DistMagics(Magics):
     """The jupyter-dist magics."""
 
     runs_dir = traitlets.Unicode("runs", help="Folder for run directories.").tag(config=True)
+    default_backend = traitlets.Enum(
+        ["local", "slurm", "skypilot"], "local", help="Back-end of %%dist_train when --backend is not given."
+    ).tag(config=True)
     dashboard = traitlets.Enum(
         ["auto", "on", "off"],
         "auto",
@@ -204,12 +235,14 @@ class DistMagics(Magics):
             if not value >= 0:
                 raise UsageError(f"{flag} must be >= 0 seconds, got {value}")
             env.setdefault(var, repr(value))
+        backend = args.backend or self.default_backend
         try:
+            cluster = self._cluster_options(args, backend)
             result = start_run(
                 cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
                 name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
-                hang_timeout=args.hang_timeout,
+                hang_timeout=args.hang_timeout, backend=backend, cluster=cluster,
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
@@ -230,6 +263,28 @@ class DistMagics(Magics):
             if result._dashboard is not None:
                 result._dashboard.finished.wait(10.0)
         return result
+
+    @staticmethod
+    def _cluster_options(args: Any, backend: str) -> Any:
+        """The cluster flags as a ClusterOptions (``None`` for a local run, which refuses them)."""
+        given = [f for f, v in (("--partition", args.partition), ("--account", args.account),
+                                ("--time", args.time_limit), ("--gpus", args.gpus), ("--cluster", args.cluster),
+                                ("--infra", args.infra), ("--spot", args.spot), ("--idle-minutes", args.idle_minutes),
+                                ("--down", args.down), ("--managed", args.managed), ("--setup", args.setup),
+                                ("--checkpoint-dir", args.checkpoint_dir),
+                                ("--secret", args.secret)) if v not in (None, False, [])]  # fmt: skip
+        if backend == "local":
+            if given:
+                raise JupyterDistError(f"{', '.join(given)} need --backend slurm or skypilot")
+            return None
+        from .launch.cluster import ClusterOptions
+
+        return ClusterOptions(
+            partition=args.partition, account=args.account, time_limit=args.time_limit, gpus=args.gpus,
+            cluster=args.cluster, infra=args.infra, spot=args.spot, idle_minutes=args.idle_minutes, down=args.down,
+            managed=args.managed, secrets=tuple(args.secret), setup=args.setup, checkpoint_dir=args.checkpoint_dir,
+            max_restarts_on_errors=args.max_restarts if args.managed else 0,
+        )  # fmt: skip
 
     def _want_dashboard(self) -> bool:
         if self.dashboard != "auto":
@@ -281,14 +336,26 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_attach(self, line: str) -> Any:
-        """Reopen a run from its directory after a kernel restart: ``%dist_attach runs/run-20250101-120000``."""
+        """Reopen a run after a kernel restart: ``%dist_attach RUN_DIR`` or, for SkyPilot, ``%dist_attach CLUSTER/JOB``.
+
+        A run directory's ``run.json`` names its back-end: a SLURM or SkyPilot job still running is followed again
+        (status, logs, metrics, dashboard). ``CLUSTER/JOB`` finds the run directory of that SkyPilot job under the
+        runs folder, or makes one that follows the job's logs.
+        """
+        from pathlib import Path
+
         from .launch.run import open_run
 
         path = line.strip().strip('"').strip("'")
         if not path:
-            raise UsageError("usage: %dist_attach RUN_DIR")
+            raise UsageError("usage: %dist_attach RUN_DIR  or  %dist_attach CLUSTER/JOB (SkyPilot)")
         try:
-            run = open_run(path)
+            if not Path(path).expanduser().exists() and re.match(r"^[a-z][a-z0-9-]*/\d+$", path):
+                from .launch.skypilot import attach_job
+
+                run = attach_job(path, runs_dir=self.runs_dir)
+            else:
+                run = open_run(path)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
         self.last_run = run

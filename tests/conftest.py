@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, JupyterLabServer, artifact_dir, kill_procs, require_browser
+from slurm_cluster import slurm_cluster  # noqa: F401 - the session-scoped real SLURM cluster fixture
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -107,9 +108,12 @@ def _server_of(request: pytest.FixtureRequest) -> JupyterLabServer | None:
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Say whether browser tests must run (CI) or may skip."""
+    lines = []
     if os.environ.get("JD_REQUIRE_BROWSER", "") not in ("", "0"):
-        return f"browser tests required (JD_REQUIRE_BROWSER); Chromium: {CHROMIUM}"
-    return None
+        lines.append(f"browser tests required (JD_REQUIRE_BROWSER); Chromium: {CHROMIUM}")
+    if os.environ.get("JD_REQUIRE_SLURM", "") not in ("", "0"):
+        lines.append("SLURM tests required (JD_REQUIRE_SLURM): a real cluster is started on this machine")
+    return "\n".join(lines) or None
 
 
 # ----------------------------------------------------------------------------------------- magics and real runs

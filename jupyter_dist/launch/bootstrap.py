@@ -1,6 +1,7 @@
 """Runs inside every worker, before the user's script: ``python -m jupyter_dist.launch.bootstrap SCRIPT [ARGS]``.
 
-torchrun starts it as each rank's program. It sends the rank's stdout/stderr to ``logs/rank-<k>.log``, loads the
+torchrun starts it as each rank's program. It sends the rank's stdout/stderr to ``logs/rank-<k>.log`` (or, with
+``JD_LOG_STREAM=1`` on a cluster whose output is one log stream, prefixes each line with ``[rank <k>] ``), loads the
 objects shipped from the notebook (cloudpickle) into the script's globals, runs the script as ``__main__``, and
 records the rank's exit code and error in ``logs/rank-<k>.exit.json`` for the Run handle.
 """
@@ -32,6 +33,38 @@ def _redirect(log_path: Path) -> None:
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
 
 
+class _RankPrefix(io.TextIOBase):
+    """Writes each complete line as ``[rank K] line`` to ``target`` (output that goes to a shared log stream)."""
+
+    def __init__(self, target: Any, rank: int) -> None:
+        self._target = target
+        self._prefix = f"[rank {rank}] "
+        self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        data = self._partial + text
+        *lines, self._partial = data.split("\n")
+        if lines:
+            self._target.write("".join(f"{self._prefix}{ln}\n" for ln in lines))
+            self._target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def fileno(self) -> int:
+        return int(self._target.fileno())
+
+
+def _stream(rank: int) -> None:
+    """Stream mode (``JD_LOG_STREAM=1``, cluster back-ends): keep stdout/stderr, prefix Python's lines with the rank."""
+    sys.stdout = _RankPrefix(sys.stdout, rank)
+    sys.stderr = _RankPrefix(sys.stderr, rank)
+
+
 def _shipped(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "shipped.pkl"
     if not path.exists():
@@ -61,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = int(os.environ.get("RANK", "0"))
     run_dir = Path(os.environ.get("JD_RUN_DIR", "."))
-    _redirect(run_dir / "logs" / f"rank-{rank}.log")
+    if os.environ.get("JD_LOG_STREAM") == "1":
+        _stream(rank)
+    else:
+        _redirect(run_dir / "logs" / f"rank-{rank}.log")
     if hasattr(faulthandler, "register"):  # SIGUSR1 dumps every thread's stack into the log (hang diagnosis)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     code, error = 0, None

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
+from .base import Launcher
 from .rundir import RunDir
 
 __all__ = [
@@ -106,8 +107,10 @@ def _free_port() -> int:
 
 
 @dataclass(kw_only=True)
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """torchrun agents (or one ``deepspeed`` / ``accelerate launch``) on this machine for one run directory."""
+
+    kind = "local"
 
     run_dir: RunDir
     """Where script, logs and telemetry live."""

@@ -2,6 +2,10 @@
 
 A background thread watches the torchrun agents, so the kernel never blocks. Stopping ends the whole process tree
 (torchrun starts workers in sessions of their own, so the tree is collected with psutil before anything is killed).
+
+A run on a cluster back-end (a :class:`~.base.RemoteLauncher`: SLURM, SkyPilot) is watched by job id instead: the
+thread polls the scheduler, and the job's output stream is routed into the run directory (logs, telemetry records,
+exit codes) by a :class:`~.stream.LogRouter`, so records, metrics, logs and the dashboard work the same way.
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ import psutil
 
 from ..errors import JupyterDistError
 from ..telemetry.reader import read_run_records
+from .base import RemoteLauncher
 from .local import LocalLauncher
 from .rundir import RunDir
+from .stream import LogRouter
 
 __all__ = ["Run", "RunStatus", "open_run", "kill_tree"]
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
 STOPPED, TIMED_OUT, HUNG = "stopped", "timed out", "hung"
 FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT, HUNG)
+REMOTE_FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT)
 RunStatus = str
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
@@ -79,7 +86,7 @@ class Run:
     """A distributed job started from the notebook (or reopened from its run directory)."""
 
     def __init__(self, run_dir: RunDir, meta: dict[str, Any], *, procs: list[subprocess.Popen[bytes]] | None = None,
-                 launcher: LocalLauncher | None = None, timeout: float | None = None,
+                 launcher: LocalLauncher | RemoteLauncher | None = None, timeout: float | None = None,
                  plan: Any = None) -> None:  # fmt: skip
         self.dir = run_dir.path
         self._rd = run_dir
@@ -93,8 +100,14 @@ class Run:
         self.plan = plan
         self._dashboard: Any = None
         self._skip_display = False
+        self.router: LogRouter | None = None
+        """Where a remote job's output stream goes (``None`` for local runs)."""
         if self._meta.get("status") in FINAL:
             self._done.set()
+        elif isinstance(launcher, RemoteLauncher):
+            _LIVE.add(self)
+            self._thread = threading.Thread(target=self._watch_remote, name=f"jd-run-{self.dir.name}", daemon=True)
+            self._thread.start()
         elif self._procs or self._meta.get("pids"):
             _LIVE.add(self)
             self._thread = threading.Thread(target=self._watch, name=f"jd-run-{self.dir.name}", daemon=True)
@@ -107,6 +120,16 @@ class Run:
         return self.dir.name
 
     @property
+    def remote(self) -> bool:
+        """Whether the run is a cluster job (SLURM, SkyPilot) followed through its log stream."""
+        return isinstance(self._launcher, RemoteLauncher)
+
+    @property
+    def job_id(self) -> str | None:
+        """The scheduler's job id of a cluster run (``None`` for local runs)."""
+        return getattr(self._launcher, "job_id", None) if self.remote else None
+
+    @property
     def status(self) -> RunStatus:
         """One of: pending, running, succeeded, failed, stopped, timed out."""
         with self._lock:
@@ -114,8 +137,12 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks."""
-        return int(self._meta.get("world_size", 1))
+        """Number of ranks (a reattached job of unknown size: the highest rank seen in its telemetry, plus one)."""
+        if self._meta.get("world_size"):
+            return int(self._meta["world_size"])
+        ranks = [int(p.stem.split("-", 1)[1]) for p in self._rd.telemetry.glob("rank-*.jsonl")
+                 if p.stem.split("-", 1)[1].isdigit()]  # fmt: skip
+        return max(ranks, default=0) + 1
 
     @property
     def exit_codes(self) -> dict[int, int | None]:
@@ -197,6 +224,12 @@ class Run:
             if self.done:
                 return self.status
             self._stop_reason = reason
+        if isinstance(self._launcher, RemoteLauncher):  # scancel / sky cancel; the watcher sees the job end
+            self._launcher.cancel()
+            self._done.wait(grace + 60.0)
+            if not self.done:
+                self._finalize()
+            return self.status
         kill_tree(self._pids(), grace=grace)
         self._done.wait(grace + 5.0)
         if not self.done:  # reattached runs have no Popen to reap: finalize here
@@ -245,6 +278,54 @@ class Run:
                 kill_tree(self._pids())
             time.sleep(0.2)
         self._finalize()
+
+    def _watch_remote(self) -> None:
+        """Poll the scheduler until the job is final; its output goes through the router meanwhile."""
+        lau = self._launcher
+        assert isinstance(lau, RemoteLauncher)
+        started = float(self._meta.get("started", time.time()))
+        self.router = LogRouter(self._rd)
+        follower = None
+        state = "unknown"
+        unknown_since: float | None = None
+        try:
+            follower = lau.follow(self.router)
+            while True:
+                try:
+                    state = lau.poll()
+                except JupyterDistError as exc:  # the scheduler did not answer this time: try again
+                    self._meta["poll_error"] = str(exc)
+                    state = "unknown"
+                if state in ("pending", "running") and self._meta.get("status") != state and self._stop_reason is None:
+                    with self._lock:
+                        self._meta["status"] = state
+                        self._meta["launcher"] = lau.to_dict()
+                        self._rd.write_meta(self._meta)
+                if state in REMOTE_FINAL:
+                    break
+                if state == "unknown":  # forgotten by the controller, no accounting: judge from the exit files
+                    unknown_since = unknown_since or time.time()
+                    codes = self.exit_codes
+                    if all(c is not None for c in codes.values()) or time.time() - unknown_since > 30:
+                        state = SUCCEEDED if codes and all(c == 0 for c in codes.values()) else FAILED
+                        break
+                else:
+                    unknown_since = None
+                if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
+                    self._stop_reason = TIMED_OUT
+                    lau.cancel()
+                time.sleep(lau.poll_interval)
+        except Exception as exc:  # never die silently: the run is failed with the reason
+            self._meta["error"] = f"{type(exc).__name__}: {exc}"
+            state = FAILED
+        finally:
+            if follower is not None:
+                follower.finish(timeout=30.0)
+                if follower.error is not None:
+                    self._meta["stream_error"] = f"{type(follower.error).__name__}: {follower.error}"
+            self.router.close()
+        self._meta["job_state"] = state
+        self._finalize(remote_state=state)
 
     def _on_hang(self, report: dict[str, Any], tracker: Any) -> None:
         """Write ``diagnosis.json`` (who is behind, phases, collectives, every rank's thread stacks), then stop."""
@@ -297,7 +378,7 @@ class Run:
         logs = {r: self.logs(r) for r in range(self.world_size)}
         return diagnose_ranks(logs, times or None, exit_codes=codes)
 
-    def _finalize(self) -> None:
+    def _finalize(self, remote_state: str | None = None) -> None:
         with self._lock:
             if self.done:
                 return
@@ -305,12 +386,16 @@ class Run:
             rank_codes = self.exit_codes
             if self._stop_reason in (STOPPED, TIMED_OUT, HUNG):
                 status = self._stop_reason
+            elif remote_state in REMOTE_FINAL:
+                status = str(remote_state)
             elif self._procs:
                 status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
             else:  # reattached: judge from what the ranks recorded
                 status = SUCCEEDED if rank_codes and all(c == 0 for c in rank_codes.values()) else FAILED
             self._meta.update(status=status, ended=time.time(), agent_exit_codes=codes,
                               exit_codes={str(k): v for k, v in rank_codes.items()})  # fmt: skip
+            if isinstance(self._launcher, RemoteLauncher):
+                self._meta["launcher"] = self._launcher.to_dict()
             if status == TIMED_OUT:
                 self._meta["timeout_report"] = {str(r): self.logs(r, tail=5) for r in range(self.world_size)}
             self._rd.write_meta(self._meta)
@@ -321,6 +406,8 @@ class Run:
         """One paragraph: status, ranks, exit codes, the failing rank's last lines."""
         lines = [f"Run {self.name}: {self.status} ({self.world_size} ranks, strategy {self._meta.get('strategy')})",
                  f"  dir: {self.dir}"]  # fmt: skip
+        if isinstance(self._launcher, RemoteLauncher):
+            lines.insert(1, f"  {self._launcher.describe()}")
         if self.done:
             lines.append(f"  exit codes: {self.exit_codes}")
             bad = self.failed_rank()
@@ -402,11 +489,17 @@ def open_run(path: str | Path) -> Run:
             plan = Plan.from_dict(meta["plan"])
         except (KeyError, TypeError, ValueError):
             plan = None
-    return Run(rd, meta, timeout=meta.get("timeout"), plan=plan)
+    launcher = None
+    saved = meta.get("launcher") or {}
+    if saved.get("kind") not in (None, "local") and meta.get("status") not in FINAL:
+        from .base import launcher_from_dict
+
+        launcher = launcher_from_dict(saved)  # a cluster job: follow it again by id
+    return Run(rd, meta, timeout=meta.get("timeout"), plan=plan, launcher=launcher)
 
 
 @atexit.register
 def _stop_live_runs() -> None:  # the kernel is going away: leave no worker behind
     for run in list(_LIVE):
-        if not run.done:
+        if not run.done and not run.remote:  # a cluster job outlives the kernel: %dist_attach finds it again
             run.stop(grace=2.0)

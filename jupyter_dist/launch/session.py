@@ -92,9 +92,25 @@ def start_run(
     code: str, *, nproc: int | None = None, nodes: int = 1, strategy: str = "auto", plan: Any = None,
     launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None,
+    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
+    cluster: Any = None,
 ) -> Run | DryRun:
-    """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run."""
+    """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
+
+    ``backend="slurm"`` or ``"skypilot"`` submits it to a cluster instead (``cluster``: a
+    :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.cluster`.
+    """
+    if backend != "local":
+        from .cluster import ClusterOptions, start_cluster_run
+
+        if hang_timeout is not None:
+            raise JupyterDistError("--hang-timeout watches local ranks only; drop it with --backend " + backend)
+        result: Run | DryRun = start_cluster_run(
+            code, backend=backend, cluster=cluster or ClusterOptions(), nproc=nproc, nodes=nodes, strategy=strategy,
+            plan=plan, launcher=launcher, name=name, ship=ship, max_restarts=max_restarts, timeout=timeout,
+            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run,
+        )  # fmt: skip
+        return result
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
     if nproc is None:
         nproc = local_gpu_count() or 2

@@ -283,7 +283,9 @@ class Emitter:
         """The emitter of a worker: a JSONL file under ``run_dir`` (if given) and a sentinel stream (if given).
 
         The sequence continues after the last record this rank already wrote to the file, so a restarted worker
-        never repeats a ``(rank, seq)`` pair.
+        never repeats a ``(rank, seq)`` pair. With a stream sink the sequence starts no lower than the clock in
+        milliseconds: a cluster job recovered on a fresh node (no file left to continue from) then still never
+        repeats a pair that the notebook's reader has seen in the stream.
         """
         sinks: list[Sink] = []
         first_seq = 0
@@ -293,6 +295,7 @@ class Emitter:
             sinks.append(file_sink)
         if stream_fd is not None:
             sinks.append(StreamSink(stream_fd))
+            first_seq = max(first_seq, int(time.time() * 1000))
         return cls(rank=rank, sinks=sinks, first_seq=first_seq, interval_s=interval_s)
 
     @property

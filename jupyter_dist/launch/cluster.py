@@ -1,0 +1,269 @@
+"""Start a run on a cluster back-end (SLURM, SkyPilot) from a cell's code: the same run directory and Run handle.
+
+``start_run(code, backend="slurm", cluster=ClusterOptions(...))`` lands here. The plan (the user's ``--plan``, or
+one made for the requested hardware) is compiled by the renderers (``render_sbatch``, ``render_skypilot_task``), so
+what is submitted is what ``%dist_plan`` / ``jupyter-dist config`` shows; the launcher of the back-end submits it
+and the :class:`~.run.Run` follows the job by id and its output as a stream.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import JupyterDistError
+from .rundir import RunDir, new_run_dir, scrub_env
+
+__all__ = ["CLUSTER_BACKENDS", "ClusterOptions", "parse_gpus", "start_cluster_run"]
+
+CLUSTER_BACKENDS = ("slurm", "skypilot")
+_GPUS_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)(?::(\d+))?$")
+_CLUSTER_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_gpus(spec: str) -> tuple[str, int]:
+    """``"H100:8"`` -> ``("H100", 8)``; ``"A100"`` -> ``("A100", 1)``; a one-line error otherwise."""
+    m = _GPUS_RE.match(spec.strip())
+    if not m or (m.group(2) is not None and int(m.group(2)) < 1):
+        raise JupyterDistError(f"--gpus {spec!r}: write NAME[:COUNT] per node, e.g. H100:8 or A100-80GB:4")
+    return m.group(1), int(m.group(2) or 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterOptions:
+    """What a cluster back-end needs beyond the local options. Validated here: one-line errors."""
+
+    partition: str | None = None
+    """SLURM ``--partition``."""
+    account: str | None = None
+    """SLURM ``--account``."""
+    time_limit: str | None = None
+    """SLURM ``--time`` (``[D-]HH:MM:SS``, ``MM`` or ``HH:MM``); default 24:00:00."""
+    gpus: str | None = None
+    """SkyPilot accelerators per node, ``NAME[:COUNT]`` (``H100:8``); ``None``: CPU processes (gloo)."""
+    cluster: str | None = None
+    """SkyPilot cluster name (reused when it exists); default ``jd-<run name>``."""
+    infra: str | None = None
+    """SkyPilot infra: ``aws``, ``gcp/us-central1``, ``kubernetes``, ``slurm``, ... (default: SkyPilot chooses)."""
+    spot: bool = False
+    """SkyPilot spot / preemptible instances."""
+    idle_minutes: int | None = None
+    """SkyPilot autostop after this many idle minutes (with ``down``: tear down instead of stop)."""
+    down: bool = False
+    """SkyPilot: tear the cluster down when the job ends (``sky launch --down``)."""
+    managed: bool = False
+    """SkyPilot managed job (``sky jobs launch``): recovers from preemption and errors, resumes from checkpoints."""
+    max_restarts_on_errors: int = 0
+    """Managed jobs: restarts after a user-code error (recovery after preemption is always on)."""
+    secrets: tuple[str, ...] = ()
+    """Environment variable names whose values go to the job from this kernel's environment (never into files)."""
+    setup: str | None = None
+    """SkyPilot ``setup`` commands (default: ``pip install -U jupyter-dist``)."""
+    checkpoint_dir: str | None = None
+    """SkyPilot: checkpoint root on the nodes (a bucket mount for managed jobs); the job's folder is keyed on
+    ``SKYPILOT_TASK_ID`` under it. Default ``checkpoints`` in the workdir."""
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None:
+            parse_gpus(self.gpus)
+        if self.cluster is not None and not _CLUSTER_RE.match(self.cluster):
+            raise JupyterDistError(
+                f"--cluster {self.cluster!r}: 1-63 lower-case letters, digits or dashes, starting with a letter"
+            )
+        if self.idle_minutes is not None and self.idle_minutes < 0:
+            raise JupyterDistError(f"--idle-minutes must be >= 0, got {self.idle_minutes}")
+        if self.max_restarts_on_errors < 0:
+            raise JupyterDistError(f"--max-restarts must be >= 0, got {self.max_restarts_on_errors}")
+        for name in self.secrets:
+            if not _ENV_RE.match(name):
+                raise JupyterDistError(f"--secret {name!r} is not an environment variable name (letters, digits, _)")
+        if self.managed and (self.cluster is not None or self.idle_minutes is not None or self.down):
+            raise JupyterDistError(
+                "--managed jobs run on clusters SkyPilot creates and tears down itself: drop --cluster, "
+                "--idle-minutes and --down"
+            )
+        from ..render.common import _SLURM_TIME_RE
+
+        if self.time_limit is not None and not _SLURM_TIME_RE.match(self.time_limit):
+            raise JupyterDistError(f"--time {self.time_limit!r}: write HH:MM:SS, MM, HH:MM or D-HH:MM:SS")
+        for flag, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not re.match(r"^[A-Za-z0-9_.-]+$", value):
+                raise JupyterDistError(f"{flag} {value!r} may only hold letters, digits, '_', '.' and '-'")
+
+
+def _job_name(name: str) -> str:
+    safe = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not safe or not safe[0].isalpha():
+        safe = "jd-" + safe
+    return safe[:63].rstrip("-") or "jupyter-dist"
+
+
+def _plan_for(plan: Any, strategy: str, nproc: int, nodes: int, gpus: tuple[str, int] | None) -> Any:
+    """The user's plan, or one made for the requested hardware (CPU processes when no GPU is asked for)."""
+    if plan is not None:
+        hw = plan.hardware
+        if hw.nodes != nodes or hw.gpus_per_node != nproc:
+            raise JupyterDistError(
+                f"--plan is for {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s), the run asks for {nodes} x {nproc}: "
+                "drop --nodes/--nproc/--gpus or plan for this shape"
+            )
+        return plan
+    from ..plan import Hardware, ModelSpec, TrainingShape
+    from ..plan import plan as make_plan
+    from ..plan.hardware import get_accelerator
+
+    if gpus is None:
+        acc = get_accelerator("cpu")
+        precision = "fp32"
+    else:
+        from ..render.skypilot import SKYPILOT_ACCELERATORS
+
+        reverse = {v.lower(): k for k, v in SKYPILOT_ACCELERATORS.items()}
+        try:
+            acc = get_accelerator(reverse.get(gpus[0].lower(), gpus[0]))
+        except JupyterDistError:
+            known = ", ".join(sorted(SKYPILOT_ACCELERATORS.values()))
+            raise JupyterDistError(
+                f"--gpus {gpus[0]}: not in the hardware catalog; known: {known} "
+                "(or pass --plan with a custom accelerator)"
+            ) from None
+        precision = "bf16-mixed"
+    hw = Hardware(accelerator=acc, gpus_per_node=nproc, nodes=nodes)
+    shape = TrainingShape(precision=precision)
+    model = ModelSpec.from_params(1e6, name="cell")
+    return make_plan(model, hw, shape, strategy=None if strategy in ("none",) else strategy)
+
+
+def start_cluster_run(
+    code: str, *, backend: str, cluster: ClusterOptions, nproc: int | None, nodes: int, strategy: str, plan: Any,
+    launcher: str, name: str, ship: dict[str, Any] | None, max_restarts: int, timeout: float | None,
+    env: dict[str, str], runs_dir: str | Path, port: int | None, dry_run: bool,
+) -> Any:
+    """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``)."""
+    from ..render.common import SECRET_NAMES, RenderOptions
+    from .run import Run
+    from .session import PRELUDE, DryRun, _ship, resolve_strategy
+
+    if backend not in CLUSTER_BACKENDS:
+        raise JupyterDistError(f"unknown backend {backend!r}; valid: local, {', '.join(CLUSTER_BACKENDS)}")
+    if launcher != "torchrun":
+        raise JupyterDistError(
+            f"--launcher {launcher}: cluster back-ends start torchrun on every node (DeepSpeed strategies run "
+            "under it); drop --launcher"
+        )
+    if backend == "slurm" and (cluster.gpus or cluster.cluster or cluster.infra or cluster.spot or cluster.managed
+                               or cluster.idle_minutes is not None or cluster.down or cluster.setup is not None
+                               or cluster.checkpoint_dir is not None):  # fmt: skip
+        raise JupyterDistError(
+            "--gpus/--cluster/--infra/--spot/--idle-minutes/--down/--managed/--setup/--checkpoint-dir are SkyPilot "
+            "options; with "
+            "--backend slurm use --partition/--account/--time (and --nproc for processes per node)"
+        )
+    if backend == "skypilot" and (cluster.partition or cluster.account or cluster.time_limit):
+        raise JupyterDistError(
+            "--partition/--account/--time are SLURM options; SkyPilot on a SLURM cluster takes --infra slurm"
+        )
+    gpus = parse_gpus(cluster.gpus) if cluster.gpus else None
+    if gpus is not None:
+        if nproc is not None and nproc != gpus[1]:
+            raise JupyterDistError(f"--nproc {nproc} != {gpus[1]} GPUs per node from --gpus {cluster.gpus}")
+        nproc = gpus[1]
+    if nproc is None:
+        nproc = plan.hardware.gpus_per_node if plan is not None else 1
+    if nproc < 1 or nodes < 1:
+        raise JupyterDistError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
+    if timeout is not None and timeout <= 0:
+        raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
+    if plan is not None and not hasattr(plan, "best"):
+        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
+    world = nproc * nodes
+    strat = resolve_strategy(strategy, plan, world)
+    for key, value in env.items():
+        if not _ENV_RE.match(key):
+            raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
+        if key in SECRET_NAMES or key in cluster.secrets:
+            raise JupyterDistError(f"--env {key}=... looks like a secret: pass it with --secret {key} (by name only)")
+        del value
+    the_plan = _plan_for(plan, strat, nproc, nodes, gpus)
+    job = _job_name(name)
+    precision = the_plan.training.precision.value if plan is not None else ("bf16-mixed" if gpus else "fp32")
+    jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+              **env}  # fmt: skip
+    files: dict[str, str] = {}
+    if strat.startswith("zero"):
+        from ..render.deepspeed import render_deepspeed_json
+
+        files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat))
+        jd_env["JD_DS_CONFIG"] = "ds_config.json"
+    script = PRELUDE + code
+    candidate = strat if strat not in ("none", "auto") else None
+    if backend == "slurm":
+        return _start_slurm(
+            script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
+            nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout,
+            runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
+            dry_cls=DryRun, ship_fn=_ship,
+        )  # fmt: skip
+    from .skypilot import start_skypilot
+
+    return start_skypilot(
+        script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
+        nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout, runs_dir=runs_dir,
+        port=port, dry_run=dry_run, max_restarts=max_restarts,
+    )  # fmt: skip
+
+
+def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
+                 cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str,
+                 jd_env: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
+                 port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
+                 ship_fn: Any) -> Any:  # fmt: skip
+    from ..render.common import RenderOptions
+    from ..render.slurm import render_sbatch
+    from .local import _free_port
+    from .slurm import SlurmLauncher
+
+    rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
+    if "JD_DS_CONFIG" in jd_env and not dry_run:
+        jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
+    run_env = {"JD_RUN_DIR": str(rd.path), **jd_env}
+    opts = RenderOptions(
+        candidate=candidate, name=job, script=str(rd.path / "jd_bootstrap.py"), script_args=(str(rd.script),),
+        rdzv="static", master_port=port or (29500 if dry_run else _free_port()), max_restarts=max_restarts,
+        checkpoint_dir=str(rd.checkpoints), partition=cluster.partition, account=cluster.account,
+        time_limit=cluster.time_limit or "24:00:00", env=tuple(run_env.items()), secrets=cluster.secrets,
+        nccl_debug="WARN",
+    )  # fmt: skip
+    try:
+        sbatch = render_sbatch(plan, opts)
+    except JupyterDistError:
+        raise
+    lau = SlurmLauncher(run_dir=rd, script=sbatch, job_name=job, nodes=nodes, nproc=nproc,
+                        partition=cluster.partition)  # fmt: skip
+    if dry_run:
+        return dry_cls(script=script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **files})
+    rd.script.write_text(script, encoding="utf-8")
+    for fname, text in files.items():
+        (rd.path / fname).write_text(text, encoding="utf-8")
+    if ship:
+        ship_fn(rd, ship)
+    meta: dict[str, Any] = {
+        "name": name, "status": "pending", "backend": "slurm", "strategy": strat, "world_size": nproc * nodes,
+        "nproc": nproc, "nodes": nodes, "timeout": timeout, "env": scrub_env(run_env), "created": time.time(),
+        "plan": user_plan.to_dict() if user_plan is not None else None, "shipped": sorted(ship or {}),
+        "secrets": list(cluster.secrets),
+    }  # fmt: skip
+    rd.write_meta(meta)
+    try:
+        lau.start()
+    except JupyterDistError:
+        meta.update(status="failed", error="submission failed")
+        rd.write_meta(meta)
+        raise
+    meta.update(started=time.time(), job_id=lau.job_id, launcher=lau.to_dict())
+    rd.write_meta(meta)
+    return run_cls(rd, meta, launcher=lau, timeout=timeout, plan=user_plan)

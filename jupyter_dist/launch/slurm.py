@@ -1,0 +1,298 @@
+"""The SLURM back-end: submit the compiler's sbatch script, track the job, follow its output, ``scancel`` it.
+
+``%%dist_train --backend slurm --nodes 2 [--partition P] [--account A] [--time T]``. The run directory must be on a
+filesystem the nodes share (home or scratch on a cluster; here both "nodes" are this host): the cell becomes
+``script.py`` there, the batch script ``job.sbatch`` (rendered by :func:`jupyter_dist.render.slurm.render_sbatch`,
+so what runs is what ``%dist_plan``/``jupyter-dist config`` shows), and each rank writes its log, exit code and
+telemetry into it exactly as a local run does. The job's own output file (``<name>-<jobid>.out``: srun and torchrun
+messages) is followed into ``logs/launcher.log`` and through the telemetry reader (sentinel lines).
+
+Tracking uses ``scontrol show job`` (always there), then ``sacct`` when accounting is enabled (a job the controller
+already forgot), then the ranks' exit files. ``stop()`` is ``scancel``: SLURM signals every step, then kills.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import JupyterDistError
+from .base import Follower, JobState, RemoteLauncher
+from .rundir import RunDir
+
+__all__ = ["SlurmLauncher", "SlurmError", "slurm_state", "find_slurm_tool", "BOOTSTRAP_STUB"]
+
+SLURM_INSTALL_HINT = (
+    "install the SLURM client tools (Debian/Ubuntu: apt-get install slurm-client) or run the notebook on a login "
+    "node of the cluster"
+)
+
+BOOTSTRAP_STUB = """\
+# Written by jupyter-dist: runs the cell (script.py) under the jupyter-dist bootstrap on every rank
+# (rank logs, shipped notebook objects, exit codes).
+import sys
+
+from jupyter_dist.launch.bootstrap import main
+
+sys.exit(main())
+"""
+
+_STATES = {
+    "PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "pending", "REQUEUE_HOLD": "pending",
+    "REQUEUE_FED": "pending", "RESV_DEL_HOLD": "pending", "SUSPENDED": "pending",
+    "RUNNING": "running", "COMPLETING": "running", "STAGE_OUT": "running", "SIGNALING": "running",
+    "RESIZING": "running",
+    "COMPLETED": "succeeded",
+    "CANCELLED": "stopped", "REVOKED": "stopped",
+    "TIMEOUT": "timed out", "DEADLINE": "timed out",
+    "FAILED": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed", "BOOT_FAIL": "failed",
+    "PREEMPTED": "failed", "SPECIAL_EXIT": "failed",
+}  # fmt: skip
+_JOB_ID = re.compile(r"^(\d+)(?:;\S+)?$")
+
+
+class SlurmError(JupyterDistError):
+    """sbatch, squeue, scontrol or scancel is missing or refused the request."""
+
+
+def slurm_state(raw: str) -> JobState:
+    """Our state for a SLURM job state (``CANCELLED by 0`` -> stopped; unknown words -> unknown)."""
+    word = raw.strip().split()[0].rstrip("+").upper() if raw.strip() else ""
+    return _STATES.get(word, "unknown")
+
+
+def find_slurm_tool(name: str) -> str:
+    """Path of a SLURM client tool, or a one-line error saying how to get it."""
+    found = shutil.which(name)
+    if found is None:
+        raise SlurmError(f"{name} not found on PATH: {SLURM_INSTALL_HINT}")
+    return found
+
+
+def _run(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
+         timeout: float = 30.0) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, check=False,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{Path(argv[0]).name} did not answer within {timeout:.0f} s (is slurmctld up?)") from None
+    except OSError as exc:
+        raise SlurmError(f"cannot run {argv[0]}: {exc.strerror}") from None
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+@dataclass(kw_only=True)
+class SlurmLauncher(RemoteLauncher):
+    """One ``sbatch`` job for one run directory (a shared filesystem is assumed)."""
+
+    kind = "slurm"
+
+    run_dir: RunDir
+    """Where script, batch script, logs and telemetry live (visible to every node)."""
+    script: str = ""
+    """The batch script (``render_sbatch``); written to ``job.sbatch`` at start."""
+    job_name: str = "jupyter-dist"
+    """``--job-name`` (names the output file ``<job_name>-<jobid>.out``)."""
+    nodes: int = 1
+    """Nodes the script asks for."""
+    nproc: int = 1
+    """Processes per node."""
+    partition: str | None = None
+    """``--partition`` (checked against ``sinfo`` before submitting)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Environment of the submission (``--export=ALL`` hands it to the job): PATH of this kernel's Python, JD_*."""
+    job_id: str | None = None
+    """SLURM job id once submitted."""
+    state: str = "before"
+    """``before`` -> ``running`` -> ``after``."""
+    output: str | None = None
+    """The job's output file (``StdOut`` of ``scontrol show job``)."""
+    poll_interval: float = 1.0
+    """Seconds between state polls."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise SlurmError(f"--nodes must be >= 1, got {self.nodes}")
+
+    # ---- pure -------------------------------------------------------------------------------------------------
+    @property
+    def sbatch_path(self) -> Path:
+        """``job.sbatch`` in the run directory."""
+        return self.run_dir.path / "job.sbatch"
+
+    def args(self) -> list[list[str]]:
+        """``sbatch --parsable job.sbatch`` (partition, account and time limit are in the script's header)."""
+        return [["sbatch", "--parsable", str(self.sbatch_path)]]
+
+    def env(self) -> dict[str, str]:
+        """Added to the submitting environment (the job inherits it with ``--export=ALL``)."""
+        return dict(self.extra_env)
+
+    def task(self) -> str:
+        """The batch script."""
+        return self.script
+
+    # ---- side effects -----------------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, **self.env()}
+        bindir = str(Path(sys.executable).parent)  # torchrun and jupyter_dist of this kernel's environment
+        if bindir not in env.get("PATH", "").split(os.pathsep):
+            env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        return env
+
+    def check_partition(self) -> None:
+        """A one-line error when ``partition`` is not one ``sinfo`` lists."""
+        if self.partition is None:
+            return
+        res = _run([find_slurm_tool("sinfo"), "-h", "-o", "%R"], env=self._env())
+        if res.returncode != 0:
+            raise SlurmError(f"sinfo failed: {_last_line(res.stderr)}")
+        names = sorted({ln.strip() for ln in res.stdout.splitlines() if ln.strip()})
+        if self.partition not in names:
+            raise SlurmError(
+                f"SLURM partition {self.partition!r} does not exist on this cluster; partitions: "
+                f"{', '.join(names) or '(none)'} (sinfo)"
+            )
+
+    def start(self) -> str:
+        """Write ``job.sbatch`` and submit it; returns the job id."""
+        if self.state != "before":
+            raise SlurmError(f"launcher already {self.state}")
+        sbatch = find_slurm_tool("sbatch")
+        self.check_partition()
+        self.sbatch_path.write_text(self.script, encoding="utf-8")
+        (self.run_dir.path / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB, encoding="utf-8")
+        res = _run([sbatch, "--parsable", str(self.sbatch_path)], env=self._env(), cwd=self.run_dir.path, timeout=60)
+        if res.returncode != 0:
+            msg = _last_line(res.stderr or res.stdout)
+            if "partition" in msg.lower():
+                msg += f" (partition {self.partition!r}; list them with sinfo)"
+            raise SlurmError(f"sbatch refused the job: {msg}")
+        m = _JOB_ID.match(res.stdout.strip())
+        if not m:
+            raise SlurmError(f"sbatch answered {res.stdout.strip()!r}, not a job id")
+        self.job_id = m.group(1)
+        self.output = str(self.run_dir.path / f"{self.job_name}-{self.job_id}.out")
+        self.state = "running"
+        return self.job_id
+
+    def job_info(self) -> dict[str, str]:
+        """``scontrol show job -o <id>`` as a dict (empty when the controller no longer knows the job)."""
+        if self.job_id is None:
+            return {}
+        res = _run([find_slurm_tool("scontrol"), "show", "job", "-o", self.job_id], env=self._env())
+        if res.returncode != 0:
+            return {}
+        info = {}
+        for word in res.stdout.split():
+            key, sep, value = word.partition("=")
+            if sep:
+                info[key] = value
+        return info
+
+    def poll(self) -> JobState:
+        """pending, running, succeeded, failed, stopped, timed out, or unknown."""
+        if self.job_id is None:
+            return "pending" if self.state == "before" else "unknown"
+        info = self.job_info()
+        if info.get("JobState"):
+            if info.get("StdOut"):
+                self.output = info["StdOut"]
+            state = slurm_state(info["JobState"])
+        else:
+            state = self._sacct_state()
+        if state in ("succeeded", "failed", "stopped", "timed out"):
+            self.state = "after"
+        return state
+
+    def _sacct_state(self) -> JobState:
+        sacct = shutil.which("sacct")
+        if sacct is None or self.job_id is None:
+            return "unknown"
+        try:
+            res = _run([sacct, "-n", "-X", "-P", "-j", self.job_id, "-o", "State"], env=self._env(), timeout=15)
+        except SlurmError:
+            return "unknown"
+        if res.returncode != 0 or not res.stdout.strip():  # accounting disabled: "Slurm accounting storage is ..."
+            return "unknown"
+        return slurm_state(res.stdout.splitlines()[0])
+
+    def cancel(self) -> None:
+        """``scancel <id>`` (SIGTERM to every step, SIGKILL after the cluster's KillWait)."""
+        if self.job_id is None:
+            return
+        res = _run([find_slurm_tool("scancel"), self.job_id], env=self._env())
+        if res.returncode != 0 and "already completed" not in res.stderr and "Invalid job id" not in res.stderr:
+            raise SlurmError(f"scancel {self.job_id} failed: {_last_line(res.stderr)}")
+
+    def follow(self, on_lines: Callable[[list[str]], None]) -> Follower:
+        """Tail the job's output file (it appears when the job starts); a last read after :meth:`Follower.finish`."""
+
+        def tail(stop: threading.Event) -> None:
+            offset, partial = 0, b""
+            while True:
+                final = stop.is_set()
+                path = Path(self.output) if self.output else None
+                if path is not None and path.exists():
+                    with open(path, "rb") as fh:
+                        fh.seek(offset)
+                        data = fh.read()
+                    offset += len(data)
+                    data = partial + data
+                    cut = data.rfind(b"\n")
+                    if final and data and cut != len(data) - 1:
+                        cut = len(data)  # the last line without a newline: take it on the final read
+                    partial = data[cut + 1 :] if cut >= 0 else data
+                    if cut >= 0:
+                        on_lines(data[:cut].decode("utf-8", "replace").split("\n"))
+                if final:
+                    return
+                stop.wait(0.5)
+
+        return Follower(tail, f"jd-slurm-{self.job_id}")
+
+    def describe(self) -> str:
+        """``SLURM job 12 (2 nodes, partition debug)``."""
+        part = f", partition {self.partition}" if self.partition else ""
+        return f"SLURM job {self.job_id} ({self.nodes} node(s){part})"
+
+    # ---- reattach -----------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Saved in ``run.json`` (the script itself is ``job.sbatch``)."""
+        return {"kind": self.kind, "run_dir": str(self.run_dir.path), "job_name": self.job_name, "nodes": self.nodes,
+                "nproc": self.nproc, "partition": self.partition, "job_id": self.job_id, "state": self.state,
+                "output": self.output, "args": self.args(), "env_names": sorted(self.extra_env)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SlurmLauncher:
+        """Inverse of :meth:`to_dict`."""
+        rd = RunDir(Path(data["run_dir"]))
+        script = rd.path / "job.sbatch"
+        return cls(
+            run_dir=rd, script=script.read_text() if script.exists() else "", job_name=str(data["job_name"]),
+            nodes=int(data["nodes"]), nproc=int(data.get("nproc", 1)), partition=data.get("partition"),
+            job_id=data.get("job_id"), state=str(data.get("state", "running")), output=data.get("output"),
+        )  # fmt: skip
+
+
+def wait_for_state(launcher: SlurmLauncher, states: tuple[str, ...], timeout: float) -> JobState:
+    """Poll until the job is in one of ``states`` (or ``timeout`` s); returns the last state."""
+    deadline = time.monotonic() + timeout
+    state = launcher.poll()
+    while state not in states and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = launcher.poll()
+    return state
