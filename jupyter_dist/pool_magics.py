@@ -127,6 +127,11 @@ class _LiveOutput:
         if time.monotonic() - self.last > 0.2:
             self.refresh()
 
+    def tick(self) -> None:
+        """Called while the kernel waits: show what arrived since the last refresh (at most 5 times a second)."""
+        if self.grouped and self.dirty and time.monotonic() - self.last > 0.2:
+            self.refresh()
+
     def _bundle(self, values: dict[int, str] | None = None) -> dict[str, str]:
         blocks = []
         for r in sorted(self.texts):
@@ -305,7 +310,7 @@ class PoolMagics(Magics):
             raise UsageError(str(exc)) from None
         live = _LiveOutput(self.shell, ranks)
         try:
-            result = pool.execute(cell, ranks=ranks, timeout=args.timeout, on_output=live)
+            result = pool.execute(cell, ranks=ranks, timeout=args.timeout, on_output=live, on_idle=live.tick)
         except PoolError as exc:  # broken (a rank died): what the ranks printed was shown; say why in one line
             live.finish({})
             raise UsageError(str(exc)) from None

@@ -497,3 +497,115 @@ def test_dist_stop_ends_the_pool_and_leaves_no_process(ip: InteractiveShell, poo
         ip.run_cell_magic("dist", "", "pass")
     with pytest.raises(PoolError, match="the pool is stopped"):
         pool.execute("1")
+
+
+# ---- a real kernel -------------------------------------------------------------------------------------------------
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "pool_quickstart.ipynb"
+
+
+def _kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The python3 kernel spec runs `python`: make it this environment's (where jupyter_dist is installed)."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def _processes_under(root: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["environ"]):
+        try:
+            if (proc.info["environ"] or {}).get("JD_RUN_DIR", "").startswith(str(root)) and (
+                proc.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _texts(outputs: list[Any]) -> str:
+    parts = []
+    for out in outputs:
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif "data" in out:
+            parts.append(out["data"].get("text/plain", ""))
+        elif out.get("output_type") == "error":
+            parts.append("\n".join(out.get("traceback", [])))
+    return "\n".join(parts)
+
+
+@pytest.mark.slow
+def test_the_quickstart_notebook_runs_on_a_real_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code"), (
+        "commit the notebook with its outputs cleared"
+    )
+    _kernel_env(monkeypatch)
+    try:
+        nbclient.NotebookClient(nb, kernel_name="python3", timeout=180,
+                                resources={"metadata": {"path": str(tmp_path)}}).execute()  # fmt: skip
+    finally:
+        left = _processes_under(tmp_path)
+        for proc in left:
+            proc.kill()
+    assert not left, "the notebook left processes behind"
+    texts = [(c.source, _texts(c.outputs)) for c in nb.cells if c.cell_type == "code"]
+
+    def output_of(start: str) -> str:
+        return "\n".join(t for src, t in texts if src.startswith(start))
+
+    started = output_of("%dist_start")
+    assert "Pool pool-" in started and "ready (2 ranks" in started
+    # grouped by rank in one display: rank 0's block, then rank 1's
+    assert "[rank 0]\nrank 0 of 2: x = [1.0, 1.0, 1.0]\n[rank 1]\nrank 1 of 2: x = [2.0, 2.0, 2.0]" in output_of(
+        "%%dist\nimport torch"
+    )
+    assert "[rank 0]\nrank 0: after all_reduce x = [3.0, 3.0, 3.0]\n[rank 1]\nrank 1: after all_reduce" in output_of(
+        "%%dist\ndist.all_reduce"
+    )
+    assert "[rank 1]\nrank 1: y = [3.0, 3.0, 3.0]" in output_of("y = x * jd.rank")  # ran on the pool (dist mode)
+    assert "tensor([3., 3., 3.])" in output_of("%dist_pull y --rank 1")
+    assert "rank 1: x * scale = [30.0, 60.0, 90.0]" in output_of("%%dist\nprint(f\"rank {jd.rank}: x * scale")
+    assert "stopped" in output_of("%dist_stop")
+    assert not any(out.get("output_type") == "error" for c in nb.cells for out in c.get("outputs", []))
+
+
+@pytest.mark.slow
+def test_interrupting_a_real_kernel_interrupts_the_ranks_and_the_pool_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("jupyter_client")
+    from jupyter_client.manager import start_new_kernel
+
+    _kernel_env(monkeypatch)
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path), startup_timeout=60)
+    try:
+        setup = kc.execute_interactive(f"%load_ext jupyter_dist\n%dist_start --nproc 2 --runs-dir {tmp_path}",
+                                       timeout=120)  # fmt: skip
+        assert setup["content"]["status"] == "ok", setup["content"]
+        kc.execute("%%dist\nimport time\nn = 0\nprint('long cell running', flush=True)\n"
+                   "while True:\n    time.sleep(0.05)\n    n += 1")  # fmt: skip
+        shown = ""
+        deadline = time.monotonic() + 60
+        while not ("[rank 0]\nlong cell running" in shown and "[rank 1]\nlong cell running" in shown):
+            assert time.monotonic() < deadline, f"no live output from both ranks: {shown!r}"
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["msg_type"] in ("display_data", "update_display_data"):
+                shown = msg["content"]["data"].get("text/plain", "")
+        km.interrupt_kernel()  # what the notebook's stop button does: SIGINT to the kernel
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "PoolInterrupted"
+        after: list[str] = []
+        check = kc.execute_interactive("%%dist\nprint('still here', jd.rank, n > 0)", timeout=60,
+                                       output_hook=lambda m: after.append(str(m["content"])))  # fmt: skip
+        assert check["content"]["status"] == "ok"
+        assert any("still here 0 True" in a and "still here 1 True" in a for a in after), after
+        stop = kc.execute_interactive("%dist_stop", timeout=60)
+        assert stop["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        left = _processes_under(tmp_path)
+        _wait_for(lambda: not _processes_under(tmp_path), 20, "the pool's processes to end")
+    assert not left or not _processes_under(tmp_path)

@@ -616,7 +616,8 @@ class Pool:
                 pass
 
     def _wait(self, rid: int, ranks: list[int], *, timeout: float | None = None,
-              on_output: Callable[[int, str, str], None] | None = None) -> _Wait:  # fmt: skip
+              on_output: Callable[[int, str, str], None] | None = None,
+              on_idle: Callable[[], None] | None = None) -> _Wait:  # fmt: skip
         """Collect the replies to request ``rid``; forward a kernel interrupt and ``timeout`` to the ranks."""
         result = _Wait()
         pending = {r for r in ranks if r not in self._lost}
@@ -631,6 +632,8 @@ class Pool:
                     item: tuple[int, dict[str, Any], Any] | None = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     item = None
+                    if on_idle is not None:
+                        on_idle()
                 except KeyboardInterrupt:  # not the main thread: the signal arrived as an exception
                     item = None
                     flag.count += 1
@@ -739,10 +742,12 @@ class Pool:
         return "no cell frame"
 
     def execute(self, code: str, *, ranks: list[int] | None = None, timeout: float | None = None,
-                on_output: Callable[[int, str, str], None] | None = None) -> CellResult:  # fmt: skip
+                on_output: Callable[[int, str, str], None] | None = None,
+                on_idle: Callable[[], None] | None = None) -> CellResult:  # fmt: skip
         """Run ``code`` on ``ranks`` (default: all) and wait; returns every rank's output, value and error.
 
-        ``on_output(rank, "stdout"|"stderr", text)`` is called (in this thread) as output arrives. A kernel
+        ``on_output(rank, "stdout"|"stderr", text)`` is called (in this thread) as output arrives, ``on_idle()``
+        whenever no message came for 50 ms (to refresh a display). A kernel
         interrupt interrupts the cell on every rank and raises :class:`PoolInterrupted` once they stopped; past
         ``timeout`` seconds the cell is interrupted and the result says where each rank was (``timed_out``). A
         rank that dies raises :class:`PoolBroken`. An exception in the cell does not raise: see
@@ -767,7 +772,7 @@ class Pool:
                 self._sources.pop(next(iter(self._sources)))
             rid = self._send(targets, {"op": "exec", "code": code, "name": name})
             try:
-                waited = self._wait(rid, targets, timeout=timeout, on_output=collect)
+                waited = self._wait(rid, targets, timeout=timeout, on_output=collect, on_idle=on_idle)
             finally:
                 self.cells += 1
         result = CellResult(ranks={r: RankReport(rank=r) for r in targets}, elapsed=time.monotonic() - t0,
