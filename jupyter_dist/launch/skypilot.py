@@ -53,7 +53,8 @@ _CLUSTER_STATES = {
 }  # fmt: skip
 _MANAGED_STATES = {
     "PENDING": "pending", "SUBMITTED": "pending", "STARTING": "pending", "RUNNING": "running",
-    "RECOVERING": "running", "WINDING_DOWN": "running", "CANCELLING": "running", "SUCCEEDED": "succeeded", "CANCELLED": "stopped",
+    "RECOVERING": "running", "WINDING_DOWN": "running", "CANCELLING": "running", "SUCCEEDED": "succeeded",
+    "CANCELLED": "stopped",
     "FAILED": "failed", "FAILED_SETUP": "failed", "FAILED_PRECHECKS": "failed", "FAILED_NO_RESOURCE": "failed",
     "FAILED_CONTROLLER": "failed",
 }  # fmt: skip
@@ -223,7 +224,7 @@ class SkyPilotLauncher(RemoteLauncher):
         return self._launched.wait(timeout)
 
     def poll(self) -> JobState:
-        """pending (launching, queued), running, succeeded, failed, stopped, or unknown."""
+        """The job's state: pending (launching, queued), running, succeeded, failed, stopped, or unknown."""
         if self.launch_error:
             self.state = "after"
             return "stopped" if "cancel" in self.launch_error.lower() else "failed"
@@ -287,11 +288,10 @@ class SkyPilotLauncher(RemoteLauncher):
                 lines = sky.tail_logs(self.cluster, int(self.job_id), follow=True, preload_content=False)
             batch: list[str] = []
             last = time.monotonic()
-            for chunk in lines:
-                if chunk is None:
-                    continue
-                batch += str(chunk).splitlines()
-                if time.monotonic() - last > 0.2 or len(batch) > 200:
+            for chunk in lines:  # None: no new output yet (a keep-alive), a chance to hand over what came
+                if chunk is not None:
+                    batch += str(chunk).splitlines()
+                if batch and (time.monotonic() - last > 0.2 or len(batch) > 200 or chunk is None):
                     on_lines(batch)
                     batch, last = [], time.monotonic()
             if batch:
