@@ -1,0 +1,138 @@
+"""``%%dist_train --backend skypilot`` for real: SkyPilot 0.14 launches a 2-node cluster on the local SLURM cluster.
+
+No cloud and no mock: the SDK talks to a real API server, which provisions through SkyPilot's SLURM infrastructure
+(sshd on 127.0.0.1 as the login node, two slurmd "nodes"; tests/sky_slurm.py), syncs the workdir, runs the task on
+both nodes, and streams the logs back through ``sky.tail_logs``. One cluster serves the whole module: a 2-node FSDP2
+job on CPU/gloo whose metrics arrive through the log stream, a second job that is reattached from its run.json and
+stopped (``sky.cancel``), and ``sky.down`` at the end. Skips where SLURM/sshd/SkyPilot are missing; fails instead
+with ``JD_REQUIRE_SLURM`` (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("IPython")
+pytest.importorskip("torch")
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+from sky_slurm import USER, require_sky_slurm, user_processes  # noqa: E402
+
+from jupyter_dist.launch.run import open_run  # noqa: E402
+
+CLUSTER = "jd-skytest"
+TRAIN = """
+import time
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = jd.wrap(model, opt)
+g = torch.Generator().manual_seed(jd.rank)
+X = torch.randn(256, 16, generator=g)
+y = X.sum(1, keepdim=True)
+for step in range(STEPS):
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+    time.sleep(PAUSE)
+print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).__name__)
+"""
+TIMES: dict[str, float] = {}
+
+
+def line(extra: str = "") -> str:
+    # the job user runs this kernel's Python (a real cloud would `pip install jupyter-dist` in --setup instead)
+    path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
+    return (f"--backend skypilot --nodes 2 --nproc 1 --cluster {CLUSTER} --infra slurm --setup '' "
+            f"--env PATH={path} --telemetry-interval 0 {extra}")  # fmt: skip
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def sky_cluster(slurm_cluster: Any) -> Iterator[Any]:
+    """SkyPilot on the local SLURM cluster for this module; the cluster is taken down after (``sky.down``)."""
+    require_sky_slurm()
+    from sky_slurm import SkySlurm
+
+    s = SkySlurm(slurm_cluster)
+    s.start()
+    try:
+        s.seed(CLUSTER)
+        yield s
+    finally:
+        from jupyter_dist.launch.skypilot import down
+
+        try:
+            TIMES["down"] = down(CLUSTER, timeout=180)
+        finally:
+            s.stop()
+            print("\nSkyPilot on SLURM:", {k: round(v, 1) for k, v in TIMES.items()})
+
+
+@pytest.mark.slow
+def test_two_node_fsdp2_on_a_real_skypilot_cluster(ip: InteractiveShell, runs: Path, sky_cluster: Any) -> None:
+    t0 = time.time()
+    code = TRAIN.replace("STEPS", "25").replace("PAUSE", "0")
+    run = ip.run_cell_magic("dist_train", line("--strategy fsdp2 --name sky_run"), code)
+    TIMES["magic_returned"] = time.time() - t0
+    assert TIMES["magic_returned"] < 15 and not run.done  # the launch request runs in the background
+    run._launcher.wait_launched(300)
+    TIMES["job_submitted"] = time.time() - t0
+    assert run.job_id is not None, run.summary() + (run.dir / "logs" / "launch.log").read_text()[-3000:]
+    wait_until(lambda: run.records("step") or run.done, 300, "a first metric through sky.tail_logs")
+    TIMES["first_metric"] = time.time() - t0
+    assert run.wait(300) == "succeeded", run.summary() + run.launcher_log()[-3000:]
+    TIMES["job_done"] = time.time() - t0
+    frame = run.metrics()
+    assert set(frame["rank"]) == {0, 1} and len(frame) == 50
+    for rank in (0, 1):
+        losses = frame[frame["rank"] == rank].sort_values("step")["loss"].tolist()
+        assert losses[-1] < 0.5 * losses[0], losses
+    assert "on 2 ranks with FSDPSequential" in run.logs(0)  # the rank's own lines, from the stream
+    assert run.exit_codes == {0: 0, 1: 0}
+    assert "(head, rank=" not in run.launcher_log()
+    meta = json.loads((run.dir / "run.json").read_text())
+    assert meta["launcher"]["kind"] == "skypilot" and meta["launcher"]["cluster"] == CLUSTER
+    from jupyter_dist.ui.dashboard import Dashboard
+
+    assert Dashboard(run, widget=False).model.status()["step"] == 24
+    again = ip.run_line_magic("dist_attach", f"{CLUSTER}/{run.job_id}")  # CLUSTER/JOB finds its run directory
+    assert again.dir == run.dir and again.status == "succeeded"
+
+
+@pytest.mark.slow
+def test_reattach_and_stop_a_real_skypilot_job(ip: InteractiveShell, runs: Path, sky_cluster: Any) -> None:
+    code = TRAIN.replace("STEPS", "100000").replace("PAUSE", "0.05")
+    run = ip.run_cell_magic("dist_train", line("--strategy ddp"), code)
+    wait_until(lambda: run.records("step") or run.done, 300, "a first metric of the second job")
+    assert run.status == "running", run.summary()
+    attached = open_run(run.dir)  # what %dist_attach RUN_DIR does after a kernel restart
+    assert attached.remote and not attached.done and attached.job_id == run.job_id
+    n = len(attached.records("step"))
+    wait_until(lambda: len(attached.records("step")) > n + 4, 60, "the attached run following the job")
+    t0 = time.time()
+    assert attached.stop() == "stopped", attached.summary()
+    TIMES["stop"] = time.time() - t0
+    assert run.wait(60) == "stopped"
+    import sky
+
+    status = sky.get(sky.job_status(CLUSTER, [int(run.job_id)]))
+    assert str(status[int(run.job_id)]).endswith("CANCELLED"), status
+    wait_until(lambda: not [p for p in user_processes(USER) if "torch" in " ".join(p.cmdline())], 30,
+               "the job's ranks ending")  # fmt: skip
