@@ -234,11 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="DIR", help="write every file into DIR")
     c.add_argument("--show", metavar="FILE", help="print one file (e.g. ds_config.json) to stdout")
     c.add_argument("--json", action="store_true", help="print one JSON object: files, commands (argv + env), notes")
-    d = sub.add_parser("demo", help="train a small model on 2 CPU processes (torchrun, gloo) and show progress")
+    d = sub.add_parser("demo", help="execute the quickstart notebook: plan, train on 2 CPU processes, watch, report",
+                       description="Write the quickstart notebook into RUNS_DIR/demo-<time>/, execute it on a "
+                                   "real kernel (wizard plan, %%%%dist_train on fresh torchrun processes, gloo on "
+                                   "CPU), print the ranks' progress, and leave the executed notebook, an offline HTML "
+                                   "report and the run's panels (dashboard.html).")  # fmt: skip
     d.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
-    d.add_argument("--strategy", default="ddp", help="ddp (default), fsdp2, none, zero2 ...")
-    d.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    d.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
+    d.add_argument("--strategy", default="auto", help="auto (the plan's choice; default), ddp, fsdp2, zero2 ...")
+    d.add_argument("--steps", type=int, help="optimizer steps (default 200; 300 with --terminal)")
+    d.add_argument("--runs-dir", default="runs", help="where the demo folder goes (default ./runs)")
+    d.add_argument("--terminal", action="store_true", help="no notebook: train and print progress only")
     k = sub.add_parser("check", help="preflight: versions, correctness and collective bandwidth on fresh ranks",
                        description="Run all-reduce, all-gather, reduce-scatter and broadcast over a range of message "
                                    "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
@@ -336,11 +341,18 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import run_demo, run_quickstart
+    from .launch.session import STRATEGY_CHOICES
 
-    if args.nproc < 1 or args.steps < 1:
-        raise JupyterDistError(f"--nproc and --steps must be >= 1, got {args.nproc} and {args.steps}")
-    run = run_demo(nproc=args.nproc, strategy=args.strategy, steps=args.steps, runs_dir=args.runs_dir)
+    steps = args.steps if args.steps is not None else (300 if args.terminal else 200)
+    if args.nproc < 1 or steps < 1:
+        raise JupyterDistError(f"--nproc and --steps must be >= 1, got {args.nproc} and {steps}")
+    if args.strategy not in STRATEGY_CHOICES:
+        raise JupyterDistError(f"--strategy {args.strategy!r} is not one of {', '.join(STRATEGY_CHOICES)}")
+    if args.terminal:
+        run = run_demo(nproc=args.nproc, strategy=args.strategy, steps=steps, runs_dir=args.runs_dir)
+    else:
+        run, _ = run_quickstart(nproc=args.nproc, strategy=args.strategy, steps=steps, runs_dir=args.runs_dir)
     return 0 if run.status == "succeeded" else 1
 
 

@@ -355,6 +355,12 @@ def estimate_memory(
 ) -> MemoryBreakdown:
     """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank)."""
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
+    if (strategy.family == "deepspeed" and training.precision is Precision.FP32 and not strategy.shard_params
+            and strategy.shard_optimizer):
+        # ZeRO-1/2 clone their optimizer partition into fp32 master weights even when the model is already fp32
+        # (deepspeed/runtime/zero/stage_1_and_2.py: ``single_partition_of_fp32_groups``); ZeRO-3 reuses an fp32
+        # partition in place (stage3.py, ``fp32_partitioned_groups_flat``). Measured in notebooks/strategies_memory.
+        ob += 4
     dense, expert, block = _stage_params(model, dims)
 
     shard = dims.shard_size

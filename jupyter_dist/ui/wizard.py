@@ -657,7 +657,15 @@ class Wizard:
             data = data[0]
         data = dict(data or {})
         data["text/plain"] = repr(self)
+        data["text/html"] = self.static_html()  # what a saved notebook shows without the widget (GitHub, nbconvert)
         return data
+
+    def static_html(self) -> str:
+        """The current answer as HTML with the SVG chart: no widgets, no JavaScript."""
+        if self.plan is None:
+            return "<div class='jd-wizard-static'><i>no valid plan</i></div>"
+        return (f"<div class='jd-wizard-static' style='max-width:100%'>{summary_html(self.plan)}"
+                f"{self.chart.value}</div>")  # fmt: skip
 
     def __repr__(self) -> str:
         best = self.plan.recommended if self.plan is not None else None

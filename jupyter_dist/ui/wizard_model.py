@@ -30,7 +30,7 @@ from ..plan import (
     plan,
     preset_names,
 )
-from ..plan.units import GiB
+from ..plan.units import GiB, fmt_count
 from .figures import Figure
 
 __all__ = [
@@ -347,7 +347,7 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
     """The headline (recommendation, fit, speed, effective batch), the reasons and the warnings."""
     e = html.escape
     hw = p.hardware
-    head = (f"<div style='color:#555'>{e(p.model.name)}: {p.model.params / 1e9:,.2f}B parameters on {hw.nodes} "
+    head = (f"<div style='color:#555'>{e(p.model.name)}: {fmt_count(p.model.params)} parameters on {hw.nodes} "
             f"\u00d7 {hw.gpus_per_node} {e(hw.accelerator.label)} ({p.world_size} GPUs)</div>")  # fmt: skip
     best = p.candidate(candidate) if candidate else p.best
     if best is None:

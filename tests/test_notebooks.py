@@ -1,0 +1,102 @@
+"""The example notebooks in notebooks/: saved without outputs, the quickstart equal to what `jupyter-dist demo`
+generates, and every notebook executed on a real kernel with nbclient (each by exactly one test: the ones here, the
+quickstart by test_demo.py, the pool and cluster notebooks by the tests of their back-ends)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+TESTS = Path(__file__).resolve().parent
+EXECUTED_HERE = ("plan_large_models.ipynb", "communication_health.ipynb", "strategies_memory.ipynb")
+EXECUTED_ELSEWHERE = {"quickstart.ipynb": "test_demo.py", "pool_quickstart.ipynb": "test_pool.py",
+                      "cluster_slurm.ipynb": "test_slurm.py", "cluster_skypilot.ipynb": "test_skypilot.py"}  # fmt: skip
+
+
+def all_notebooks() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_every_notebook_is_executed_by_a_test() -> None:
+    for nb in all_notebooks():
+        if nb.name in EXECUTED_HERE:
+            continue
+        owner = EXECUTED_ELSEWHERE.get(nb.name)
+        assert owner, f"{nb.name} is executed by no test: add it to EXECUTED_HERE or EXECUTED_ELSEWHERE"
+        assert (TESTS / owner).exists() and nb.name in (TESTS / owner).read_text(), f"{owner} does not run {nb.name}"
+
+
+@pytest.mark.parametrize("path", all_notebooks(), ids=lambda p: p.name)
+def test_notebooks_are_saved_without_outputs(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, f"{path.name}: clear outputs before saving"
+    assert "widgets" not in nb.metadata, f"{path.name}: saved widget state"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+
+
+def test_the_quickstart_is_what_the_demo_runs() -> None:
+    from jupyter_dist.demo import quickstart_notebook
+
+    saved = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    fresh = quickstart_notebook()
+    assert [(c.cell_type, c.source) for c in saved.cells] == [(c.cell_type, c.source) for c in fresh.cells], (
+        "notebooks/quickstart.ipynb differs from jupyter_dist.demo.quickstart_notebook(); regenerate it with "
+        "python -c \"import nbformat; from jupyter_dist.demo import quickstart_notebook; "
+        "nbformat.write(quickstart_notebook(), 'notebooks/quickstart.ipynb')\""
+    )
+
+
+def execute(path: Path, workdir: Path, timeout: int = 600) -> object:
+    """Run every cell on a fresh python3 kernel (this interpreter) with ``workdir`` as the working directory."""
+    nb = nbformat.read(path, as_version=4)
+    env_python = os.path.dirname(sys.executable)
+    os.environ["PATH"] = env_python + os.pathsep + os.environ.get("PATH", "")
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, store_widget_state=True,
+                                     resources={"metadata": {"path": str(workdir)}})  # fmt: skip
+    client.execute()
+    return nb
+
+
+def outputs_text(nb: object) -> str:
+    parts = []
+    for cell in nb.cells:  # type: ignore[attr-defined]
+        for out in cell.get("outputs", []):
+            assert out.get("output_type") != "error", "".join(out.get("traceback", []))
+            parts.append(out.get("text", "") or str(out.get("data", {}).get("text/plain", "")))
+    return "\n".join(parts)
+
+
+@pytest.mark.slow
+def test_plan_large_models_notebook(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "plan_large_models.ipynb", tmp_path)
+    text = outputs_text(nb)
+    assert "DeepSpeed ZeRO-3 + optimizer offload" in text
+    assert (tmp_path / "configs-llama-3-70b" / "job.sbatch").exists()
+    assert "#SBATCH --nodes=2" in text
+
+
+@pytest.mark.slow
+def test_communication_health_notebook_finds_the_straggler(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "communication_health.ipynb", tmp_path)
+    text = outputs_text(nb)
+    assert "straggler: rank 1" in text, text[-2000:]
+    assert "HEALTHY" in text.upper()
+
+
+@pytest.mark.slow
+def test_strategies_memory_notebook_measures_what_the_plan_predicts(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "strategies_memory.ipynb", tmp_path, timeout=900)
+    text = outputs_text(nb)
+    assert "within 2% of the plan" in text
+    for s in ("ddp", "fsdp2", "zero1", "zero2"):
+        assert f"{s}: succeeded" in text
