@@ -229,3 +229,29 @@ def test_a_failing_cell_fails_the_job_with_a_diagnosis(ip: InteractiveShell, run
     assert run.wait(120) == "failed", run.summary()
     assert run.exit_codes[1] == 1
     assert "ValueError: bad batch" in run.summary()
+
+
+def execute_notebook(path: Path, workdir: Path, timeout: int = 600) -> Any:
+    """Run every cell of ``path`` on a fresh python3 kernel (this environment) in ``workdir``; errors fail."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, store_widget_state=True,
+                                     resources={"metadata": {"path": str(workdir)}})  # fmt: skip
+    client.execute()
+    text = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            assert out.get("output_type") != "error", "".join(out.get("traceback", []))
+            text.append(out.get("text", "") or str(out.get("data", {}).get("text/plain", "")))
+    return "\n".join(text)
+
+
+@pytest.mark.slow
+def test_cluster_slurm_notebook_runs_against_the_local_cluster(tmp_path: Path, slurm_cluster: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    nb = Path(__file__).resolve().parents[1] / "notebooks" / "cluster_slurm.ipynb"
+    out = execute_notebook(nb, tmp_path, timeout=300)
+    assert "succeeded | job" in out and "exit codes {0: 0, 1: 0}" in out, out[-3000:]
+    assert "final loss" in out and "succeeded True 60" in out, out[-3000:]

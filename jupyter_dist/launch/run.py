@@ -122,12 +122,15 @@ class Run:
     @property
     def remote(self) -> bool:
         """Whether the run is a cluster job (SLURM, SkyPilot) followed through its log stream."""
-        return isinstance(self._launcher, RemoteLauncher)
+        kind = (self._meta.get("launcher") or {}).get("kind")
+        return isinstance(self._launcher, RemoteLauncher) or kind not in (None, "local")
 
     @property
     def job_id(self) -> str | None:
         """The scheduler's job id of a cluster run (``None`` for local runs)."""
-        return getattr(self._launcher, "job_id", None) if self.remote else None
+        if isinstance(self._launcher, RemoteLauncher):
+            return self._launcher.job_id
+        return (self._meta.get("launcher") or {}).get("job_id") if self.remote else None
 
     @property
     def status(self) -> RunStatus:
