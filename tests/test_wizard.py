@@ -331,8 +331,17 @@ def test_dist_wizard_magic(ip: Any) -> None:
 def test_launch_validates_its_inputs() -> None:
     w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2)
     w.nproc.value = 0
-    assert w.launch() is None and "processes must be &gt;= 1" in w.launch_msg.value
+    assert w.launch() is None and "processes per node must be &gt;= 1" in w.launch_msg.value
     w.nproc.value = 2
+    w.launch_nodes.value = 0
+    assert w.launch() is None and "nodes must be &gt;= 1" in w.launch_msg.value
+    w.launch_nodes.value = 1
+    w.cluster_flags.value = "--partition gpu"
+    assert w.launch() is None and "cluster flags need Run on: SLURM or SkyPilot" in w.launch_msg.value
+    w.backend.value = "slurm"
+    w.cluster_flags.value = "--partition 'unclosed"
+    assert w.launch() is None and "cluster flags: No closing quotation" in w.launch_msg.value
+    w.backend.value, w.cluster_flags.value = "local", ""
     w.run_name.value = "not a name"
     assert w.launch() is None and "valid Python variable name" in w.launch_msg.value
     w.controls["nodes"].value = 0
@@ -386,3 +395,21 @@ def test_launch_runs_the_plan_and_the_printed_line_reproduces_it(ip: Any, runs: 
     assert rerun.wait(180) == "succeeded"
     assert rerun._meta["strategy"] == run._meta["strategy"] and rerun._meta["plan"] == run._meta["plan"]
     assert descendants_gone(rerun)
+
+
+@pytest.mark.slow
+def test_launch_on_the_slurm_cluster(ip: Any, runs: Path, slurm_cluster: Any) -> None:
+    """Run on: SLURM submits through %%dist_train --backend slurm (2 nodes x 1 process on the local cluster)."""
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=1, nodes=2, code=CELL, runs_dir=runs, shell=ip)
+    w.backend.value = "slurm"
+    w.launch_nodes.value, w.nproc.value = 2, 1
+    w.cluster_flags.value = "--partition debug --time 00:05:00"
+    w.run_name.value = "wizslurm"
+    run = w.launch(timeout=240)
+    assert run is not None, w.launch_msg.value
+    assert w.train_line == ("%%dist_train --plan wizard_plan --nproc 1 --name wizslurm --nodes 2 --backend slurm "
+                            "--partition debug --time 00:05:00")  # fmt: skip
+    assert "on SLURM" in w.launch_msg.value
+    assert run.wait(240) == "succeeded", run.logs()
+    assert max(r["step"] for r in run.records("step")) == 14
+    assert {r["rank"] for r in run.records("step")} == {0, 1}

@@ -289,8 +289,15 @@ class Wizard:
         # launch
         from ..launch.examples import DEMO_CELL
 
-        self.nproc = _row(ipw.IntText(value=2, description="Processes"))
+        self.backend = _row(ipw.Dropdown(options=[("this machine (torchrun)", "local"), ("SLURM", "slurm"),
+                                                  ("SkyPilot", "skypilot")], value="local", description="Run on"))
+        self.nproc = _row(ipw.IntText(value=2, description="Procs per node"))
+        self.launch_nodes = _row(ipw.IntText(value=1, description="Nodes"))
         self.run_name = _row(ipw.Text(value="wizard", description="Run name"))
+        self.cluster_flags = _row(ipw.Text(value="", description="Cluster flags",
+                                           placeholder="SLURM: --partition gpu --time 02:00:00 | SkyPilot: --gpus "
+                                                       "H100:8 --infra aws --down"))  # fmt: skip
+        self.launch_out = ipw.Output(layout=ipw.Layout(width="100%"))
         self.code = ipw.Textarea(value=code if code is not None else DEMO_CELL.format(steps=100).strip() + "\n",
                                  description="Training cell", rows=10, layout=ipw.Layout(width="100%"))  # fmt: skip
         self.code.style.description_width = "108px"
@@ -301,10 +308,13 @@ class Wizard:
         self.launch_line = ipw.HTML()
         self.launch_area = ipw.Box(layout=ipw.Layout(width="100%"))
         launch_tab = ipw.VBox([
-            ipw.HTML("<small>Runs the selected candidate's strategy on this machine's processes (CPU/gloo without "
-                     "GPUs) with <code>%%dist_train</code> semantics, and shows its live panels.</small>"),
-            ipw.HBox([self.nproc, self.run_name], layout=ipw.Layout(flex_flow="row wrap", width="100%")),
-            self.code, self.launch_button, self.launch_msg, self.launch_line, self.launch_area,
+            ipw.HTML("<small>Runs the selected candidate's strategy with <code>%%dist_train --plan</code>: on this "
+                     "machine's processes (CPU/gloo without GPUs), or on a SLURM or SkyPilot cluster, and shows its "
+                     "live panels here.</small>"),
+            ipw.HBox([self.backend, self.nproc, self.launch_nodes, self.run_name],
+                     layout=ipw.Layout(flex_flow="row wrap", width="100%")),
+            self.cluster_flags, self.code, self.launch_button, self.launch_msg, self.launch_line, self.launch_out,
+            self.launch_area,
         ])  # fmt: skip
 
         self.tabs = ipw.Tab(children=[plan_tab, whatif_tab, configs_tab, launch_tab], titles=list(_TABS))
@@ -571,19 +581,15 @@ class Wizard:
                                 f"</code>: {html.escape(', '.join(p.name for p in paths))}</small>")  # fmt: skip
         return paths
 
-    def _user_ns(self) -> dict[str, Any] | None:
-        shell = self._shell
-        if shell is None:
-            try:
-                from IPython import get_ipython
-
-                shell = get_ipython()
-            except ImportError:
-                shell = None
-        return getattr(shell, "user_ns", None)
-
     def launch(self, *, timeout: float | None = None) -> Any:
-        """Run the selected candidate's strategy locally with ``%%dist_train --plan`` semantics; returns the Run."""
+        """Run the selected candidate with ``%%dist_train --plan`` semantics; returns the Run (``None`` on an error).
+
+        In IPython/Jupyter the run goes through the ``%%dist_train`` magic itself with exactly the line the panel
+        prints (plus ``--no-dashboard``: the panels appear under the Launch button), so the printed line reproduces
+        it; on a cluster back-end (``Run on``: SLURM, SkyPilot) too. Without IPython, local runs start directly.
+        """
+        import shlex
+
         from ..launch.session import STRATEGY_CHOICES, start_run
 
         p = self.plan
@@ -595,28 +601,58 @@ class Wizard:
             self.launch_msg.value = self._msg("nothing fits on this hardware, so there is no strategy to run")
             return None
         cand = p.candidate(name)
-        nproc = self.nproc.value
-        if not isinstance(nproc, int) or nproc < 1:
-            self.launch_msg.value = self._msg(f"processes must be >= 1, got {nproc!r}")
-            return None
+        nproc, nodes = self.nproc.value, self.launch_nodes.value
+        for what, value in (("processes per node", nproc), ("nodes", nodes)):
+            if not isinstance(value, int) or value < 1:
+                self.launch_msg.value = self._msg(f"{what} must be >= 1, got {value!r}")
+                return None
         run_name = self.run_name.value.strip()
         if not run_name.isidentifier():
             self.launch_msg.value = self._msg(f"run name {run_name!r} must be a valid Python variable name")
             return None
         strategy = "auto" if name == p.recommended else cand.strategy
-        if strategy not in STRATEGY_CHOICES and strategy != "auto":
+        if strategy not in STRATEGY_CHOICES:
             self.launch_msg.value = self._msg(
-                f"{cand.strategy} cannot be chosen by name for a local launch; pick the recommended candidate or "
+                f"{cand.strategy} cannot be chosen by name for a run; pick the recommended candidate or "
                 f"one of: {', '.join(s for s in STRATEGY_CHOICES if s not in ('auto', 'none'))}")
             return None
-        ns = self._user_ns()
+        backend = self.backend.value
+        try:
+            flags = shlex.split(self.cluster_flags.value)
+        except ValueError as exc:
+            self.launch_msg.value = self._msg(f"cluster flags: {exc}")
+            return None
+        if flags and backend == "local":
+            self.launch_msg.value = self._msg("cluster flags need Run on: SLURM or SkyPilot")
+            return None
+        extra = [] if strategy == "auto" else ["--strategy", strategy]
+        if nodes > 1:
+            extra += ["--nodes", str(nodes)]
+        if backend != "local":
+            extra += ["--backend", backend]
+        line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=shlex.join(extra + flags))
+        shell = self._shell_with_magics()
+        ns = getattr(shell, "user_ns", None)
         if ns is not None:
             ns[self.plan_var] = p
-        extra = "" if strategy == "auto" else f"--strategy {strategy}"
-        line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=extra)
+        if timeout is not None:
+            line += f" --timeout {timeout:g}"
         try:
-            run = start_run(self.code.value, nproc=nproc, strategy=strategy, plan=p, name=run_name,
-                            runs_dir=self.runs_dir, timeout=timeout)  # fmt: skip
+            if shell is not None:
+                from IPython.core.error import UsageError
+
+                with self.launch_out:
+                    try:
+                        run = shell.run_cell_magic("dist_train", line.removeprefix("%%dist_train ") + " --no-dashboard",
+                                                   self.code.value)  # fmt: skip
+                    except UsageError as exc:
+                        raise JupyterDistError(str(exc)) from None
+            elif backend == "local":
+                run = start_run(self.code.value, nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
+                                runs_dir=self.runs_dir, timeout=timeout)  # fmt: skip
+            else:
+                raise JupyterDistError(f"a {backend} run launches through the %%dist_train magic: use the wizard in "
+                                       "IPython or Jupyter")  # fmt: skip
         except JupyterDistError as exc:
             self.launch_msg.value = self._msg(str(exc))
             return None
@@ -625,20 +661,22 @@ class Wizard:
             ns[run_name] = run
         notes = []
         if cand.dims.world_size != cand.dims.dp:
-            notes.append(f"the local run applies {cand.strategy} data parallelism only; the {cand.dims.label()} "
-                         "degrees need the generated train.py on a cluster")  # fmt: skip
-        if p.world_size != nproc:
-            notes.append(f"the plan is for {p.world_size} GPUs; this run uses {nproc} local processes")
-        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> ({cand.strategy}, {nproc} processes) "
-                                 f"in <code>{html.escape(str(run.dir))}</code>"
+            notes.append(f"{cand.strategy} data parallelism is applied by jd.wrap; the {cand.dims.label()} degrees "
+                         "need the generated train.py (Configs)")  # fmt: skip
+        if p.world_size != nproc * nodes:
+            notes.append(f"the plan is for {p.world_size} GPUs; this run uses {nproc * nodes} processes")
+        where = {"local": "on this machine", "slurm": "on SLURM", "skypilot": "on SkyPilot"}[backend]
+        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> {where} ({cand.strategy}, "
+                                 f"{nodes} x {nproc} processes) in <code>{html.escape(str(run.dir))}</code>"
                                  + "".join(f"<br><small>{html.escape(n)}</small>" for n in notes) + "</div>")
-        data = base64.b64encode(line.encode()).decode()
+        shown = line.removesuffix(f" --timeout {timeout:g}") if timeout is not None else line
+        data = base64.b64encode(shown.encode()).decode()
         self.launch_line.value = (
             f"<div>The same run in a cell (the plan is bound to <code>{html.escape(self.plan_var)}</code>): "
-            f"<code class='jd-wiz-line'>{html.escape(line)}</code> "
+            f"<code class='jd-wiz-line'>{html.escape(shown)}</code> "
             f"<button onclick=\"navigator.clipboard.writeText(atob('{data}'))\">Copy</button></div>"
         )
-        self.train_line = line
+        self.train_line = shown
         try:
             dash = run.dashboard(interval=0.5)
         except JupyterDistError as exc:  # no anywidget/plotly: the run goes on, its card says where it is
@@ -649,6 +687,22 @@ class Wizard:
             if dash.widget is not None:
                 self.launch_area.children = (dash.widget,)
         return run
+
+    def _shell_with_magics(self) -> Any:
+        """The IPython shell with ``%%dist_train`` registered (loading the extension if needed), or ``None``."""
+        shell = self._shell
+        if shell is None:
+            try:
+                from IPython import get_ipython
+
+                shell = get_ipython()
+            except ImportError:
+                return None
+        if shell is None or not hasattr(shell, "run_cell_magic"):
+            return None
+        if "dist_train" not in shell.magics_manager.magics.get("cell", {}):
+            shell.run_line_magic("load_ext", "jupyter_dist")
+        return shell
 
     # ---- display ---------------------------------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
