@@ -136,3 +136,16 @@ def test_reattach_and_stop_a_real_skypilot_job(ip: InteractiveShell, runs: Path,
     assert str(status[int(run.job_id)]).endswith("CANCELLED"), status
     wait_until(lambda: not [p for p in user_processes(USER) if "torch" in " ".join(p.cmdline())], 30,
                "the job's ranks ending")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cluster_skypilot_notebook_runs_on_the_local_cluster(tmp_path: Path, sky_cluster: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from test_slurm import execute_notebook
+
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + ":" + str(Path("/usr/bin")) + ":/bin")
+    monkeypatch.setenv("JD_SKY_CLUSTER", CLUSTER)  # the module's cluster (already up): no second provisioning
+    monkeypatch.setenv("JD_SKY_KEEP", "1")  # the module fixture takes it down
+    nb = Path(__file__).resolve().parents[1] / "notebooks" / "cluster_skypilot.ipynb"
+    out = execute_notebook(nb, tmp_path, timeout=600)
+    assert "succeeded | SkyPilot job" in out and "succeeded True" in out, out[-3000:]
