@@ -92,6 +92,7 @@ def test_dry_run_shows_the_sbatch_script_and_submits_nothing(ip: InteractiveShel
         ("--backend slurm --hang-timeout 5", "--hang-timeout watches local ranks only"),
         ("--backend slurm --env HF_TOKEN=x", "looks like a secret: pass it with --secret HF_TOKEN"),
         ("--backend slurm --secret 9X", "--secret '9X' is not an environment variable name"),
+        ("--backend slurm --secret JD_NOT_SET_ANYWHERE", "--secret JD_NOT_SET_ANYWHERE: not set in this kernel's"),
         ("--partition debug", "--partition need --backend slurm or skypilot"),
         ("--backend pbs", "argument --backend: invalid choice: 'pbs'"),
     ],

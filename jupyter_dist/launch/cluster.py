@@ -8,6 +8,7 @@ and the :class:`~.run.Run` follows the job by id and its output as a stream.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -188,6 +189,12 @@ def start_cluster_run(
         if key in SECRET_NAMES or key in cluster.secrets:
             raise JupyterDistError(f"--env {key}=... looks like a secret: pass it with --secret {key} (by name only)")
         del value
+    missing = [s for s in cluster.secrets if not os.environ.get(s)]
+    if missing and not dry_run:
+        raise JupyterDistError(
+            f"--secret {', '.join(missing)}: not set in this kernel's environment (set it first, e.g. "
+            f"os.environ[{missing[0]!r}] = ..., or drop --secret)"
+        )
     the_plan = _plan_for(plan, strat, nproc, nodes, gpus)
     job = _job_name(name)
     precision = the_plan.training.precision.value if plan is not None else ("bf16-mixed" if gpus else "fp32")

@@ -207,11 +207,15 @@ class Run:
 
     # ---- control --------------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> RunStatus:
-        """Block until the run ends (or ``timeout`` s); an interrupt (Ctrl-C, kernel interrupt) stops the run."""
+        """Block until the run ends (or ``timeout`` s); an interrupt (Ctrl-C, kernel interrupt) stops a local run.
+
+        A cluster job keeps running when the wait is interrupted (as with ``sky logs``): ``stop()`` cancels it.
+        """
         try:
             self._done.wait(timeout)
         except KeyboardInterrupt:
-            self.stop()
+            if not isinstance(self._launcher, RemoteLauncher):
+                self.stop()
             raise
         return self.status
 
