@@ -272,24 +272,6 @@ def require_sky_slurm() -> None:
     pytest.skip(reason)
 
 
-def _fixture() -> Any:
-    import pytest
-
-    @pytest.fixture(scope="session")
-    def sky_slurm(slurm_cluster: SlurmCluster) -> Any:
-        """The local SLURM cluster as SkyPilot infrastructure (``--infra slurm``) for the test session."""
-        require_sky_slurm()
-        s = SkySlurm(slurm_cluster)
-        s.start()
-        try:
-            yield s
-        finally:
-            s.stop()
-
-    return sky_slurm
-
-
-sky_slurm = _fixture()
 
 
 if __name__ == "__main__":  # manual check: python tests/sky_slurm.py

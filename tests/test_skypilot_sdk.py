@@ -87,6 +87,7 @@ class SkyRecorder:
     # ---- the client functions --------------------------------------------------------------------------------------
     def launch(self, task: Any, cluster_name: str | None = None, **kw: Any) -> RequestId:  # type: ignore[type-arg]
         self.calls.append(("launch", (task,), {"cluster_name": cluster_name, **kw}))
+        self.launch_thread = threading.current_thread()  # the first SDK call may start an API server (~13 s)
         self.tasks.append(task)
         return self._rid((self.job_id, None))
 
@@ -208,6 +209,7 @@ def test_launch_streams_metrics_back_sdk_boundary(ip: InteractiveShell, runs: Pa
     assert run.wait(30) == "succeeded", run.summary()
     ((task,), kw) = rec.named("launch")[0]
     assert kw == {"cluster_name": "jd-t", "idle_minutes_to_autostop": 5, "down": True}
+    assert rec.launch_thread is not threading.main_thread()  # never on the kernel's thread
     assert isinstance(task, sky.Task) and task.num_nodes == 2
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET_VALUE  # the value reaches SkyPilot, no file
     assert Path(task.workdir) == run.dir / "workdir" and (run.dir / "workdir" / "script.py").exists()

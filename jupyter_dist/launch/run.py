@@ -295,6 +295,7 @@ class Run:
         follower = None
         state = "unknown"
         unknown_since: float | None = None
+        saved_job = (self._meta.get("launcher") or {}).get("job_id")
         try:
             follower = lau.follow(self.router)
             while True:
@@ -303,11 +304,13 @@ class Run:
                 except JupyterDistError as exc:  # the scheduler did not answer this time: try again
                     self._meta["poll_error"] = str(exc)
                     state = "unknown"
-                if state in ("pending", "running") and self._meta.get("status") != state and self._stop_reason is None:
-                    with self._lock:
+                changed = self._meta.get("status") != state or saved_job != lau.job_id
+                if state in ("pending", "running") and changed and self._stop_reason is None:
+                    with self._lock:  # the job id goes into run.json as soon as it is known (reattach needs it)
                         self._meta["status"] = state
                         self._meta["launcher"] = lau.to_dict()
                         self._rd.write_meta(self._meta)
+                    saved_job = lau.job_id
                 if state in REMOTE_FINAL:
                     break
                 if state == "unknown":  # forgotten by the controller, no accounting: judge from the exit files

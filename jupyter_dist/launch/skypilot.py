@@ -124,6 +124,7 @@ class SkyPilotLauncher(RemoteLauncher):
     poll_interval: float = 3.0
     """Seconds between state polls (each one is an API request)."""
     _launched: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel_requested: threading.Event = field(default_factory=threading.Event, repr=False)
     _last_status: str = field(default="", repr=False)
 
     # ---- pure -------------------------------------------------------------------------------------------------
@@ -182,29 +183,30 @@ class SkyPilotLauncher(RemoteLauncher):
         except Exception as exc:  # SkyPilot's own validation: say what it said
             raise SkyPilotError(f"SkyPilot rejected the task: {_one_line(exc)}") from None
 
-    def start(self) -> str | None:
-        """Submit the launch request and return at once; a thread waits for the job id."""
+    def start(self) -> None:
+        """Validate the task here, then submit it and wait for the job id on a thread; returns at once.
+
+        Even the submission runs on the thread: the first SDK call of a session starts a local API server (~13 s).
+        A refusal or a failed launch is reported through :meth:`poll` (the run fails with the reason).
+        """
         if self.state != "before":
             raise SkyPilotError(f"launcher already {self.state}")
+        task = self.sky_task()  # SkyPilot's own validation, with a one-line error, before anything is submitted
+        self.state = "running"
+        threading.Thread(target=self._launch, args=(task,), name=f"jd-sky-launch-{self.cluster}",
+                         daemon=True).start()  # fmt: skip
+
+    def _launch(self, task: Any) -> None:
         sky = import_sky()
-        task = self.sky_task()
         try:
             if self.managed:
                 rid = sky.jobs.launch(task, name=self.cluster)
             else:
                 rid = sky.launch(task, cluster_name=self.cluster, idle_minutes_to_autostop=self.idle_minutes,
                                  down=self.down_after)  # fmt: skip
-        except Exception as exc:
-            raise SkyPilotError(f"SkyPilot refused the launch: {_one_line(exc)}") from None
-        self.request_id = str(rid)
-        self.state = "running"
-        threading.Thread(target=self._await_launch, args=(rid,), name=f"jd-sky-launch-{self.cluster}",
-                         daemon=True).start()  # fmt: skip
-        return self.request_id
-
-    def _await_launch(self, rid: Any) -> None:
-        sky = import_sky()
-        try:
+            self.request_id = str(rid)
+            if self._cancel_requested.is_set():  # stop() came before the request id
+                sky.get(sky.api_cancel(rid))
             with open(self.run_dir.logs / "launch.log", "a", encoding="utf-8") as log:
                 result = sky.stream_and_get(rid, output_stream=log)
             job_id = result[0] if isinstance(result, (tuple, list)) else result
@@ -229,7 +231,7 @@ class SkyPilotLauncher(RemoteLauncher):
             self.state = "after"
             return "stopped" if "cancel" in self.launch_error.lower() else "failed"
         if self.job_id is None:
-            if self.request_id is not None and not self._launched.is_set() and self.state == "running":
+            if not self._launched.is_set() and self.state == "running":
                 return "pending"
             return "unknown"
         sky = import_sky()
@@ -261,10 +263,15 @@ class SkyPilotLauncher(RemoteLauncher):
         sky = import_sky()
         try:
             if self.job_id is None:
-                if self.request_id is not None and not self._launched.is_set():
-                    sky.get(sky.api_cancel(self.request_id))
-                    self.launch_error = self.launch_error or "launch cancelled"
-                return
+                if not self._launched.is_set():
+                    self._cancel_requested.set()
+                    if self.request_id is not None:
+                        sky.get(sky.api_cancel(self.request_id))
+                    self._launched.wait(30)  # the launch thread sees the request end
+                    if self.job_id is None:
+                        self.launch_error = self.launch_error or "launch cancelled"
+                if self.job_id is None:
+                    return
             if self.managed:
                 sky.get(sky.jobs.cancel(job_ids=[int(self.job_id)]))
             else:
