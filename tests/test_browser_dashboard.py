@@ -33,6 +33,21 @@ POINTS = """(el) => {
 }"""
 
 
+TRACE_SHAPES = """(el) => {
+  const out = [];
+  for (const id of ["loss", "throughput", "comm"]) {
+    const div = el.querySelector(`.jd-panel[data-figure="${id}"]`);
+    if (!div || !div.data) continue;
+    div.data.forEach((t, i) => {
+      const x = Array.from(t.x || []);
+      out.push({fig: id, trace: i, nx: x.length, ny: (t.y || []).length,
+                sorted: x.every((v, k) => k === 0 || v >= x[k - 1])});
+    });
+  }
+  return out;
+}"""
+
+
 @pytest.mark.browser
 @pytest.mark.slow
 def test_live_panels_render_update_and_turn_static(jupyterlab: JupyterLabServer, browser_page: Any,
@@ -63,6 +78,14 @@ def test_live_panels_render_update_and_turn_static(jupyterlab: JupyterLabServer,
     assert later > first, f"the loss panel did not grow ({first} points)"
     expect(dash.locator(".jd-status-wrap")).to_contain_text("ranks alive")
     screenshot_cell(page, 1, artifacts / "dashboard-live.png")
+    # later in the run, the whole cell at a desktop size (the README's screenshot)
+    while dash.evaluate(POINTS) < 100 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # what Plotly draws is what the kernel sent: as many x as y in every trace, x increasing (no zig-zags)
+    shapes = dash.evaluate(TRACE_SHAPES)
+    assert shapes and all(s["nx"] == s["ny"] and s["sorted"] for s in shapes), shapes
+    page.set_viewport_size({"width": 1280, "height": 1500})
+    screenshot_cell(page, 1, artifacts / "dashboard-readme.png")
     assert int(dash.get_attribute("data-extends") or 0) > 0
 
     # the run ends: the live widget is replaced by static SVG panels (what a saved notebook keeps)

@@ -217,8 +217,11 @@ def test_widget_state_then_binary_extends_from_a_followed_run_dir(tmp_path: Path
     xs = [list(array("d", b)) for b in buffers[0::2]]
     ys = [list(array("d", b)) for b in buffers[1::2]]
     assert xs[0] == [100.0, 110.0] and ys[0] == pytest.approx([3.0 / 11, 3.0 / 12])
-    # per-rank loss 2 + 2, the mean one per record in time order (4), throughput one per record (4)
-    assert stats.records == 12 and stats.points == 2 + 2 + 4 + 4 and stats.whole_figures == 0
+    # per-rank loss 2 + 2, the mean one per step (2: a step's second record moves the EMA, adds no point),
+    # throughput one per record (4)
+    assert stats.records == 12 and stats.points == 2 + 2 + 2 + 4 and stats.whole_figures == 0
+    mean = xs[2]
+    assert mean == sorted(set(mean)), "the smoothed mean has one point per step, no vertical ticks"
     assert stats.bytes_sent < 2_000  # new points only
     assert "step 110" in w.status_html
     assert {f["id"] for f in w.small_figs} == {"memory", "heartbeat"}

@@ -70,7 +70,8 @@ function toPlotly(fig) {
   if (fig.kind === "line") {
     data = fig.traces.map((t) => ({
       type: "scatter", mode: "lines", name: t.name,
-      x: t.x, y: t.y.map((v) => (v === null ? NaN : v)), opacity: t.opacity,
+      // copies: Plotly keeps these arrays, and flush() pushes new points into the figure dict's own arrays
+      x: t.x.slice(), y: t.y.map((v) => (v === null ? NaN : v)), opacity: t.opacity,
       line: { color: t.color, width: t.width, dash: DASH[t.dash] || "solid" },
     }));
     if (fig.y_log) layout.yaxis.type = "log";

@@ -349,7 +349,9 @@ class DashboardModel:
         self._ema_keep *= keep
         smoothed = self._ema / (1 - self._ema_keep)  # debiased, as TensorBoard does
         mean_series = self._loss_series("mean")
-        if not mean_series.xs or step >= mean_series.xs[-1] or mean_series.ys[-1] is None:
+        # one point per step: the other ranks' records of a step already drawn only move the EMA (appending them
+        # at the same x drew a vertical tick at every step)
+        if not mean_series.xs or step > mean_series.xs[-1] or mean_series.ys[-1] is None:
             mean_series.append(step, smoothed, self.max_points)
         if not per_rank:
             for key, agg in (("min", min), ("max", max)):
