@@ -88,7 +88,7 @@ def test_planning_end_to_end_loads_no_forbidden_module() -> None:
     assert json.loads(out.stdout) == []
 
 
-LAYERS = ("errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magics")
+LAYERS = ("errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magics", "pool_magics")
 """Layer order (ARCHITECTURE.md): a module imports, at module level, only its own layer and the ones before it.
 Function-level imports may reach down (``Run.dashboard()`` builds ui panels lazily) and are not checked here."""
 
