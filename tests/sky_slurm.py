@@ -207,6 +207,18 @@ class SkySlurm:
                         f"{chome}/.local/bin/uv venv -q --seed {runtime}/skypilot-runtime --python /usr/bin/python3"],
                        check=True, timeout=120, capture_output=True)  # fmt: skip
 
+    def torch_extensions(self) -> str:
+        """A ``TORCH_EXTENSIONS_DIR`` the job user can write, with the DeepSpeed ops this machine already built (if
+        any: ``~/.cache/jupyter-dist/torch_extensions``) copied in, so a ZeRO job does not compile them again."""
+        pw = pwd.getpwnam(USER)
+        target = Path(self.home) / ".cache" / "jd-torch-extensions"
+        cache = Path.home() / ".cache" / "jupyter-dist" / "torch_extensions"
+        if cache.is_dir() and not target.exists():
+            shutil.copytree(cache, target)
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(target.parent)], check=True, timeout=60)
+        return str(target)
+
     def stop(self) -> None:
         """Stop sshd, restore ``~/.slurm/config``, remove the folder (the job user stays, with nothing running)."""
         if self.sshd is not None and self.sshd.poll() is None:

@@ -3,9 +3,9 @@
 No cloud and no mock: the SDK talks to a real API server, which provisions through SkyPilot's SLURM infrastructure
 (sshd on 127.0.0.1 as the login node, two slurmd "nodes"; tests/sky_slurm.py), syncs the workdir, runs the task on
 both nodes, and streams the logs back through ``sky.tail_logs``. One cluster serves the whole module: a 2-node FSDP2
-job on CPU/gloo whose metrics arrive through the log stream, a second job that is reattached from its run.json and
-stopped (``sky.cancel``), and ``sky.down`` at the end. Skips where SLURM/sshd/SkyPilot are missing; fails instead
-with ``JD_REQUIRE_SLURM`` (CI).
+job on CPU/gloo whose metrics arrive through the log stream, a DeepSpeed ZeRO-2 job across both nodes that is
+reattached from its run.json and stopped (``sky.cancel``), the cluster notebook, and ``sky.down`` at the end. Skips
+where SLURM/sshd/SkyPilot are missing; fails instead with ``JD_REQUIRE_SLURM`` (CI).
 """
 
 from __future__ import annotations
@@ -117,11 +117,14 @@ def test_two_node_fsdp2_on_a_real_skypilot_cluster(ip: InteractiveShell, runs: P
 
 
 @pytest.mark.slow
-def test_reattach_and_stop_a_real_skypilot_job(ip: InteractiveShell, runs: Path, sky_cluster: Any) -> None:
+def test_deepspeed_zero2_job_reattached_and_stopped(ip: InteractiveShell, runs: Path, sky_cluster: Any) -> None:
     code = TRAIN.replace("STEPS", "100000").replace("PAUSE", "0.05")
-    run = ip.run_cell_magic("dist_train", line("--strategy ddp"), code)
-    wait_until(lambda: run.records("step") or run.done, 300, "a first metric of the second job")
-    assert run.status == "running", run.summary()
+    ds = f"--strategy zero2 --env DS_ACCELERATOR=cpu --env TORCH_EXTENSIONS_DIR={sky_cluster.torch_extensions()}"
+    run = ip.run_cell_magic("dist_train", line(ds), code)
+    wait_until(lambda: {r["rank"] for r in run.records("step")} == {0, 1} or run.done, 400,
+               "steps of the ZeRO-2 engine on both nodes")  # fmt: skip
+    assert run.status == "running", run.summary() + run.launcher_log()[-3000:]
+    assert {(r["strategy"], r["backend"]) for r in run.records("start")} == {("zero2", "gloo")}
     attached = open_run(run.dir)  # what %dist_attach RUN_DIR does after a kernel restart
     assert attached.remote and not attached.done and attached.job_id == run.job_id
     n = len(attached.records("step"))
