@@ -17,6 +17,7 @@ the same live panels (:meth:`Pool.dashboard`) and ``logs/pool.log`` records what
 from __future__ import annotations
 
 import atexit
+import contextlib
 import html
 import logging
 import os
@@ -280,11 +281,13 @@ class Pool:
         Where the run directory goes.
     start_timeout
         Seconds to wait for every rank to connect.
+    interrupt_grace
+        Seconds the ranks get to end an interrupted cell before the pool is declared broken.
     """
 
     def __init__(self, *, nproc: int = 2, strategy: str = "auto", plan: Any = None, name: str = "pool",
                  env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-                 start_timeout: float = 120.0) -> None:  # fmt: skip
+                 start_timeout: float = 120.0, interrupt_grace: float = INTERRUPT_GRACE_S) -> None:  # fmt: skip
         from .session import resolve_strategy
 
         if nproc < 1:
@@ -304,6 +307,7 @@ class Pool:
         self._env = dict(env or {})
         self._runs_dir = runs_dir
         self._start_timeout = start_timeout
+        self.interrupt_grace = interrupt_grace
         self._key = new_key()
         self.state = "before"
         """``before``, ``starting``, ``ready``, ``busy``, ``broken`` or ``stopped``."""
@@ -321,6 +325,7 @@ class Pool:
         self._conns: dict[int, _Conn] = {}
         self._lock = threading.RLock()
         self._busy = threading.Lock()
+        self._flag: _InterruptFlag | None = None
         self._queue: queue.Queue[tuple[int, dict[str, Any], Any]] = queue.Queue()
         self._all_connected = threading.Event()
         self._closing = threading.Event()
@@ -626,7 +631,8 @@ class Pool:
         interrupted_at: float | None = None
         handled = 0
         ended_at: float | None = None
-        with _InterruptFlag() as flag:
+        flag = self._flag if self._flag is not None else _InterruptFlag()
+        with contextlib.nullcontext() if self._flag is not None else flag:
             while pending:
                 try:
                     item: tuple[int, dict[str, Any], Any] | None = self._queue.get(timeout=0.05)
@@ -669,7 +675,7 @@ class Pool:
                     self._note(f"timeout after {timeout:g} s: SIGINT to rank(s) {sorted(pending)}")
                     interrupted_at = now
                     self._signal(pending, signal.SIGINT)
-                if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE_S:
+                if interrupted_at is not None and now - interrupted_at > self.interrupt_grace:
                     result.stuck = sorted(pending)
                     break
                 if self.run is not None and self.run.done:  # torchrun is gone: so are the ranks
@@ -836,9 +842,14 @@ class Pool:
             if not pool._busy.acquire(blocking=False):
                 raise PoolError("the pool is busy with another cell (one request at a time)")
             pool.state = "busy"
+            # from before the request is sent: an interrupt can never fall between sending and waiting
+            pool._flag = _InterruptFlag().__enter__()
 
         def __exit__(self, *exc: Any) -> None:
             pool = self.pool
+            if pool._flag is not None:
+                pool._flag.__exit__()
+                pool._flag = None
             if pool.state == "busy":
                 pool.state = "ready"
             pool._busy.release()

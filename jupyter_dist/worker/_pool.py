@@ -36,12 +36,17 @@ _MAX_REPR = 20_000
 
 
 class _Executing:
-    """Whether the main thread is inside a cell; the SIGINT handler raises only then."""
+    """Whether the main thread is inside a cell (the SIGINT handler raises only then), or sending a frame."""
 
     active = False
+    sending = False
+    pending = False
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
+    if _Executing.active and _Executing.sending:  # never break a frame half-way: raise once it is sent
+        _Executing.pending = True
+        return
     if _Executing.active:
         raise KeyboardInterrupt
     print("jupyter-dist pool: SIGINT outside a cell ignored", file=sys.__stderr__, flush=True)
@@ -92,10 +97,19 @@ class _RankStream:
             except Exception:
                 pass
         if text:
+            main = threading.current_thread() is threading.main_thread()
+            if main:
+                _Executing.sending = True
             try:
                 self._channel.send({"op": "stream", "id": self._request, "name": self.name, "text": text})
             except ChannelClosed:
                 pass
+            finally:
+                if main:
+                    _Executing.sending = False
+            if main and _Executing.pending and _Executing.active:
+                _Executing.pending = False
+                raise KeyboardInterrupt
 
     def isatty(self) -> bool:
         return False
@@ -251,6 +265,7 @@ class _Rank:
                     last = ast.Expression(tree.body.pop().value)
                 body = compile(tree, name, "exec")
                 tail = compile(last, name, "eval") if last is not None else None
+                _Executing.pending = False
                 _Executing.active = True
                 try:
                     exec(body, self.ns)
