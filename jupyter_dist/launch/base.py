@@ -106,6 +106,8 @@ class RemoteLauncher(Launcher):
     remote = True
     poll_interval: float = 1.0
     """Seconds between state polls of the Run's watcher."""
+    unknown_grace: float = 30.0
+    """Seconds the scheduler may answer ``unknown`` before the Run judges the job from the ranks' exit files."""
 
     job_id: str | None
     """The scheduler's id once submitted (SLURM job id, SkyPilot ``cluster/job``)."""

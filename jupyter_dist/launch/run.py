@@ -316,7 +316,7 @@ class Run:
                 if state == "unknown":  # forgotten by the controller, no accounting: judge from the exit files
                     unknown_since = unknown_since or time.time()
                     codes = self.exit_codes
-                    if all(c is not None for c in codes.values()) or time.time() - unknown_since > 30:
+                    if all(c is not None for c in codes.values()) or time.time() - unknown_since > lau.unknown_grace:
                         state = SUCCEEDED if codes and all(c == 0 for c in codes.values()) else FAILED
                         break
                 else:

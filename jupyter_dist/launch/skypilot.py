@@ -123,6 +123,8 @@ class SkyPilotLauncher(RemoteLauncher):
     """Managed jobs: how often SkyPilot recovered the job (RECOVERING seen)."""
     poll_interval: float = 3.0
     """Seconds between state polls (each one is an API request)."""
+    unknown_grace: float = 300.0
+    """An API server that does not answer (restarting: ~13 s) is waited for this long before the run is judged."""
     _launched: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel_requested: threading.Event = field(default_factory=threading.Event, repr=False)
     _last_status: str = field(default="", repr=False)

@@ -564,7 +564,8 @@ class DashboardModel:
     def status_html(self, now: float | None = None, *, title: str = "") -> str:
         """The status line as HTML (escaped)."""
         st = self.status(now)
-        color = {"running": "#1565c0", "succeeded": "#2e7d32"}.get(st["state"], "#c62828")
+        # pending: a cluster job still queued or provisioning (grey, not an error)
+        color = {"running": "#1565c0", "succeeded": "#2e7d32", "pending": "#555"}.get(st["state"], "#c62828")
         parts = [f'<b style="color:{color}">{html.escape(str(st["state"]))}</b>']
         if title:
             parts.insert(0, f"<b>{html.escape(title)}</b>")
