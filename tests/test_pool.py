@@ -451,6 +451,16 @@ def test_a_rank_stuck_in_a_collective_its_peers_never_join_does_not_hang_the_ker
     assert descendants_gone(p.run)
 
 
+@pytest.mark.slow
+def test_ranks_that_fail_before_connecting_are_a_one_line_error(tmp_path: Path) -> None:
+    p = Pool(nproc=2, runs_dir=tmp_path, strategy="none", env={"JD_PRECISION": "fp64"})
+    t0 = time.monotonic()
+    with pytest.raises(PoolBroken, match=r"the ranks ended before they connected: rank \d: .*JD_PRECISION"):
+        p.start()
+    assert time.monotonic() - t0 < 60 and p.state == "stopped"
+    assert p.run is not None and descendants_gone(p.run)
+
+
 # ---- a rank that dies; stopping ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_killed_rank_marks_the_pool_broken_with_rank_and_reason(tmp_path: Path) -> None:

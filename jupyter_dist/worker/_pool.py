@@ -53,7 +53,11 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 class _RankStream:
-    """``sys.stdout``/``sys.stderr`` during a cell: lines go to the kernel (and to the rank's log)."""
+    """``sys.stdout``/``sys.stderr`` during a cell: text goes to the kernel (and to the rank's log).
+
+    Text is buffered and sent by the rank's flusher thread every 50 ms (so a burst of prints is a few frames, not one
+    per line), inline by the writer when more than 64 KiB wait, and at the end of the cell.
+    """
 
     def __init__(self, channel: Channel, request: int, name: str, tee: Any) -> None:
         self._channel = channel
@@ -62,10 +66,15 @@ class _RankStream:
         self._tee = tee
         self._buf: list[str] = []
         self._size = 0
-        self._last = time.monotonic()
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # swap and send together: chunks leave in the order they were written
         self.encoding = "utf-8"
         self.errors = "replace"
+
+    @property
+    def waiting(self) -> bool:
+        """Whether buffered text waits to be sent."""
+        return self._size > 0
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
@@ -78,8 +87,8 @@ class _RankStream:
         with self._lock:
             self._buf.append(text)
             self._size += len(text)
-            due = "\n" in text or self._size > 8192 or time.monotonic() - self._last > 0.2
-        if due:
+            big = self._size > 65536
+        if big:
             self.flush()
         return len(text)
 
@@ -88,28 +97,29 @@ class _RankStream:
             self.write(line)
 
     def flush(self) -> None:
-        with self._lock:
-            text, self._buf, self._size = "".join(self._buf), [], 0
-            self._last = time.monotonic()
-        if self._tee is not None:
-            try:
-                self._tee.flush()
-            except Exception:
-                pass
-        if text:
-            main = threading.current_thread() is threading.main_thread()
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            _Executing.sending = True
+        try:
+            with self._send_lock:
+                with self._lock:
+                    text, self._buf, self._size = "".join(self._buf), [], 0
+                if self._tee is not None:
+                    try:
+                        self._tee.flush()
+                    except Exception:
+                        pass
+                if text:
+                    try:
+                        self._channel.send({"op": "stream", "id": self._request, "name": self.name, "text": text})
+                    except ChannelClosed:
+                        pass
+        finally:
             if main:
-                _Executing.sending = True
-            try:
-                self._channel.send({"op": "stream", "id": self._request, "name": self.name, "text": text})
-            except ChannelClosed:
-                pass
-            finally:
-                if main:
-                    _Executing.sending = False
-            if main and _Executing.pending and _Executing.active:
-                _Executing.pending = False
-                raise KeyboardInterrupt
+                _Executing.sending = False
+        if main and _Executing.pending and _Executing.active:
+            _Executing.pending = False
+            raise KeyboardInterrupt
 
     def isatty(self) -> bool:
         return False
@@ -212,6 +222,16 @@ class _Rank:
         jd = sys.modules.get("jupyter_dist.worker")
         if jd is not None:
             self.ns["jd"] = jd
+        self.streams: list[_RankStream] = []
+        threading.Thread(target=self._flusher, name="jd-pool-flusher", daemon=True).start()
+
+    def _flusher(self) -> None:
+        """Send the cell's buffered output every 50 ms."""
+        while True:
+            time.sleep(0.05)
+            for stream in list(self.streams):
+                if stream.waiting:
+                    stream.flush()
 
     # ---------------------------------------------------------------- ops
     def run(self) -> None:
@@ -254,6 +274,7 @@ class _Rank:
         out = _RankStream(self.channel, request, "stdout", sys.stdout)
         err = _RankStream(self.channel, request, "stderr", sys.stderr)
         saved = sys.stdout, sys.stderr
+        self.streams = [out, err]
         reply: dict[str, Any] = {"ok": True}
         t0 = time.monotonic()
         sys.stdout, sys.stderr = out, err
@@ -284,6 +305,7 @@ class _Rank:
         finally:
             _Executing.active = False
             sys.stdout, sys.stderr = saved
+            self.streams = []
             out.flush()
             err.flush()
         reply["elapsed"] = time.monotonic() - t0
