@@ -152,7 +152,7 @@ class _LiveOutput:
         if not bundle["text/plain"]:
             return
         if self.handle is None:
-            self.handle = display(bundle, raw=True, display_id=True)
+            self.handle = display(bundle, raw=True, display_id=True)  # type: ignore[no-untyped-call]
         else:
             self.handle.update(bundle, raw=True)
         self.dirty = False

@@ -464,8 +464,14 @@ def test_ranks_that_fail_before_connecting_are_a_one_line_error(tmp_path: Path) 
 # ---- a rank that dies; stopping ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_killed_rank_marks_the_pool_broken_with_rank_and_reason(tmp_path: Path) -> None:
-    p = Pool(nproc=2, runs_dir=tmp_path, strategy="none").start()
+    p = Pool(nproc=2, runs_dir=tmp_path, strategy="fsdp2").start()
     try:
+        # the pool's strategy is what jd.wrap applies in cells (FSDP2 here: DTensor parameters), and it trains
+        wrapped = p.execute("import torch\nm = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))\n"
+                            "m, opt = jd.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
+                            "loss = m(torch.randn(5, 4)).square().mean()\njd.backward(loss)\njd.step(opt)\n"
+                            "type(next(m.parameters())).__name__")  # fmt: skip
+        assert [wrapped.ranks[r].value for r in (0, 1)] == ["'DTensor'", "'DTensor'"], wrapped.text()
         victim = p.pids[1]
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
         t0 = time.monotonic()

@@ -283,7 +283,8 @@ class _Rank:
                 tree = ast.parse(code, filename=name)
                 last = None
                 if tree.body and isinstance(tree.body[-1], ast.Expr):
-                    last = ast.Expression(tree.body.pop().value)
+                    last = ast.Expression(tree.body[-1].value)
+                    tree.body.pop()
                 body = compile(tree, name, "exec")
                 tail = compile(last, name, "eval") if last is not None else None
                 _Executing.pending = False
