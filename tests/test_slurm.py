@@ -151,6 +151,11 @@ def test_log_router_writes_rank_logs_and_deduplicated_records(tmp_path: Path) ->
 def test_unknown_partition_is_named_with_the_valid_ones(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
     with pytest.raises(UsageError, match=r"SLURM partition 'nope' does not exist on this cluster; partitions: debug"):
         ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --partition nope", "pass")
+    with pytest.raises(UsageError, match=r"^--nodes 3: SLURM partition 'debug' has 2 node\(s\), the job could never"):
+        ip.run_cell_magic("dist_train", "--backend slurm --nodes 3", "pass")  # the cluster has 2
+    failed = sorted(runs.glob("run-*"))
+    assert len(failed) == 2 and all(json.loads((d / "run.json").read_text())["status"] == "failed" for d in failed)
+    assert not squeue_ids()  # nothing was submitted
 
 
 @pytest.mark.slow

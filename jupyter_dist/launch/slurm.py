@@ -122,6 +122,8 @@ class SlurmLauncher(RemoteLauncher):
     """The job's output file (``StdOut`` of ``scontrol show job``)."""
     poll_interval: float = 1.0
     """Seconds between state polls."""
+    reason: str | None = None
+    """Why a pending job waits (``Reason`` of ``scontrol show job``: Resources, Priority, ...)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -154,17 +156,33 @@ class SlurmLauncher(RemoteLauncher):
         return env
 
     def check_partition(self) -> None:
-        """A one-line error when ``partition`` is not one ``sinfo`` lists."""
-        if self.partition is None:
-            return
-        res = _run([find_slurm_tool("sinfo"), "-h", "-o", "%R"], env=self._env())
+        """One-line errors when ``partition`` is not one ``sinfo`` lists, or has fewer nodes than the job asks for.
+
+        (SLURM would accept such a job and leave it pending forever unless the cluster enforces partition limits.)
+        """
+        res = _run([find_slurm_tool("sinfo"), "-h", "-o", "%P %D"], env=self._env())
         if res.returncode != 0:
             raise SlurmError(f"sinfo failed: {_last_line(res.stderr)}")
-        names = sorted({ln.strip() for ln in res.stdout.splitlines() if ln.strip()})
-        if self.partition not in names:
+        nodes: dict[str, int] = {}
+        default = None
+        for ln in res.stdout.splitlines():
+            words = ln.split()
+            if len(words) != 2 or not words[1].isdigit():
+                continue
+            name = words[0].rstrip("*")
+            if words[0].endswith("*"):
+                default = name
+            nodes[name] = nodes.get(name, 0) + int(words[1])
+        if self.partition is not None and self.partition not in nodes:
             raise SlurmError(
                 f"SLURM partition {self.partition!r} does not exist on this cluster; partitions: "
-                f"{', '.join(names) or '(none)'} (sinfo)"
+                f"{', '.join(sorted(nodes)) or '(none)'} (sinfo)"
+            )
+        part = self.partition or default
+        if part is not None and part in nodes and self.nodes > nodes[part]:
+            raise SlurmError(
+                f"--nodes {self.nodes}: SLURM partition {part!r} has {nodes[part]} node(s), the job could never start; "
+                f"ask for at most {nodes[part]} or pick a bigger partition (sinfo)"
             )
 
     def start(self) -> str:
@@ -212,6 +230,7 @@ class SlurmLauncher(RemoteLauncher):
             if info.get("StdOut"):
                 self.output = info["StdOut"]
             state = slurm_state(info["JobState"])
+            self.reason = info.get("Reason") if state == "pending" and info.get("Reason") != "None" else None
         else:
             state = self._sacct_state()
         if state in ("succeeded", "failed", "stopped", "timed out"):
@@ -267,7 +286,8 @@ class SlurmLauncher(RemoteLauncher):
     def describe(self) -> str:
         """``SLURM job 12 (2 nodes, partition debug)``."""
         part = f", partition {self.partition}" if self.partition else ""
-        return f"SLURM job {self.job_id} ({self.nodes} node(s){part})"
+        waiting = f"; pending: {self.reason}" if self.reason else ""
+        return f"SLURM job {self.job_id} ({self.nodes} node(s){part}){waiting}"
 
     # ---- reattach -----------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
