@@ -172,7 +172,8 @@ class DistMagics(Magics):
         """Run the cell as a distributed training job on fresh processes (torchrun), without blocking the kernel.
 
         Inside the cell the worker API is bound as ``jd`` (``jd.rank``, ``jd.wrap``, ``jd.log``, ``jd.save``).
-        ``%%dist_train --help`` lists the options.
+        ``--backend slurm`` submits it to a SLURM cluster (sbatch), ``--backend skypilot`` launches it through
+        SkyPilot; the Run, its logs, metrics and panels are the same. ``%%dist_train --help`` lists the options.
 
         Examples
         --------
@@ -182,6 +183,10 @@ class DistMagics(Magics):
             In [2]: %%dist_train --nproc 2 --strategy fsdp2 --name run1
                ...: model, opt = jd.wrap(build_model(), None)
             In [3]: run1.wait(); run1.metrics().tail()
+            In [4]: %%dist_train --backend slurm --nodes 2 --nproc 8 --partition gpu --time 04:00:00 --name run2
+               ...: ...
+            In [5]: %%dist_train --backend skypilot --nodes 4 --gpus H100:8 --infra aws --down --secret HF_TOKEN
+               ...: ...
         """
         args = self._parse(self.train_parser, line)
         if args is None:
