@@ -82,6 +82,16 @@ def test_dry_run_shows_the_sbatch_script_and_submits_nothing(ip: InteractiveShel
     assert not list(runs.iterdir())
 
 
+def test_a_plan_sets_nodes_gpus_strategy_and_precision(ip: InteractiveShell, runs: Path) -> None:
+    ip.user_ns["p7b"] = ip.run_line_magic("dist_plan", "--model llama-2-7b --gpu h100-80gb --nodes 2")
+    res = ip.run_cell_magic("dist_train", "--backend slurm --plan p7b --dry-run", "pass")
+    sbatch = res.files["job.sbatch"]
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and "--nproc-per-node 8" in sbatch
+    assert res.env["JD_STRATEGY"] == ip.user_ns["p7b"].best.strategy and res.env["JD_PRECISION"] == "bf16-mixed"
+    with pytest.raises(UsageError, match=r"--plan is for 2 node\(s\) x 8 GPU\(s\), the run asks for 3 x 8: pass"):
+        ip.run_cell_magic("dist_train", "--backend slurm --plan p7b --nodes 3 --dry-run", "pass")
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

@@ -110,7 +110,7 @@ def _plan_for(plan: Any, strategy: str, nproc: int, nodes: int, gpus: tuple[str,
         if hw.nodes != nodes or hw.gpus_per_node != nproc:
             raise JupyterDistError(
                 f"--plan is for {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s), the run asks for {nodes} x {nproc}: "
-                "drop --nodes/--nproc/--gpus or plan for this shape"
+                f"pass --nodes {hw.nodes} --nproc {hw.gpus_per_node} (or leave them out), or plan for this shape"
             )
         return plan
     from ..plan import Hardware, ModelSpec, TrainingShape
@@ -174,7 +174,9 @@ def start_cluster_run(
             raise JupyterDistError(f"--nproc {nproc} != {gpus[1]} GPUs per node from --gpus {cluster.gpus}")
         nproc = gpus[1]
     if nproc is None:
-        nproc = plan.hardware.gpus_per_node if plan is not None else 1
+        nproc = plan.hardware.gpus_per_node if plan is not None and hasattr(plan, "hardware") else 1
+    if plan is not None and hasattr(plan, "hardware") and nodes == 1:  # --nodes left at its default: the plan's
+        nodes = plan.hardware.nodes
     if nproc < 1 or nodes < 1:
         raise JupyterDistError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
     if timeout is not None and timeout <= 0:
@@ -183,12 +185,11 @@ def start_cluster_run(
         raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
     world = nproc * nodes
     strat = resolve_strategy(strategy, plan, world)
-    for key, value in env.items():
+    for key in env:
         if not _ENV_RE.match(key):
             raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
         if key in SECRET_NAMES or key in cluster.secrets:
             raise JupyterDistError(f"--env {key}=... looks like a secret: pass it with --secret {key} (by name only)")
-        del value
     missing = [s for s in cluster.secrets if not os.environ.get(s)]
     if missing and not dry_run:
         raise JupyterDistError(
