@@ -875,6 +875,8 @@ class Pool:
             rid = self._send(targets, {"op": "push", "names": sorted(objects)}, blob)
             waited = self._wait(rid, targets)
         self._raise_if_lost(waited)
+        if waited.interrupted:  # the transfer finished (an idle rank ignores SIGINT); the kernel's interrupt stands
+            raise KeyboardInterrupt
         errors = {r: rep.header.get("error") for r, rep in waited.replies.items() if not rep.header.get("ok")}
         if errors:
             r = min(errors)
@@ -915,6 +917,8 @@ class Pool:
                 rids[r] = rid
             waited = self._wait(rid, targets)
         self._raise_if_lost(waited)
+        if waited.interrupted:  # the transfer finished (an idle rank ignores SIGINT); the kernel's interrupt stands
+            raise KeyboardInterrupt
         errors = {r: rep.header.get("error") or {} for r, rep in waited.replies.items() if not rep.header.get("ok")}
         if errors:
             r = min(errors)
