@@ -247,7 +247,7 @@ class SkySlurm:
             subprocess.run([sky, "api", "stop"], capture_output=True, timeout=60, check=False)
             self._reap_sky_helpers()
 
-    def _reap_sky_helpers(self, within: float = 20.0) -> None:
+    def _reap_sky_helpers(self, within: float = 10.0) -> None:
         """The API server's ``subprocess_daemon.py`` helpers end when their request does; kill those left (by PID)."""
         import psutil
 
