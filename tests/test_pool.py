@@ -3,6 +3,7 @@ on CPU (gloo), driven through a real IPython shell; the control channel's authen
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -519,6 +520,21 @@ def test_ranks_end_when_the_kernel_process_is_killed(tmp_path: Path) -> None:
     finally:
         for proc in leftovers():  # never leave processes behind, even when the test fails
             proc.kill()
+
+
+@pytest.mark.slow
+def test_a_kernel_that_exits_stops_its_pool(tmp_path: Path) -> None:
+    code = ("from jupyter_dist.launch.pool import start_pool\n"
+            f"p = start_pool(nproc=2, runs_dir={str(tmp_path)!r}, strategy='none')\n"
+            "p.execute('x = 1')\nprint(p.dir, flush=True)\n")  # exits without stopping the pool  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    run_dir = Path(done.stdout.strip())
+    left = _processes_under(tmp_path)
+    for proc in left:
+        proc.kill()
+    assert not left, "atexit must end every rank before the kernel is gone"
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "stopped"
 
 
 @pytest.mark.slow
