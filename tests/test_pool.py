@@ -492,49 +492,32 @@ def test_a_killed_rank_marks_the_pool_broken_with_rank_and_reason(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_ranks_end_when_the_kernel_process_is_killed(tmp_path: Path) -> None:
-    code = ("from jupyter_dist.launch.pool import start_pool\nimport sys, time\n"
-            f"p = start_pool(nproc=2, runs_dir={str(tmp_path)!r}, strategy='none')\n"
-            "print(p.dir, flush=True)\ntime.sleep(120)\n")  # fmt: skip
-    kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+def test_no_rank_outlives_its_kernel_whether_it_exits_or_is_killed(tmp_path: Path) -> None:
+    """Two 'kernels' at once: one exits without %dist_stop (atexit stops the pool), one is SIGKILLed (its ranks
+    notice and end themselves, and torchrun with them)."""
+    exits, killed = tmp_path / "exits", tmp_path / "killed"
+    start = "from jupyter_dist.launch.pool import start_pool\nimport time\np = start_pool(nproc=2, runs_dir={!r}, " \
+            "strategy='none')\np.execute('x = 1')\nprint(p.dir, flush=True)\n"  # fmt: skip
+    exiting = subprocess.Popen([sys.executable, "-c", start.format(str(exits))], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    doomed = subprocess.Popen([sys.executable, "-c", start.format(str(killed)) + "time.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        assert kernel.stdout is not None
-        run_dir = kernel.stdout.readline().strip()
-        assert run_dir, "the pool did not start"
+        out, err = exiting.communicate(timeout=120)
+        assert exiting.returncode == 0, err
+        assert not _processes_under(exits), "atexit must end every rank before the kernel is gone"
+        assert json.loads((Path(out.strip()) / "run.json").read_text())["status"] == "stopped"
+        assert doomed.stdout is not None and doomed.stdout.readline().strip(), "the second pool did not start"
+        assert _processes_under(killed)
     finally:
-        kernel.kill()
-        kernel.wait(10)
-
-    def leftovers() -> list[psutil.Process]:
-        found = []
-        for proc in psutil.process_iter(["environ"]):
-            try:
-                if (proc.info["environ"] or {}).get("JD_RUN_DIR") == run_dir and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return found
-
+        doomed.kill()
+        doomed.wait(10)
+        exiting.kill()
     try:
-        _wait_for(lambda: not leftovers(), 30, "the ranks and torchrun to end after the kernel died")
+        _wait_for(lambda: not _processes_under(killed), 30, "the ranks and torchrun to end after the kernel died")
     finally:
-        for proc in leftovers():  # never leave processes behind, even when the test fails
+        for proc in _processes_under(tmp_path):  # never leave processes behind, even when the test fails
             proc.kill()
-
-
-@pytest.mark.slow
-def test_a_kernel_that_exits_stops_its_pool(tmp_path: Path) -> None:
-    code = ("from jupyter_dist.launch.pool import start_pool\n"
-            f"p = start_pool(nproc=2, runs_dir={str(tmp_path)!r}, strategy='none')\n"
-            "p.execute('x = 1')\nprint(p.dir, flush=True)\n")  # exits without stopping the pool  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    run_dir = Path(done.stdout.strip())
-    left = _processes_under(tmp_path)
-    for proc in left:
-        proc.kill()
-    assert not left, "atexit must end every rank before the kernel is gone"
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "stopped"
 
 
 @pytest.mark.slow
