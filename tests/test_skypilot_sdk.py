@@ -178,6 +178,10 @@ class SkyRecorder:
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Install a recorder in place of the SkyPilot client functions (the test sets its script)."""
 
+    from jupyter_dist.launch.skypilot import SkyPilotLauncher
+
+    monkeypatch.setattr(SkyPilotLauncher, "poll_interval", 0.1)  # the recorder answers at once: poll it often
+
     def install(rec: SkyRecorder) -> SkyRecorder:
         for name in ("launch", "stream_and_get", "get", "job_status", "tail_logs", "cancel", "api_cancel", "down"):
             monkeypatch.setattr(sky, name, getattr(rec, name))
@@ -238,6 +242,13 @@ def test_stop_cancels_the_job_sdk_boundary(ip: InteractiveShell, runs: Path, rec
     assert run.stop() == "stopped"
     assert rec.named("cancel") == [(("jd-t",), {"job_ids": [3]})]
     assert json.loads((run.dir / "run.json").read_text())["status"] == "stopped"
+
+
+def test_timeout_cancels_the_job_sdk_boundary(ip: InteractiveShell, runs: Path, recorder: Any) -> None:
+    rec = recorder(SkyRecorder(job_lines(range(3))[:4], block_tail=True))
+    run = ip.run_cell_magic("dist_train", "--backend skypilot --nodes 2 --nproc 1 --cluster jd-t --timeout 2", "pass")
+    assert run.wait(30) == "timed out", run.summary()
+    assert rec.named("cancel") == [(("jd-t",), {"job_ids": [3]})]
 
 
 def test_stop_while_launching_cancels_the_request_sdk_boundary(ip: InteractiveShell, runs: Path,

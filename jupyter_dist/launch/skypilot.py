@@ -94,6 +94,8 @@ class SkyPilotLauncher(RemoteLauncher):
     """One SkyPilot job (on a cluster, or managed) for one run directory."""
 
     kind = "skypilot"
+    poll_interval = 3.0  # seconds between state polls (each one is an API request)
+    unknown_grace = 300.0  # an API server that does not answer (restarting: ~13 s) is waited for this long
 
     run_dir: RunDir
     """The local run directory (``workdir/`` inside it is what SkyPilot syncs)."""
@@ -121,10 +123,6 @@ class SkyPilotLauncher(RemoteLauncher):
     """``before`` -> ``running`` -> ``after``."""
     recoveries: int = 0
     """Managed jobs: how often SkyPilot recovered the job (RECOVERING seen)."""
-    poll_interval: float = 3.0
-    """Seconds between state polls (each one is an API request)."""
-    unknown_grace: float = 300.0
-    """An API server that does not answer (restarting: ~13 s) is waited for this long before the run is judged."""
     _launched: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel_requested: threading.Event = field(default_factory=threading.Event, repr=False)
     _last_status: str = field(default="", repr=False)
