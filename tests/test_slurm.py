@@ -238,6 +238,15 @@ def test_reattach_from_run_json_in_a_new_process(ip: InteractiveShell, runs: Pat
 
 
 @pytest.mark.slow
+def test_timeout_cancels_the_slurm_job(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
+    run = ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --nproc 1 --timeout 4",
+                            "import time\nfor i in range(600):\n    time.sleep(0.1)\n")  # fmt: skip
+    assert run.wait(60) == "timed out", run.summary()
+    wait_until(lambda: run.job_id not in squeue_ids(), 30, "the job leaving the queue")
+    assert descendants_gone(run, within=30)
+
+
+@pytest.mark.slow
 def test_a_failing_cell_fails_the_job_with_a_diagnosis(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
     run = ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --nproc 1",
                             "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
