@@ -207,8 +207,9 @@ def test_launch_streams_metrics_back_sdk_boundary(ip: InteractiveShell, runs: Pa
     monkeypatch.setenv("HF_TOKEN", SECRET_VALUE)
     rec = recorder(SkyRecorder(job_lines(range(5))))
     t0 = time.time()
+    ip.user_ns["lr_table"] = {"warmup": 10}
     line = "--backend skypilot --nodes 2 --nproc 1 --strategy fsdp2 --cluster jd-t --infra slurm --idle-minutes 5 "
-    run = ip.run_cell_magic("dist_train", line + "--down --secret HF_TOKEN --name sky_run", "print('hi')")
+    run = ip.run_cell_magic("dist_train", line + "--down --secret HF_TOKEN --ship lr_table --name sky_run", "pass")
     assert time.time() - t0 < 5 and not run.done  # returned before the launch request finished
     assert run.wait(30) == "succeeded", run.summary()
     ((task,), kw) = rec.named("launch")[0]
@@ -217,6 +218,7 @@ def test_launch_streams_metrics_back_sdk_boundary(ip: InteractiveShell, runs: Pa
     assert isinstance(task, sky.Task) and task.num_nodes == 2
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET_VALUE  # the value reaches SkyPilot, no file
     assert Path(task.workdir) == run.dir / "workdir" and (run.dir / "workdir" / "script.py").exists()
+    assert {p.name for p in (run.dir / "workdir").iterdir()} == {"script.py", "jd_bootstrap.py", "shipped.pkl"}
     assert rec.named("tail_logs")[0][0] == ("jd-t", 3)
     frame = run.metrics()
     assert set(frame["rank"]) == {0, 1} and len(frame) == 10  # the replayed record was dropped
