@@ -306,6 +306,9 @@ def test_managed_job_preempted_then_recovered_sdk_boundary(ip: InteractiveShell,
     assert steps == [0, 1, 2, 3, 4, 5]  # both attempts, nothing dropped as a duplicate
     assert len(run.records("start")) == 4  # 2 ranks x 2 attempts
     assert run._launcher.recoveries == 1 and "recovered 1x" in run.summary()
+    from jupyter_dist.ui.dashboard import Dashboard
+
+    assert Dashboard(run, widget=False).model.status()["restarts"] == 1  # the recovery is marked on the loss panel
 
 
 def test_attach_cluster_slash_job_sdk_boundary(ip: InteractiveShell, runs: Path, recorder: Any) -> None:
