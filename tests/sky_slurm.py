@@ -11,6 +11,11 @@ On top of :class:`slurm_cluster.SlurmCluster`:
    venv made with ``uv venv --seed <runtime dir>/skypilot-runtime --python /usr/bin/python3``.
 
 Jobs run as the job user, so the training Python (this venv) and jupyter_dist must be readable by it.
+
+``~/.slurm/config`` and the SkyPilot API server are per machine user, not per test session: two test sessions on one
+machine would rewrite each other's login node and take down each other's clusters. :meth:`SkySlurm.start` therefore
+holds an exclusive lock (``/tmp/jupyter-dist-skypilot-tests.lock``) until :meth:`SkySlurm.stop`; a second session
+waits for it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from slurm_cluster import SlurmCluster, _free_port
 USER = "jdsky"
 ALIAS = "jdlocal"
 CERTS = "/etc/ssl/certs/ca-certificates.crt"
+LOCK = "/tmp/jupyter-dist-skypilot-tests.lock"
 
 
 def _uv() -> str | None:
@@ -107,8 +113,21 @@ class SkySlurm:
             return 'SkyPilot is not installed: pip install "jupyter-dist[sky]"'
         return None
 
-    def start(self) -> None:
-        """Create the user, start sshd, write ``~/.slurm/config``, run ``sky check slurm``."""
+    def start(self, lock_timeout: float = 900.0) -> None:
+        """Take the machine-wide lock, create the user, start sshd, write ``~/.slurm/config``, ``sky check slurm``."""
+        import fcntl
+
+        self._lock = open(LOCK, "a")  # noqa: SIM115 - held until stop()
+        deadline = time.time() + lock_timeout
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    self._lock.close()
+                    raise RuntimeError(f"another test session held {LOCK} for {lock_timeout:.0f} s") from None
+                time.sleep(1.0)
         self._api_was_running = _api_server_running()
         self._t0 = time.time()
         self.root = Path(tempfile.mkdtemp(prefix="jd-sky-"))
@@ -246,6 +265,10 @@ class SkySlurm:
             sky = shutil.which("sky") or str(Path(sys.executable).parent / "sky")
             subprocess.run([sky, "api", "stop"], capture_output=True, timeout=60, check=False)
             self._reap_sky_helpers()
+        lock = getattr(self, "_lock", None)
+        if lock is not None:  # closing the file releases the flock
+            lock.close()
+            self._lock = None
 
     def _reap_sky_helpers(self, within: float = 10.0) -> None:
         """The API server's ``subprocess_daemon.py`` helpers end when their request does; kill those left (by PID)."""

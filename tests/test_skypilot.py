@@ -12,6 +12,7 @@ fails instead with ``JD_REQUIRE_SLURM`` (CI).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from sky_slurm import USER, require_sky_slurm, user_processes  # noqa: E402
 
 from jupyter_dist.launch.run import open_run  # noqa: E402
 
-CLUSTER = "jd-skytest"
+CLUSTER = f"jd-skytest-{os.getpid() % 100_000}"  # never the name of another session's cluster
 TRAIN = """
 import time
 import torch
