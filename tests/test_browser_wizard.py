@@ -90,3 +90,47 @@ def test_wizard_replans_when_a_control_changes_in_the_page(jupyterlab: JupyterLa
     (artifacts / "timing.txt").write_text(
         f"page change -> new recommendation in the page: {latency * 1000:.0f} ms (incl. Playwright polling)\n"
     )
+
+
+LAUNCH = '''from jupyter_dist import Wizard
+CELL = """import torch
+model = torch.nn.Linear(8, 1)
+model, opt = jd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05))
+for step in range(60):
+    loss = model(torch.randn(32, 8)).pow(2).mean()
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss, samples=32)
+"""
+w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2, code=CELL)
+w'''
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_launch_button_runs_the_plan_and_shows_its_panels(jupyterlab: JupyterLabServer, browser_page: Any,
+                                                          artifacts: Path) -> None:  # fmt: skip
+    """Clicking Launch in the page: the kernel runs %%dist_train from a widget callback, the line it printed appears,
+    the run's live panels are drawn under the button, and the plan and the Run are bound in the notebook."""
+    from playwright.sync_api import expect
+
+    page = browser_page
+    page.set_viewport_size({"width": 1280, "height": 1600})
+    check = "if 'wizard_plan' in globals():\n    print(wizard_plan.best.name, str(wizard.status))"
+    write_notebook(jupyterlab.root_dir / "launch.ipynb", [LAUNCH, check])
+    open_notebook_and_run_all(page, jupyterlab, "launch.ipynb", timeout=90)
+    wiz = cell_locator(page, 0).locator(".jd-wizard")
+    expect(wiz.locator(".jd-wiz-verdict")).to_have_attribute("data-candidate", "ddp", timeout=30_000)
+    wiz.locator(".lm-TabBar-tab", has_text="Launch").first.click()
+    wiz.get_by_role("button", name="Launch").click()
+    expect(wiz.locator(".jd-wiz-launch-msg")).to_contain_text("on this machine (ddp, 1 x 2 processes)", timeout=60_000)
+    expect(wiz.locator(".jd-wiz-line")).to_have_text("%%dist_train --plan wizard_plan --nproc 2 --name wizard")
+    dash = wiz.locator(".jd-dash")
+    expect(dash).to_have_attribute("data-ready", "1", timeout=60_000)
+    expect(dash.locator('.jd-panel[data-figure="loss"] .main-svg').first).to_be_attached()
+    expect(dash.locator(".jd-status-wrap")).to_contain_text("succeeded", timeout=90_000)
+    screenshot_cell(page, 0, artifacts / "wizard-launched.png")
+    # the notebook sees what the button did
+    second = cell_locator(page, 1)  # makes it the active cell
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-cell')")
+    expect(second).to_contain_text("ddp succeeded", timeout=60_000)
