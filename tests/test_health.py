@@ -49,6 +49,23 @@ def test_tracker_takes_records_in_any_order_and_an_exit_is_not_a_hang() -> None:
     assert tr.hang(100.0, 10.0) is None
 
 
+@pytest.mark.parametrize(("lag", "named"), [(0.0007, None), (0.04, 0)])
+def test_a_busy_time_straggler_needs_the_arrival_order_to_agree(lag: float, named: Any) -> None:
+    """Rank 0 looks 1.7x busier over its windows; it is named only when it also reaches collectives later."""
+    tr = HealthTracker()
+    recs = []
+    for k in range(5):  # rank 0 waits 0.3 s of each 1 s window, rank 1 0.6 s: busy 0.7 vs 0.4
+        recs.append({"kind": "comm", "rank": 0, "t": 10.0 + k, "seconds": 0.3, "window_s": 1.0, "issued": 10 * k,
+                     "recent": [[10 * k + j, 10.0 + k + 0.01 * j + lag] for j in range(10)]})
+        recs.append({"kind": "comm", "rank": 1, "t": 10.0 + k, "seconds": 0.6, "window_s": 1.0, "issued": 10 * k,
+                     "recent": [[10 * k + j, 10.0 + k + 0.01 * j] for j in range(10)]})
+    tr.ingest(recs)
+    st = tr.straggler()
+    assert st["scores"][0] < 0.75 and st["arrival_lag_s"][0] == pytest.approx(lag, abs=1e-5)
+    assert st["straggler"] == named
+    assert st.get("unconfirmed") == (0 if named is None else None)
+
+
 # --------------------------------------------------------------------------- real runs
 STRAGGLER = """
 import time

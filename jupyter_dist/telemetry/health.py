@@ -68,6 +68,11 @@ def bus_bandwidth(op: str, size_bytes: float, seconds: float, n: int) -> tuple[f
     return alg, alg * bus_factor(op, n)
 
 
+MIN_STRAGGLER_LAG_S = 0.002
+"""A straggler named from busy time must also reach collectives at least this much later than the first rank, on
+average, when arrival times are known (DDP's bucket all-reduces and torch.distributed calls are timed)."""
+
+
 def straggler_scores(windows: dict[int, tuple[float, float]], *, threshold: float = 0.75) -> dict[str, Any]:
     """Score ranks from their time inside collectives over the same stretch of a run.
 
@@ -177,7 +182,13 @@ class HealthTracker:
         """:func:`straggler_scores` over each rank's last ``recent`` collective windows, plus arrival lags."""
         windows = {r: (sum(c for c, _ in v), sum(w for _, w in v)) for r, v in self._comm.items() if v}
         out = straggler_scores(windows)
-        out["arrival_lag_s"] = self.arrival_lags()
+        lags = self.arrival_lags()
+        out["arrival_lag_s"] = lags
+        worst = out["straggler"]
+        if worst is not None and len(lags) == len(windows) and lags.get(worst, 0.0) < MIN_STRAGGLER_LAG_S:
+            # a rank that computes longer also reaches each collective later; when the arrival order (one clock,
+            # the same collectives) does not show it, the busy-time gap is scheduling noise of the windows
+            out.update(straggler=None, slowdown=None, unconfirmed=worst)
         return out
 
     def arrival_lags(self) -> dict[int, float]:
