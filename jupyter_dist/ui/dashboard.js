@@ -75,6 +75,9 @@ function toPlotly(fig) {
       line: { color: t.color, width: t.width, dash: DASH[t.dash] || "solid" },
     }));
     if (fig.y_log) layout.yaxis.type = "log";
+    // steps and "time since start" both begin at 0: keep 0 in view, so a short run's points (a few ms apart)
+    // do not autoscale into a microsecond-wide axis, and startup time shows as what it is
+    layout.xaxis.autorangeoptions = { include: [0] };
     hlineShapes(layout, fig.hlines);
     for (const v of fig.vlines || []) {
       layout.shapes.push({ type: "line", yref: "paper", y0: 0, y1: 1, x0: v.x, x1: v.x,
