@@ -134,6 +134,18 @@ def _rank_parser() -> MagicArgumentParser:
     return p
 
 
+def parse_magic_line(parser: MagicArgumentParser, line: str) -> Any:
+    """Parse a magic's line with ``shlex`` (quotes and spaces in paths); ``--help`` prints and returns ``None``."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+    if "-h" in argv or "--help" in argv:
+        print(parser.format_help())
+        return None
+    return parser.parse_args(argv)
+
+
 @magics_class
 class DistMagics(Magics):
     """The jupyter-dist magics."""
@@ -158,14 +170,7 @@ class DistMagics(Magics):
         self.last_run: Any = None
 
     def _parse(self, parser: MagicArgumentParser, line: str) -> Any:
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"{parser.prog}: {exc}") from None
-        if "-h" in argv or "--help" in argv:
-            print(parser.format_help())
-            return None
-        return parser.parse_args(argv)
+        return parse_magic_line(parser, line)
 
     @cell_magic
     def dist_train(self, line: str, cell: str) -> Any:

@@ -17,6 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from .errors import JupyterDistError
+from .magics import parse_magic_line
 
 __all__ = ["PoolMagics", "register", "route_stop", "unregister"]
 
@@ -193,14 +194,7 @@ class PoolMagics(Magics):
 
     # ---------------------------------------------------------------- helpers
     def _parse(self, parser: MagicArgumentParser, line: str) -> Any:
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"{parser.prog}: {exc}") from None
-        if "-h" in argv or "--help" in argv:
-            print(parser.format_help())
-            return None
-        return parser.parse_args(argv)
+        return parse_magic_line(parser, line)
 
     @property
     def _ns(self) -> dict[str, Any]:

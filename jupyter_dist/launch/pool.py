@@ -38,9 +38,10 @@ import psutil
 
 from ..errors import JupyterDistError
 from .channel import MAX_UNAUTHENTICATED, NONCE_SIZE, AuthError, Channel, ChannelClosed, new_key
-from .local import LaunchError, LocalLauncher
-from .run import RUNNING, STOPPED, Run, kill_tree
+from .local import LocalLauncher
+from .run import STOPPED, Run, kill_tree
 from .rundir import new_run_dir, scrub_env
+from .session import start_recorded
 
 __all__ = ["CellError", "CellResult", "Pool", "PoolBroken", "PoolError", "PoolInterrupted", "RankReport",
            "parse_ranks", "start_pool"]  # fmt: skip
@@ -393,16 +394,8 @@ class Pool:
                 "env": scrub_env({k: v for k, v in lau.env().items() if k not in secret_env}),
                 "plan": self.plan.to_dict() if self.plan is not None else None, "shipped": [],
             }  # fmt: skip
-            rd.write_meta(meta)
             self._note(f"starting {self.nproc} ranks; control channel on {self.address}")
-            try:
-                procs = lau.start()
-            except LaunchError:
-                meta.update(status="failed", error="launch failed")
-                rd.write_meta(meta)
-                raise
-            meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
-            rd.write_meta(meta)
+            procs = start_recorded(rd, meta, lau)
             self.run = Run(rd, meta, procs=procs, launcher=lau, plan=self.plan)
             _LIVE.add(self)
             self._wait_connected()
@@ -701,8 +694,9 @@ class Pool:
         marks = {r: (p.stat().st_size if p.exists() else 0) for r, p in logs.items()}
         self._signal(ranks, signal.SIGUSR1)
         texts: dict[int, str] = {}
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
+
+
+        def read() -> None:
             for r in ranks:
                 try:
                     with open(logs[r], "rb") as fh:
@@ -710,17 +704,15 @@ class Pool:
                         texts[r] = fh.read().decode("utf-8", "replace")
                 except OSError:
                     texts[r] = ""
+
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            read()
             if all("Current thread" in t and t.rstrip().endswith(")") or "<dist-cell-" in t for t in texts.values()):
                 time.sleep(0.2)  # the dump is written in one go; give it a moment to finish
                 break
             time.sleep(0.1)
-        for r in ranks:
-            try:
-                with open(logs[r], "rb") as fh:
-                    fh.seek(marks[r])
-                    texts[r] = fh.read().decode("utf-8", "replace")
-            except OSError:
-                texts[r] = ""
+        read()
         return {r: self._locate(texts.get(r, "")) for r in ranks}
 
     def _locate(self, dump: str) -> str:

@@ -164,6 +164,12 @@ def start_run(
         "timeout": timeout, "hang_timeout": hang_timeout, "env": scrub_env(lau.env()), "created": time.time(),
         "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
     }  # fmt: skip
+    procs = start_recorded(rd, meta, lau)
+    return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
+
+
+def start_recorded(rd: RunDir, meta: dict[str, Any], lau: LocalLauncher) -> list[subprocess.Popen[bytes]]:
+    """Write ``run.json``, start the launcher, and record the outcome (``failed``, or running with its pids)."""
     rd.write_meta(meta)
     try:
         procs = lau.start()
@@ -173,7 +179,7 @@ def start_run(
         raise
     meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
     rd.write_meta(meta)
-    return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
+    return procs
 
 
 def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
