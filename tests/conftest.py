@@ -156,3 +156,37 @@ def descendants_gone(run: Run, within: float = 10.0) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def wait_until(check: Any, timeout: float, what: str, *, poll: float = 0.1) -> None:
+    """Poll ``check()`` until it is true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(poll)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+CLUSTER_TRAIN = """import time
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = jd.wrap(model, opt)
+g = torch.Generator().manual_seed(jd.rank)
+X = torch.randn(256, 16, generator=g)
+y = X.sum(1, keepdim=True)
+for step in range(STEPS):
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+    time.sleep(PAUSE)
+print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).__name__)
+"""
+
+
+def cluster_train(steps: int = 25, pause: float = 0.0) -> str:
+    """The training cell of the cluster back-end tests (SLURM, SkyPilot): ``steps`` steps, ``pause`` s each."""
+    return CLUSTER_TRAIN.replace("STEPS", str(steps)).replace("PAUSE", str(pause))

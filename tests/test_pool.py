@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import descendants_gone, run_processes
+from conftest import descendants_gone, run_processes, wait_until
 
 pytest.importorskip("IPython")
 torch = pytest.importorskip("torch")
@@ -64,12 +64,7 @@ def _magics(ip: InteractiveShell) -> Any:
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    wait_until(predicate, timeout, f"waiting for {what}", poll=0.05)
 
 
 def _closed_by_peer(s: socket.socket) -> bool:

@@ -23,30 +23,13 @@ import pytest
 
 pytest.importorskip("IPython")
 pytest.importorskip("torch")
+from conftest import cluster_train, wait_until  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 from sky_slurm import USER, require_sky_slurm, user_processes  # noqa: E402
 
 from jupyter_dist.launch.run import open_run  # noqa: E402
 
 CLUSTER = f"jd-skytest-{os.getpid() % 100_000}"  # never the name of another session's cluster
-TRAIN = """
-import time
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-model, opt = jd.wrap(model, opt)
-g = torch.Generator().manual_seed(jd.rank)
-X = torch.randn(256, 16, generator=g)
-y = X.sum(1, keepdim=True)
-for step in range(STEPS):
-    loss = torch.nn.functional.mse_loss(model(X), y)
-    jd.backward(loss)
-    jd.step(opt)
-    jd.log(step, loss=loss)
-    time.sleep(PAUSE)
-print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).__name__)
-"""
 TIMES: dict[str, float] = {}
 
 
@@ -57,13 +40,7 @@ def line(extra: str = "") -> str:
             f"--env PATH={path} --telemetry-interval 0 {extra}")  # fmt: skip
 
 
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"{what} within {timeout} s")
+
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +99,7 @@ def test_cluster_skypilot_notebook_trains_fsdp2_on_two_nodes(tmp_path: Path, sky
 
 @pytest.mark.slow
 def test_deepspeed_zero2_job_reattached_and_stopped(ip: InteractiveShell, runs: Path, sky_cluster: Any) -> None:
-    code = TRAIN.replace("STEPS", "100000").replace("PAUSE", "0.05")
+    code = cluster_train(100000, 0.05)
     ds = f"--strategy zero2 --env DS_ACCELERATOR=cpu --env TORCH_EXTENSIONS_DIR={sky_cluster.torch_extensions()}"
     run = ip.run_cell_magic("dist_train", line(ds), code)
     wait_until(lambda: {r["rank"] for r in run.records("step")} == {0, 1} or run.done, 400,

@@ -25,6 +25,7 @@ import yaml
 
 pytest.importorskip("IPython")
 sky = pytest.importorskip("sky")
+from conftest import wait_until  # noqa: E402
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 from sky.jobs.state import ManagedJobStatus  # noqa: E402
@@ -192,13 +193,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Any:
     return install
 
 
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout} s")
+
 
 
 # ---- the SDK boundary -------------------------------------------------------------------------------------------

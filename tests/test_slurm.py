@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import descendants_gone
+from conftest import cluster_train, descendants_gone, wait_until
 
 pytest.importorskip("IPython")
 pytest.importorskip("torch")
@@ -28,41 +28,13 @@ from jupyter_dist.launch.session import DryRun  # noqa: E402
 from jupyter_dist.launch.slurm import SlurmLauncher, slurm_state  # noqa: E402
 from jupyter_dist.launch.stream import LogRouter, clean_line  # noqa: E402
 
-TRAIN = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-model, opt = jd.wrap(model, opt)
-g = torch.Generator().manual_seed(jd.rank)
-X = torch.randn(256, 16, generator=g)
-y = X.sum(1, keepdim=True)
-for step in range(STEPS):
-    loss = torch.nn.functional.mse_loss(model(X), y)
-    jd.backward(loss)
-    jd.step(opt)
-    jd.log(step, loss=loss)
-    time.sleep(PAUSE)
-print("final loss", float(loss), "on", jd.world_size, "ranks with", type(model).__name__)
-"""
-
-
-def train(steps: int = 25, pause: float = 0.0) -> str:
-    return "import time\n" + TRAIN.replace("STEPS", str(steps)).replace("PAUSE", str(pause))
-
 
 def squeue_ids() -> list[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=15, check=False)
     return out.stdout.split()
 
 
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {timeout} s")
+
 
 
 # ---- pure parts and errors (no cluster needed) ---------------------------------------------------------------
@@ -172,7 +144,7 @@ def test_unknown_partition_is_named_with_the_valid_ones(ip: InteractiveShell, ru
 def test_fsdp2_on_two_slurm_nodes_through_the_magic(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
     t0 = time.time()
     run = ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --nproc 1 --strategy fsdp2 --partition debug "
-                            "--time 00:05:00 --telemetry-interval 0 --name slurm_run", train())  # fmt: skip
+                            "--time 00:05:00 --telemetry-interval 0 --name slurm_run", cluster_train())  # fmt: skip
     submitted = time.time() - t0
     assert ip.user_ns["slurm_run"] is run and run.remote and run.job_id
     wait_until(lambda: run.records("step") or run.done, 120, "a first step record")
@@ -205,7 +177,7 @@ def test_fsdp2_on_two_slurm_nodes_through_the_magic(ip: InteractiveShell, runs: 
 @pytest.mark.slow
 def test_stop_cancels_the_job_and_leaves_no_process(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
     run = ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --nproc 1 --strategy ddp --telemetry-interval 0",
-                            train(steps=10_000, pause=0.05))  # fmt: skip
+                            cluster_train(steps=10_000, pause=0.05))  # fmt: skip
     wait_until(lambda: run.records("step") or run.done, 120, "a first step record")
     assert run.status == "running", run.summary()
     assert run.stop() == "stopped"
@@ -217,7 +189,7 @@ def test_stop_cancels_the_job_and_leaves_no_process(ip: InteractiveShell, runs: 
 @pytest.mark.slow
 def test_reattach_from_run_json_in_a_new_process(ip: InteractiveShell, runs: Path, slurm_cluster: Any) -> None:
     run = ip.run_cell_magic("dist_train", "--backend slurm --nodes 2 --nproc 1 --strategy ddp --telemetry-interval 0",
-                            train(steps=40, pause=0.1))  # fmt: skip
+                            cluster_train(steps=40, pause=0.1))  # fmt: skip
     wait_until(lambda: json.loads((run.dir / "run.json").read_text()).get("status") == "running" or run.done, 60,
                "the job running")  # fmt: skip
     # a fresh interpreter (the kernel after a restart) reattaches through %dist_attach and follows the job to its end
