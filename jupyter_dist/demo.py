@@ -18,44 +18,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .errors import JupyterDistError, MissingDependencyError
-from .launch.examples import DEMO_CELL
+from .launch.examples import DEMO_CELL, MODEL_SOURCE
 
 __all__ = ["DEMO_CELL", "QUICKSTART_CELLS", "quickstart_notebook", "run_demo", "run_quickstart"]
 
-_MODEL = '''import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and an MLP."""
-
-    def __init__(self, dim: int, heads: int = 4) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLM(nn.Module):
-    """A small causal language model: embedding, transformer blocks, output head."""
-
-    def __init__(self, vocab: int = 64, dim: int = 64, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+_MODEL = MODEL_SOURCE + '''
 
 
 print(f"TinyLM: {sum(p.numel() for p in TinyLM().parameters()):,} parameters")'''

@@ -6,43 +6,52 @@ under any strategy ``jd.wrap`` applies (DDP, FSDP/FSDP2, DeepSpeed ZeRO) on CPU/
 
 from __future__ import annotations
 
-__all__ = ["DEMO_CELL"]
+__all__ = ["DEMO_CELL", "MODEL_SOURCE"]
 
-DEMO_CELL = '''
-import math
-import torch
+MODEL_SOURCE = '''import torch
 import torch.nn as nn
-
-STEPS, VOCAB, DIM, SEQ, BATCH = {steps}, 64, 64, 32, 16
-torch.manual_seed(0)
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    """A small causal language model: embedding, transformer blocks, output head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 64, layers: int = 2) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM) for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x)'''
+"""A small causal transformer LM (``Block``, ``TinyLM(vocab, dim, layers)``): the demo's model and the quickstart's."""
+
+DEMO_CELL = (
+    "\nimport math\n"
+    + MODEL_SOURCE
+    + '''
+
+
+STEPS, VOCAB, DIM, SEQ, BATCH = {steps}, 64, 64, 32, 16
+torch.manual_seed(0)
 
 
 def batch(step: int) -> torch.Tensor:
@@ -52,7 +61,7 @@ def batch(step: int) -> torch.Tensor:
     return (start + torch.arange(SEQ + 1)) % VOCAB
 
 
-model = TinyLM()
+model = TinyLM(vocab=VOCAB, dim=DIM)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, opt = jd.wrap(model, opt)
 for step in range(STEPS):
@@ -65,3 +74,4 @@ for step in range(STEPS):
 if jd.is_main:
     print(f"final loss {{loss.item():.3f}} (random guessing: {{math.log(VOCAB):.3f}})")
 '''
+)
