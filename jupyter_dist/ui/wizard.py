@@ -326,14 +326,14 @@ class Wizard:
 
     # ---- reading and writing controls ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Change several controls and recompute once at the end."""
+    def hold(self, *, refresh: bool = True) -> Iterator[None]:
+        """Change several controls and recompute once at the end (``refresh=False``: not at all)."""
         self._holding += 1
         try:
             yield
         finally:
             self._holding -= 1
-        if not self._holding:
+        if refresh and not self._holding:
             self.refresh()
 
     def set(self, **values: Any) -> Wizard:
@@ -483,7 +483,7 @@ class Wizard:
         names = [c.name for c in p.candidates if c.fits] or [c.name for c in p.candidates[:1]]
         options = [(f"recommended ({p.recommended})" if p.recommended else "recommended (none fits)", ""),
                    *((n, n) for n in names)]  # fmt: skip
-        with self.hold_compile():
+        with self.hold(refresh=False):  # the candidate list changes without a recompile per change
             keep = self.candidate.value if self.candidate.value in names else ""
             self.candidate.options = options
             self.candidate.value = keep
@@ -502,15 +502,6 @@ class Wizard:
             yield
         finally:
             self._syncing = False
-
-    @contextlib.contextmanager
-    def hold_compile(self) -> Iterator[None]:
-        """Change the candidate list without recompiling per change."""
-        self._holding += 1
-        try:
-            yield
-        finally:
-            self._holding -= 1
 
     def _draw_chart(self) -> None:
         if self.plan is None:
