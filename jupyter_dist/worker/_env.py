@@ -79,6 +79,19 @@ class WorkerEnv:
     """``JD_TELEMETRY_INTERVAL_S``: seconds between coalesced ``step`` records; 0 writes one per ``jd.log`` call."""
     telemetry_stdout: bool = False
     """``JD_TELEMETRY_STDOUT=1``: also print each record after the sentinel on stdout (for log-stream back-ends)."""
+    tp: int = 1
+    """``JD_TP``: tensor-parallel degree (innermost mesh dimension, inside a node)."""
+    pp: int = 1
+    """``JD_PP``: pipeline-parallel degree (outermost mesh dimension)."""
+    cp: int = 1
+    """``JD_CP``: context-parallel degree (the sequence split across ranks)."""
+    ep: int = 1
+    """``JD_EP``: expert-parallel degree (borrows ranks from the data-parallel x context-parallel dims)."""
+    sp: bool = False
+    """``JD_SP=1``: sequence parallelism with tensor parallelism (norms and residuals split along the sequence)."""
+    dp_replicate: int = 1
+    """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
+    data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -93,6 +106,16 @@ class WorkerEnv:
             raise WorkerError(f"JD_CHECKPOINT_EVERY={self.checkpoint_every} must be >= 0 (0: no periodic saves)")
         if self.keep is not None and self.keep < 1:
             raise WorkerError(f"JD_KEEP={self.keep} must be >= 1")
+        for dim in ("tp", "pp", "cp", "ep", "dp_replicate"):
+            value = getattr(self, dim)
+            if value < 1:
+                raise WorkerError(f"JD_{dim.upper()}={value} must be >= 1")
+        model = self.pp * self.dp_replicate * self.cp * self.tp
+        if self.distributed and self.world_size % model:
+            raise WorkerError(
+                f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = {model} "
+                f"does not divide WORLD_SIZE={self.world_size}; launch a multiple of {model} processes"
+            )
         if self.telemetry_interval_s < 0:
             raise WorkerError(
                 f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
@@ -135,7 +158,23 @@ class WorkerEnv:
             keep=_int(env, "JD_KEEP", 0) or None,
             async_save=env.get("JD_ASYNC_SAVE", "") == "1",
             telemetry_stdout=env.get("JD_TELEMETRY_STDOUT", "") == "1",
+            tp=_int(env, "JD_TP", 1),
+            pp=_int(env, "JD_PP", 1),
+            cp=_int(env, "JD_CP", 1),
+            ep=_int(env, "JD_EP", 1),
+            sp=env.get("JD_SP", "") == "1",
+            dp_replicate=_int(env, "JD_DP_REPLICATE", 1),
         )
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks FSDP2 shards over (``world / (pp * dp_replicate * cp * tp)``)."""
+        return max(1, self.world_size // (self.pp * self.dp_replicate * self.cp * self.tp))
+
+    @property
+    def model_parallel(self) -> bool:
+        """Any of tp, pp, cp, ep above 1."""
+        return max(self.tp, self.pp, self.cp, self.ep) > 1
 
     @property
     def family(self) -> str:
