@@ -20,7 +20,8 @@ class ResumableSampler:
     dataset_len
         Number of samples (or the dataset itself: ``len()`` is taken).
     num_replicas, rank
-        Default: the process group's world size and rank (``jd.world_size``/``jd.rank``).
+        Default: the data-parallel size and rank (``jd.dp_size``/``jd.dp_rank``), which are the world size and
+        rank without model parallelism.
     shuffle, seed, drop_last
         As ``torch.utils.data.DistributedSampler``.
     """
@@ -33,8 +34,9 @@ class ResumableSampler:
         if num_replicas is None or rank is None:
             import jupyter_dist.worker as jd
 
-            num_replicas = jd.world_size if num_replicas is None else num_replicas
-            rank = jd.rank if rank is None else rank
+            # data-parallel, not global: the ranks of one tensor-parallel group must see the same samples
+            num_replicas = jd.dp_size if num_replicas is None else num_replicas
+            rank = jd.dp_rank if rank is None else rank
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} must be in [0, {num_replicas})")
         self.n, self.num_replicas, self.rank = n, num_replicas, rank

@@ -89,6 +89,9 @@ class WorkerEnv:
     """``JD_EP``: expert-parallel degree (borrows ranks from the data-parallel x context-parallel dims)."""
     sp: bool = False
     """``JD_SP=1``: sequence parallelism with tensor parallelism (norms and residuals split along the sequence)."""
+    ac: str = "none"
+    """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
+    recomputed) or ``full`` (each block is recomputed in backward)."""
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
@@ -106,6 +109,8 @@ class WorkerEnv:
             raise WorkerError(f"JD_CHECKPOINT_EVERY={self.checkpoint_every} must be >= 0 (0: no periodic saves)")
         if self.keep is not None and self.keep < 1:
             raise WorkerError(f"JD_KEEP={self.keep} must be >= 1")
+        if self.ac not in ("none", "selective", "full"):
+            raise WorkerError(f"JD_AC={self.ac!r} is not valid; valid: none, selective, full")
         for dim in ("tp", "pp", "cp", "ep", "dp_replicate"):
             value = getattr(self, dim)
             if value < 1:
@@ -164,6 +169,7 @@ class WorkerEnv:
             ep=_int(env, "JD_EP", 1),
             sp=env.get("JD_SP", "") == "1",
             dp_replicate=_int(env, "JD_DP_REPLICATE", 1),
+            ac=(env.get("JD_AC", "").strip().lower() or "none"),
         )
 
     @property
