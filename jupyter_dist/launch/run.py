@@ -148,6 +148,17 @@ class Run:
         return max(ranks, default=0) + 1
 
     @property
+    def candidate(self) -> str | None:
+        """The candidate the ranks run, with its degrees (``"fsdp2+tp2+sp"``); ``None`` for older runs."""
+        value = self._meta.get("candidate")
+        return str(value) if value else None
+
+    @property
+    def notes(self) -> list[str]:
+        """What runs, in words: the mesh line, then a rehearsal note when a plan runs on fewer processes."""
+        return [str(n) for n in self._meta.get("notes") or []]
+
+    @property
     def exit_codes(self) -> dict[int, int | None]:
         """Exit code per rank (None: the rank left none, e.g. it was killed)."""
         return self._rd.exit_codes(self.world_size)
