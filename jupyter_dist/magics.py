@@ -280,15 +280,13 @@ class DistMagics(Magics):
             ns[args.name] = result
         if not args.no_dashboard and self._want_dashboard():
             try:
-                result._dashboard = result.dashboard(interval=0.5)
-                result._dashboard.show()
-                result._skip_display = True  # the dashboard's status line replaces the card
+                result.show_dashboard(interval=0.5)  # its status line replaces the card
             except JupyterDistError as exc:  # e.g. anywidget missing: say how to get the panels, keep the run
                 print(f"(no live panels: {exc})")
         if args.wait and hasattr(result, "wait"):
             result.wait()
-            if result._dashboard is not None:
-                result._dashboard.finished.wait(10.0)
+            if result.shown_dashboard is not None:
+                result.shown_dashboard.finished.wait(10.0)
         return result
 
     @staticmethod

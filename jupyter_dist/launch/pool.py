@@ -571,7 +571,7 @@ class Pool:
         """How the failed rank ended, from torchrun's failure summary (it ends the other ranks, then reports)."""
         if self.run is None:
             return {}
-        self.run._done.wait(wait)  # torchrun notices the dead worker, stops the others and exits
+        self.run.wait(wait)  # torchrun notices the dead worker, stops the others and exits
         text = self.run.launcher_log()
         if "Root Cause" in text:  # torchrun lists the ranks it terminated itself first, the root cause after
             text = text.rsplit("Root Cause", 1)[1]
@@ -933,16 +933,14 @@ class Pool:
         self._closing.set()
         run = self.run
         if run is not None and not run.done:
-            with run._lock:
-                if run._stop_reason is None:
-                    run._stop_reason = STOPPED
+            run.expect_stop(STOPPED)
             if was in ("ready", "busy"):
                 for conn in list(self._conns.values()):
                     try:
                         conn.channel.send({"op": "shutdown", "id": 0})
                     except ChannelClosed:
                         pass
-                run._done.wait(grace)
+                run.wait(grace)
             if not run.done:
                 run.stop(grace=min(grace, 3.0))
         if self._listener is not None:
