@@ -388,9 +388,10 @@ class Run:
         return where
 
     def diagnosis(self) -> Diagnosis | None:
-        """Why the run failed or hung, as a :class:`~jupyter_dist.telemetry.diagnose.Diagnosis` (``None`` while it
-        runs or after it succeeded): the ranks' logs classified, first failing rank first, or for a hung run the hang
-        report (``diagnosis().hang``, with the culprit as ``first_rank``).
+        """Why the run failed or hung, always a :class:`~jupyter_dist.telemetry.diagnose.Diagnosis` (or ``None``).
+
+        ``None`` while it runs or after it succeeded; else the ranks' logs classified, first failing rank first, or
+        for a hung run the hang report (``diagnosis().hang``, with the culprit as ``first_rank``).
         """
         from ..telemetry.diagnose import Diagnosis, diagnose_ranks
 
