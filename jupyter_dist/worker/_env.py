@@ -11,7 +11,7 @@ from ..errors import JupyterDistError
 from ..plan.strategies import get_strategy
 from ..plan.training import Precision
 
-__all__ = ["WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+__all__ = ["ENV_VARS", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
 
 PRECISIONS = tuple(p.value for p in Precision)
 """Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
@@ -181,7 +181,7 @@ class WorkerEnv:
         launcher's to set.
         """
         out: dict[str, str] = {}
-        for name, var in _ENV_VARS.items():
+        for name, var in ENV_VARS.items():
             value = getattr(self, name)
             if value == _DEFAULTS[name] and name not in ("strategy", "precision"):
                 continue
@@ -204,7 +204,7 @@ class WorkerEnv:
         return "none" if self.strategy == "none" else get_strategy(self.strategy).family
 
 
-_ENV_VARS: dict[str, str] = {
+ENV_VARS: dict[str, str] = {
     "run_dir": "JD_RUN_DIR", "strategy": "JD_STRATEGY", "ds_config": "JD_DS_CONFIG", "precision": "JD_PRECISION",
     "log_stdio": "JD_LOG_STDIO", "heartbeat_s": "JD_HEARTBEAT_S", "checkpoint_every": "JD_CHECKPOINT_EVERY",
     "async_save": "JD_ASYNC_SAVE", "keep": "JD_KEEP", "telemetry_interval_s": "JD_TELEMETRY_INTERVAL_S",
@@ -213,4 +213,4 @@ _ENV_VARS: dict[str, str] = {
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 
-_DEFAULTS = {f.name: f.default for f in fields(WorkerEnv) if f.name in _ENV_VARS}
+_DEFAULTS = {f.name: f.default for f in fields(WorkerEnv) if f.name in ENV_VARS}
