@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ParallelismError, PlanInputError
 from .parallel import ParallelDims
 from .strategies import STRATEGIES, StrategySpec, get_strategy
+from .units import close_match_hint
 
 __all__ = [
     "CandidateName", "LaunchChoice", "MODEL_PARALLEL_DIMS", "RUNNABLE", "composable_strategies", "parse_candidate",
@@ -54,10 +55,11 @@ def composable_strategies() -> list[str]:
 _DEGREE = re.compile(r"^(tp|pp|cp|ep)(\d+)$")
 
 
-def _valid_forms() -> str:
+def _valid_forms(extra: tuple[str, ...] = ()) -> str:
     return (
-        f"valid: a strategy ({', '.join(STRATEGIES)}) or {'|'.join(composable_strategies())} followed by "
-        "+tpN, +ppN, +cpN, +epN and +sp (e.g. fsdp2+tp2+sp, zero1+tp4+pp2, fsdp2+ep4)"
+        f"valid: {', '.join([*extra, 'none', *STRATEGIES])}, or a candidate name "
+        f"{'|'.join(composable_strategies())} followed by +tpN, +ppN, +cpN, +epN and +sp (e.g. fsdp2+tp2+sp, "
+        "zero1+tp4+pp2, fsdp2+ep4)"
     )
 
 
@@ -135,14 +137,14 @@ class CandidateName:
         return ParallelDims.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp)
 
 
-def parse_candidate(name: str) -> CandidateName:
+def parse_candidate(name: str, *, also: tuple[str, ...] = ()) -> CandidateName:
     """Parse a candidate name (``"fsdp2+tp2+sp"``, ``"zero1+tp4+pp2"``, ``"ddp"``, ``"none"``, aliases allowed).
 
     Strict: each degree at most once, ``sp`` only with ``tp``, degrees only on a strategy that composes; the error is
-    one line listing the valid forms.
+    one line listing the valid forms (``also``: words the caller accepts besides, e.g. ``("auto",)``).
     """
     if not isinstance(name, str) or not name.strip():
-        raise PlanInputError(f"empty strategy name; {_valid_forms()}")
+        raise PlanInputError(f"empty strategy name; {_valid_forms(also)}")
     base, *rest = [p.strip() for p in name.strip().lower().split("+")]
     if base == "none":
         strategy = "none"
@@ -150,15 +152,16 @@ def parse_candidate(name: str) -> CandidateName:
         try:
             strategy = get_strategy(base).name
         except PlanInputError:
-            raise PlanInputError(f"unknown strategy {base!r} in {name!r}; {_valid_forms()}") from None
+            where = f" in {name!r}" if rest else close_match_hint(base, [*also, "none", *STRATEGIES])
+            raise PlanInputError(f"unknown strategy {base!r}{where}; {_valid_forms(also)}") from None
     seen: dict[str, int | bool] = {}
     for part in rest:
         m = _DEGREE.match(part)
         key = "sp" if part == "sp" else m.group(1) if m else None
         if key is None:
-            raise PlanInputError(f"{part!r} in {name!r} is not a degree; {_valid_forms()}")
+            raise PlanInputError(f"{part!r} in {name!r} is not a degree; {_valid_forms(also)}")
         if key in seen:
-            raise PlanInputError(f"{key} appears twice in {name!r}; {_valid_forms()}")
+            raise PlanInputError(f"{key} appears twice in {name!r}; {_valid_forms(also)}")
         seen[key] = True if key == "sp" else int(m.group(2))  # type: ignore[union-attr]
     return CandidateName(strategy=strategy, **seen)  # type: ignore[arg-type]
 
@@ -237,7 +240,7 @@ def resolve_launch(
         else:
             cand = CandidateName(strategy="ddp" if world > 1 else "none")
     else:
-        cand = parse_candidate(strategy)
+        cand = parse_candidate(strategy, also=("auto",))
     if degrees.get("sp") and degrees.get("tp") is None and cand.tp < 2:
         raise ParallelismError("--sp needs tensor parallelism: pass --tp N (N >= 2) or a +tpN candidate")
     cand = cand.with_degrees(**degrees)
