@@ -10,20 +10,23 @@ import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
+from ..plan.candidates import LaunchChoice, resolve_launch
+from ..plan.strategies import strategy_names
 from .local import LaunchError, LocalLauncher, check_launcher
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
-__all__ = ["STRATEGY_CHOICES", "DryRun", "local_gpu_count", "resolve_strategy", "start_run"]
+__all__ = ["STRATEGY_CHOICES", "DryRun", "launch_contract", "local_gpu_count", "resolve_strategy", "start_run"]
 
-STRATEGY_CHOICES = ("auto", "none", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload",
-                    "zero2-offload", "zero3-offload-params", "fsdp2-hybrid")  # fmt: skip
-_ALIASES = {"fsdp": "fsdp-full-shard"}
+STRATEGY_CHOICES = ("auto", "none", *strategy_names())
+"""Plain names ``--strategy`` takes; it also takes every candidate name the planner prints (``fsdp2+tp2+sp``,
+see :func:`~jupyter_dist.plan.candidates.parse_candidate`) and the aliases of
+:func:`~jupyter_dist.plan.strategies.get_strategy`."""
 
 
 def local_gpu_count() -> int:
@@ -39,14 +42,35 @@ def local_gpu_count() -> int:
 
 
 def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
-    """``auto`` -> the plan's recommendation (or DDP for more than one process); aliases -> strategy names."""
-    if strategy not in STRATEGY_CHOICES:
-        raise JupyterDistError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGY_CHOICES)}")
-    if strategy == "auto":
-        if plan is not None and plan.best is not None:
-            return str(plan.best.strategy)
-        return "ddp" if world_size > 1 else "none"
-    return _ALIASES.get(strategy, strategy)
+    """The base strategy ``world_size`` processes run (``auto``: the plan's recommendation, else DDP/none).
+
+    Kept for callers that want only the name; launches use :func:`launch_contract`, which keeps the degrees.
+    """
+    return resolve_launch(strategy, plan, world_size).strategy
+
+
+def launch_contract(
+    strategy: str, plan: Any, *, nproc: int, nodes: int = 1, degrees: dict[str, Any] | None = None,
+    precision: str | None = None, worker: dict[str, Any] | None = None,
+) -> tuple[LaunchChoice, Any]:  # fmt: skip
+    """``--strategy``/``--plan``/``--tp ...`` -> (what runs, the WorkerEnv that carries it to the workers).
+
+    Every launch path writes its ``JD_*`` variables from that WorkerEnv's
+    ``to_environ()``; errors are one line (the degrees that don't fit, what cannot run yet).
+    """
+    from ..worker._env import WorkerEnv, WorkerError
+
+    if plan is not None and not hasattr(plan, "best"):
+        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
+    world = nproc * nodes
+    choice = resolve_launch(strategy, plan, world, nproc_per_node=nproc, degrees=degrees)
+    if precision is None:
+        precision = plan.training.precision.value if plan is not None else "fp32"
+    try:
+        env = WorkerEnv.for_launch(world_size=world, precision=precision, **choice.worker_fields(), **(worker or {}))
+    except WorkerError as exc:
+        raise JupyterDistError(str(exc)) from None
+    return choice, env
 
 
 def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
@@ -66,10 +90,12 @@ class DryRun:
     argv: list[list[str]]
     env: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """What runs, in words: the mesh (``mesh: dp_shard=2 x tp=2 (4 processes)``) and any rehearsal note."""
 
     def to_text(self) -> str:
-        """Plain text: commands, environment, files."""
-        out = ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
+        """Plain text: what runs, commands, environment, files."""
+        out = [f"# {n}" for n in self.notes] + ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
         out += ["", "# environment added"] + [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
         for name, text in {"script.py": self.script, **self.files}.items():
             out += ["", f"# ---- {name} ----", text.rstrip()]
@@ -93,13 +119,18 @@ def start_run(
     launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
     port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
-    cluster: Any = None,
-) -> Run | DryRun:
+    cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
+    sp: bool | None = None, worker: dict[str, Any] | None = None,
+) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
+    ``strategy`` is ``auto`` (the plan's recommended candidate), ``none``, a strategy or any candidate name the
+    planner prints (``fsdp2+tp2+sp``); ``tp``/``pp``/``cp``/``ep``/``sp`` override its degrees. ``worker`` sets
+    other :class:`~jupyter_dist.worker._env.WorkerEnv` fields (``checkpoint_every``, ``heartbeat_s``, ...).
     ``backend="slurm"`` or ``"skypilot"`` submits it to a cluster instead (``cluster``: a
     :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.cluster`.
     """
+    degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
     if backend != "local":
         from .cluster import ClusterOptions, start_cluster_run
 
@@ -108,7 +139,7 @@ def start_run(
         result: Run | DryRun = start_cluster_run(
             code, backend=backend, cluster=cluster or ClusterOptions(), nproc=nproc, nodes=nodes, strategy=strategy,
             plan=plan, launcher=launcher, name=name, ship=ship, max_restarts=max_restarts, timeout=timeout,
-            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run,
+            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run, degrees=degrees, worker=worker,
         )  # fmt: skip
         return result
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
@@ -119,9 +150,8 @@ def start_run(
     if hang_timeout is not None and hang_timeout <= 0:
         raise JupyterDistError(f"--hang-timeout must be positive seconds, got {hang_timeout}")
     world = nproc * nodes
-    if plan is not None and not hasattr(plan, "best"):
-        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
-    strat = resolve_strategy(strategy, plan, world)
+    choice, contract = launch_contract(strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker)
+    strat = choice.strategy
     extra_env = dict(env or {})
     for key in extra_env:
         if not key.replace("_", "a").isalnum() or key[0].isdigit():
@@ -133,34 +163,34 @@ def start_run(
 
         ds_plan = plan if plan is not None else _local_plan(strat, nproc, nodes)
         files["ds_config.json"] = render_deepspeed_json(ds_plan, RenderOptions(candidate=strat))
-    precision = plan.training.precision.value if plan is not None else "fp32"
-    jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision}
-    if "ds_config.json" in files:
-        jd_env["JD_DS_CONFIG"] = "ds_config.json"
+        contract = replace(contract, ds_config="ds_config.json")
+    notes = [choice.mesh(), *([choice.note] if choice.note else [])]
     if launcher != "torchrun" and local_gpu_count() == 0:
         # deepspeed's runner asks DeepSpeed's accelerator how many devices exist; accelerate's `Accelerator()` in a
         # rank started with --multi_gpu is MULTI_CPU (gloo) only with ACCELERATE_USE_CPU, else each rank runs alone
-        jd_env.update({"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher])
-    jd_env.update(extra_env)
+        extra_env = {**{"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher],
+                     **extra_env}  # fmt: skip
+    jd_env = {**contract.to_environ(), **extra_env}
     script = PRELUDE + code
     if dry_run:
         rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
         lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                             port=port, extra_env=jd_env)  # fmt: skip
-        return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files)
+        return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files, notes=notes)
 
     rd = new_run_dir(runs_dir, name)
     rd.script.write_text(script, encoding="utf-8")
     for fname, text in files.items():
         (rd.path / fname).write_text(text, encoding="utf-8")
     if files.get("ds_config.json"):
-        jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
+        jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
     if ship:
         _ship(rd, ship)
     lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                         port=port, extra_env=jd_env)  # fmt: skip
     meta: dict[str, Any] = {
-        "name": name, "status": "pending", "strategy": strat, "world_size": world, "nproc": nproc, "nodes": nodes,
+        "name": name, "status": "pending", "strategy": strat, "candidate": choice.candidate.name, "notes": notes,
+        "world_size": world, "nproc": nproc, "nodes": nodes,
         "timeout": timeout, "hang_timeout": hang_timeout, "env": scrub_env(lau.env()), "created": time.time(),
         "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
     }  # fmt: skip

@@ -9,9 +9,7 @@ Examples
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = jd.wrap(model, opt)              # DDP / FSDP / FSDP2 / DeepSpeed, from JD_STRATEGY
-    start = jd.resume()                           # (state, step) of the newest checkpoint, or None
-    first = start[1] + 1 if start else 0
-    for step in range(first, 100):
+    for step in range(jd.start_step(), 100):      # loads the newest checkpoint: the step after it, else 0
         x = batch(step).to(jd.device)
         with jd.autocast():                       # JD_PRECISION=*-mixed with none/ddp; a no-op otherwise
             loss = model(x).square().mean()
@@ -69,6 +67,7 @@ __all__ = [
     "log",
     "save",
     "resume",
+    "start_step",
     "checkpoint",
     "ResumableSampler",
     "barrier",
@@ -207,6 +206,16 @@ def resume(
     the given dict plus the plain values that were saved -- or ``None`` when there is no checkpoint yet.
     """
     return get_runtime().resume(state, root=root)
+
+
+def start_step(state: dict[str, Any] | None = None, *, root: str | os.PathLike[str] | None = None) -> int:
+    """Load the newest complete checkpoint like :func:`resume` and return the step to continue from (always an int).
+
+    ``range(jd.start_step(), steps)`` replaces ``got = jd.resume(); start = got[1] + 1 if got else 0``: the step
+    after the checkpoint's, or 0 when there is none yet. Every rank must call it.
+    """
+    got = resume(state, root=root)
+    return 0 if got is None else int(got[1]) + 1
 
 
 def phase(name: str) -> contextlib.AbstractContextManager[Any]:
