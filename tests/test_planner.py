@@ -225,4 +225,6 @@ def test_hybrid_sharding_needs_two_gpus_per_shard_group() -> None:
         make_plan("llama-2-7b", one_per_node, strategy="fsdp-hybrid-shard")
     eight = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2)
     hybrid = [c for c in make_plan("llama-2-7b", eight).candidates if "hybrid" in c.name]
-    assert hybrid and all(c.settings["shard_group_size"] == 8 for c in hybrid)
+    assert hybrid and all(c.settings["shard_group_size"] == 8 for c in hybrid if c.dims.is_data_parallel_only)
+    # HSDP composes with tensor parallelism: a node's 8 GPUs hold 4 shard ranks x tp2
+    assert all(c.settings["shard_group_size"] == 8 // c.dims.tp for c in hybrid if c.dims.tp > 1 and c.dims.pp == 1)

@@ -138,12 +138,13 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         "fsdp2+cp2": "context parallelism (cp2) cannot run yet",
         "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
         "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
+        "ddp+tp2": "tensor parallelism with ddp (tp2) cannot run yet; run the fsdp2+tp2 candidate",
     }  # fmt: skip
     for name, msg in refusals.items():
         assert msg in (runnable_problem(parse_candidate(name)) or "")
         with pytest.raises(ParallelismError, match=re.escape(msg)):
             resolve_launch(name, None, 8)
-    for name in ("fsdp2+tp2+sp", "ddp+tp2", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3"):
+    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3"):
         assert runnable_problem(parse_candidate(name)) is None, name
     # the table is the one switch: flipping pp on makes fsdp2+pp2 runnable
     saved = RUNNABLE["pp"]

@@ -102,3 +102,76 @@ def test_the_check_catches_tp_ranks_loading_different_batches(single: dict, tmp_
     got = run(tmp_path / "out.pt", "ref", 2, JD_STRATEGY="fsdp2", JD_TP="2", EQ_OPT="sgd", EQ_BAD_DATA="1")
     with pytest.raises(AssertionError):
         assert_equal_math(single[("ref", "sgd")], got)
+
+
+@pytest.mark.parametrize("config", ["dp2xtp2-sp-ac", "hsdp2xtp2-sp-sac"])
+def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path) -> None:
+    """Parameters, gradients and AdamW states each rank holds equal the planner's per-rank figures exactly."""
+    import json
+
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+
+    nproc, degrees = CONFIGS[config]
+    run(tmp_path / "out.pt", "ref", nproc, JD_STRATEGY="fsdp2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2",
+        **degrees)  # fmt: skip
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    hybrid = "JD_DP_REPLICATE" in degrees
+    # HSDP: 2 "nodes" of 2 processes, sharded inside a node (one dp rank there, with tp2), replicated across
+    hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=2 if hybrid else 4, nodes=2 if hybrid else 1)
+    p = plan(spec, hw, TrainingShape(micro_batch=4, seq_len=16, precision="fp32"),
+             strategy="fsdp2-hybrid" if hybrid else "fsdp2", tp=2)  # fmt: skip
+    cand = p.candidate(("fsdp2-hybrid" if hybrid else "fsdp2") + "+tp2+sp")
+    for rank in range(nproc):
+        got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
+        want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+        assert got == want, (rank, got, want)
+
+
+def test_pretrained_hf_checkpoint_loads_sharded_from_meta_with_the_same_logits(tmp_path: Path) -> None:
+    """A tiny HF Llama saved with save_pretrained, built on the meta device and loaded under dp2 x tp2 + sp (each rank
+    reading its own slices through DCP's HuggingFaceStorageReader), gives the unsharded model's logits."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from parallel_train import batch, llama_model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)  # not the workers' seed: the weights must come from the folder
+    llama_model().save_pretrained(tmp_path / "pre")
+    reference = LlamaForCausalLM.from_pretrained(tmp_path / "pre")
+    with torch.no_grad():
+        want = reference(batch(0, 8, 16)[:, :-1]).logits
+    got = run(tmp_path / "out.pt", "llama", 4, JD_STRATEGY="fsdp2", JD_TP="2", JD_SP="1", EQ_STEPS="0", EQ_META="1",
+              EQ_PRETRAINED=str(tmp_path / "pre"), EQ_LOGITS="1")  # fmt: skip
+    assert got["mesh"] == "dp_shard=2 x tp=2"
+    torch.testing.assert_close(got["logits"], want, rtol=RTOL, atol=1e-6)
+
+
+def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(tmp_path: Path) -> None:
+    """DCP checkpoints reshard: saved at step 4 under dp2 x tp2 + sp, resumed under dp4 (no tp) and under dp2 x tp2;
+    the next 5 losses equal the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt)}
+    full = run(tmp_path / "full.pt", "ref", 4, JD_TP="2", JD_SP="1", EQ_SAVE_AT="4", **common)
+    assert (ckpt / "step-4" / "COMPLETE").exists()
+    for name, degrees in {"dp4": {}, "dp2xtp2": {"JD_TP": "2"}}.items():
+        resumed = run(tmp_path / f"{name}.pt", "ref", 4, EQ_RESUME="1", **degrees, **common)
+        assert resumed["first"] == 5, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
+                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+
+
+def test_wrong_tensor_parallel_inputs_get_one_line_each(tmp_path: Path) -> None:
+    script = SCRIPT.parent / "tp_errors.py"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_TP="2"), 180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("CASE ")}
+    assert "needs a layout for NoPlan" in lines["no-plan"] and "tp_plan=" in lines["no-plan"]
+    assert "tp=2 does not divide the attention heads" in lines["heads"] and "(3)" in lines["heads"]
+    assert "tp=2 does not divide the vocabulary of Transformer (63)" in lines["vocab"]
+    assert "'layers.*.attn.q' matches no submodule" in lines["bad-key"]
+    assert "style 'diagonal'" in lines["bad-style"] and "colwise" in lines["bad-style"]
+    assert "is not a folder" in lines["no-folder"]

@@ -66,8 +66,11 @@ def launch_contract(
     choice = resolve_launch(strategy, plan, world, nproc_per_node=nproc, degrees=degrees)
     if precision is None:
         precision = plan.training.precision.value if plan is not None else "fp32"
+    fields = {**choice.worker_fields(), **(worker or {})}
+    if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
+        fields["ac"] = plan.training.checkpointing.value
     try:
-        env = WorkerEnv.for_launch(world_size=world, precision=precision, **choice.worker_fields(), **(worker or {}))
+        env = WorkerEnv.for_launch(world_size=world, precision=precision, **fields)
     except WorkerError as exc:
         raise JupyterDistError(str(exc)) from None
     return choice, env

@@ -120,6 +120,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads  # whole-model counts (read by the planner)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
@@ -223,7 +224,8 @@ class Transformer(nn.Module):
     def tp_dims(self) -> dict[str, int]:
         """The sizes a tensor-parallel degree must divide: heads, kv heads, MLP width, vocabulary."""
         c = self.config
-        return {"heads": c.n_heads, "kv_heads": c.kv_heads, "ffn": c.hidden_dim, "vocab": c.vocab_size}
+        return {"attention heads": c.n_heads, "kv heads": c.kv_heads, "MLP width": c.hidden_dim,
+                "vocabulary": c.vocab_size}  # fmt: skip
 
     def tp_plan(self, *, sequence_parallel: bool = False) -> dict[str, Any]:
         """The Megatron-LM layout as ``parallelize_module`` styles (module name pattern -> ``ParallelStyle``).

@@ -29,7 +29,7 @@ MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
 """The model-parallel degrees a candidate name can carry, in the order the planner prints them (then ``sp``)."""
 
 RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
-    "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "ddp", "none"}),
+    "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
            "tensor parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --tp 1"),
     "pp": (frozenset(),
            "pipeline parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "

@@ -176,18 +176,27 @@ def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, f
 
     Blocks are split ``pp`` ways (the first stage also holds the input embedding, the last the output projection
     and final norm); TP splits block and embedding matrices ``tp`` ways (Megatron-LM); EP splits experts ``ep``
-    ways. ``block`` is one block's share, the unit that ZeRO-3/FSDP gather at a time.
+    ways. What TP does not split stays whole on every tensor-parallel rank: the norms' weights and biases (sequence
+    parallelism splits their activations, not their weights), the biases of the row-parallel projections
+    (attention output, MLP down projection) and a learned position table (Shoeybi et al. 2019; the same in
+    PyTorch's ``ColwiseParallel``/``RowwiseParallel``, measured to the byte in tests/test_tensor_parallel.py).
+    ``block`` is one block's share, the unit that ZeRO-3/FSDP gather at a time.
     """
     scale = model.params / model.params_from_dims if model.params_override else 1.0
     blocks = math.ceil(model.layers / dims.pp)
     expert_per_block = model.experts * model.expert_params if model.is_moe else 0
     dense_per_block = model.layer_params - expert_per_block
+    whole_per_block = 2 * model.norm_params + model.hidden * (model.out_bias + (model.mlp_bias and not model.is_moe))
+    positions = model.max_positions * model.hidden
     first = model.embedding_params + (model.lm_head_params + model.norm_params if dims.pp == 1 else 0)
+    first_whole = positions + (model.norm_params if dims.pp == 1 else 0)
     last = model.lm_head_params + model.norm_params + (model.embedding_params if model.tied_embeddings else 0)
-    edge = max(first, last) if dims.pp > 1 else first
-    dense = (blocks * dense_per_block + edge) / dims.tp
+    last_whole = model.norm_params + (positions if model.tied_embeddings else 0)
+    edge, edge_whole = max((first, first_whole), (last, last_whole)) if dims.pp > 1 else (first, first_whole)
+    split = blocks * (dense_per_block - whole_per_block) + edge - edge_whole
+    dense = split / dims.tp + blocks * whole_per_block + edge_whole
     expert = blocks * expert_per_block / dims.ep
-    block = (dense_per_block / dims.tp + expert_per_block / dims.ep) * scale
+    block = ((dense_per_block - whole_per_block) / dims.tp + whole_per_block + expert_per_block / dims.ep) * scale
     return dense * scale, expert * scale, block
 
 

@@ -22,7 +22,7 @@ __all__ = ["plan", "resolve_model", "LONG_SEQUENCE"]
 LONG_SEQUENCE = 16384
 """Sequence length from which context-parallel candidates are considered."""
 
-_DP_ONLY = [s for s in STRATEGIES.values() if not s.model_parallel or s.name in ("zero1", "fsdp2")]
+_DP_ONLY = [s for s in STRATEGIES.values() if not s.model_parallel or s.name in ("zero1", "fsdp2", "fsdp2-hybrid")]
 _MODEL_PARALLEL = [s for s in STRATEGIES.values() if s.model_parallel]
 
 
@@ -98,7 +98,7 @@ def _enumerate(
         if dims in seen or _dims_problem(model, training, dims):
             return
         seen.add(dims)
-        out.extend((s, dims) for s in _MODEL_PARALLEL)
+        out.extend((s, dims) for s in _MODEL_PARALLEL if not (s.hybrid and hardware.nodes == 1))
 
     tps = [1] + [t for t in _powers_of_two(min(gpn, 8)) if world % t == 0]
     pps = [1] + [p for p in _powers_of_two(min(world, 64)) if p <= model.layers]

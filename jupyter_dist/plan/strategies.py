@@ -84,7 +84,7 @@ STRATEGIES: dict[str, StrategySpec] = {
                      shard_grads=True, shard_params=True, model_parallel=True, complexity=3,
                      summary="per-parameter (DTensor) sharding with fully_shard; composes with TP/PP/CP/EP"),
         StrategySpec(name="fsdp2-hybrid", label="FSDP2 HSDP (2-D mesh)", family="fsdp2", shard_optimizer=True,
-                     shard_grads=True, shard_params=True, hybrid=True, complexity=3,
+                     shard_grads=True, shard_params=True, hybrid=True, model_parallel=True, complexity=3,
                      summary="fully_shard on a (replicate, shard) mesh: shard inside a node, replicate across"),
     )
 }  # fmt: skip

@@ -215,7 +215,7 @@ ENV_VARS: dict[str, str] = {
     "log_stdio": "JD_LOG_STDIO", "heartbeat_s": "JD_HEARTBEAT_S", "checkpoint_every": "JD_CHECKPOINT_EVERY",
     "async_save": "JD_ASYNC_SAVE", "keep": "JD_KEEP", "telemetry_interval_s": "JD_TELEMETRY_INTERVAL_S",
     "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
-    "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE",
+    "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 

@@ -490,7 +490,9 @@ def load_pretrained(model: torch.nn.Module, path: str) -> int:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise WorkerError(f"jd.wrap: pretrained={path!r} lacks {len(missing)} tensor(s) of the model: {shown}")
     state = {k: v for k, v in state.items() if k in available}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+    import torch.distributed as dist
+
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     return len(state)
 
@@ -498,7 +500,7 @@ def load_pretrained(model: torch.nn.Module, path: str) -> int:
 # ------------------------------------------------------------------------------------------------------ together
 def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
                 tp_plan: Mapping[str, Any] | None = None, pretrained: str | None = None,
-                family: str = "fsdp2") -> tuple[Any, Any, Mesh]:  # fmt: skip
+                family: str = "fsdp2") -> tuple[Any, Any, Mesh | None]:  # fmt: skip
     """Mesh, tensor parallelism, activation checkpointing, FSDP2 over the data-parallel dims, materialisation.
 
     ``family`` is ``"fsdp2"`` (shard model states over the data-parallel dims) or ``"none"`` (tensor parallelism
@@ -515,6 +517,20 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
                 f"jd.wrap: {issue} parallelism ({dim}{getattr(env, dim)}) cannot run yet in this version; run a "
                 f"candidate without it (e.g. fsdp2+tp{env.tp}) or set JD_{dim.upper()}=1"
             )
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):  # one process (family none, tp 1): no mesh to build
+        on_meta = any(p.is_meta for p in model.parameters())
+        old_names = _param_names(model)
+        if on_meta:
+            materialize(model, device)
+        else:
+            model = model.to(device)
+        if pretrained is not None:
+            load_pretrained(model, pretrained)
+        if optimizer is not None:
+            optimizer = rebuild_optimizer(optimizer, old_names, model)
+        return model, optimizer, None
     mesh = build_mesh(env, device.type)
     if family == "none" and mesh.dp_size > 1:
         raise WorkerError(

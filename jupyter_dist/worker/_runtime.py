@@ -265,8 +265,10 @@ class Runtime:
                     f"jd.wrap: JD_STRATEGY={self.env.strategy} does not compose with tensor parallelism or sharded "
                     "loading here; use fsdp2 (e.g. the plan's fsdp2+tp candidate)"
                 )
-            if not self.env.distributed and self.env.tp > 1:
-                raise WorkerError(f"jd.wrap: JD_TP={self.env.tp} needs {self.env.tp}+ processes started by torchrun")
+            from ._strategy import require_process_group
+
+            if family != "none" or self.env.model_parallel:
+                require_process_group(self.env.strategy if family != "none" else f"none with JD_TP={self.env.tp}")
             model, optimizer, self.mesh = parallelize(
                 self.env, model, optimizer, device=self.device, tp_plan=tp_plan,
                 pretrained=None if pretrained is None else os.fspath(pretrained), family=family,

@@ -118,22 +118,28 @@ def _mixed(precision: str) -> tuple[Any, Any] | None:
     return None
 
 
-def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
-                   comm_stats: Any = None) -> tuple[Any, Any]:  # fmt: skip
-    """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`."""
-    import torch
+def require_process_group(name: str) -> None:
+    """One line when a distributed strategy is asked for in a process torchrun did not start."""
     import torch.distributed as dist
 
-    name = env.strategy
-    if name == "none":
-        return model, optimizer
-    family = get_strategy(name).family
     if not (dist.is_available() and dist.is_initialized()):
         raise WorkerError(
             f"JD_STRATEGY={name} needs a process group, and this process was not started by torchrun "
             "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT unset); run the cell with %%dist_train, or set "
             "JD_STRATEGY=none"
         )
+
+
+def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
+                   comm_stats: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`."""
+    import torch
+
+    name = env.strategy
+    if name == "none":
+        return model, optimizer
+    family = get_strategy(name).family
+    require_process_group(name)
     if env.precision == "bf16-true" and family != "deepspeed":
         model = model.to(torch.bfloat16)
 

@@ -70,6 +70,12 @@ def full(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (a DTensor's local shard)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
 def clean(name: str) -> str:
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
@@ -111,6 +117,7 @@ def main() -> None:
         logits = logits_of(model, local[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), local[:, 1:].reshape(-1))
         loss.backward()
+        grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = loss.detach().clone()
@@ -120,6 +127,15 @@ def main() -> None:
         losses.append(value.item())
         if step == save_at:
             jd.save({"model": model, "optimizer": opt}, step, root=ckpt)
+    if steps > first and os.environ.get("EQ_MEASURE") == "1":  # what this rank holds, for the memory-vs-plan test
+        states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        measured = {
+            "params": sum(local_bytes(p) for p in model.parameters()),
+            "grads": grad_bytes,
+            "optimizer": sum(local_bytes(v) for v in states),
+        }
+        with open(f"{out_path}.rank{jd.rank}.json", "w") as f:
+            json.dump(measured, f)
     params = {clean(k): full(p) for k, p in model.named_parameters()}
     first_logits = None
     if os.environ.get("EQ_LOGITS") == "1":
