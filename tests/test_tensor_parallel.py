@@ -13,6 +13,7 @@ near-zero gradients into full-size updates; with AdamW the tests compare each te
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -175,3 +176,60 @@ def test_wrong_tensor_parallel_inputs_get_one_line_each(tmp_path: Path) -> None:
     assert "'layers.*.attn.q' matches no submodule" in lines["bad-key"]
     assert "style 'diagonal'" in lines["bad-style"] and "colwise" in lines["bad-style"]
     assert "is not a folder" in lines["no-folder"]
+
+
+# --------------------------------------------------------------------------------------------- from the notebook
+def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for_four_ranks(ip, runs) -> None:  # noqa: ANN001
+    """The planner's fsdp2+tp2+sp candidate, launched from `%%dist_train --plan` and from the wizard's Launch (its
+    default cell, the reference transformer), runs on 4 processes as dp2 x tp2 with sequence parallelism, and the
+    live panels show all four ranks."""
+    pytest.importorskip("anywidget")
+    from conftest import descendants_gone
+
+    from jupyter_dist.launch.examples import DEMO_CELL
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+    from jupyter_dist.ui.wizard import Wizard
+
+    spec = ModelSpec.from_module(Transformer, vocab_size=64, dim=64, n_layers=2, n_heads=4)
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4),
+             TrainingShape(micro_batch=16, seq_len=32, precision="fp32"), strategy="fsdp2", tp=2)  # fmt: skip
+    assert p.recommended == "fsdp2+tp2+sp"
+    ip.user_ns["tp_plan_p"] = p
+    magics = ip.magics_manager.registry["DistMagics"]
+    magics.dashboard = "on"
+    try:
+        run = ip.run_cell_magic("dist_train", "--plan tp_plan_p --nproc 4 --name tp_magic --heartbeat 0.25 "
+                                "--telemetry-interval 0.2 --timeout 240", DEMO_CELL.format(steps=40))  # fmt: skip
+    finally:
+        magics.dashboard = "auto"
+    assert run.wait(240) == "succeeded", run.logs()
+    env = json.loads((run.dir / "run.json").read_text())["env"]
+    assert (env["JD_STRATEGY"], env["JD_TP"], env["JD_SP"]) == ("fsdp2", "2", "1")
+    dash = run.shown_dashboard
+    assert dash is not None and dash.finished.wait(30)
+    loss = {t["name"]: t for t in {f["id"]: f for f in dash.figures()}["loss"]["traces"]}
+    for rank in range(4):
+        assert loss[f"rank {rank}"]["x"][-1] == 39, sorted(loss)
+    assert loss["rank 0"]["y"][-1] < loss["rank 0"]["y"][0]
+    # ranks of one tensor-parallel group compute the same loss on the same batch; the two groups differ
+    last = {r: loss[f"rank {r}"]["y"][-1] for r in range(4)}
+    assert last[0] == pytest.approx(last[1], rel=1e-5) and last[2] == pytest.approx(last[3], rel=1e-5)
+    assert last[0] != pytest.approx(last[2], rel=1e-5)
+    assert descendants_gone(run)
+
+    w = Wizard(model=Transformer, gpu="cpu", gpus_per_node=4, seq_len=32, micro_batch=16, precision="fp32",
+               runs_dir=runs, shell=ip, code=DEMO_CELL.format(steps=20))  # fmt: skip
+    w.candidate.value = "fsdp2+tp2+sp"
+    w.run_name.value = "tp_wizard"
+    w.nproc.value = 4
+    wrun = w.launch(timeout=240)
+    assert wrun is not None, w.launch_msg.value
+    assert wrun.wait(240) == "succeeded", wrun.logs()
+    assert {r["rank"] for r in wrun.records("step")} == {0, 1, 2, 3}
+    if w.dashboard is not None:  # the live panels under the Launch button show every rank
+        assert w.launch_area.children == (w.dashboard.widget,)
+        assert w.dashboard.finished.wait(30)
+        names = {t["name"] for t in {f["id"]: f for f in w.dashboard.figures()}["loss"]["traces"]}
+        assert {f"rank {r}" for r in range(4)} <= names
+    assert descendants_gone(wrun)

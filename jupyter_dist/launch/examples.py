@@ -1,7 +1,8 @@
-"""Example training cells: the demo job's small transformer LM, also the strategy wizard's default Launch cell.
+"""Example training cells: the quickstart's small transformer LM, and the demo job's cell (the wizard's default).
 
-``DEMO_CELL.format(steps=N)`` is a complete ``%%dist_train`` cell (it uses ``jd`` from the worker API), so it runs
-under any strategy ``jd.wrap`` applies (DDP, FSDP/FSDP2, DeepSpeed ZeRO) on CPU/gloo or GPUs.
+``DEMO_CELL.format(steps=N)`` is a complete ``%%dist_train`` cell (it uses ``jd`` from the worker API and the
+reference :class:`jupyter_dist.models.Transformer`), so it runs under any strategy ``jd.wrap`` applies (DDP,
+FSDP/FSDP2, DeepSpeed ZeRO, FSDP2 + tensor/sequence parallelism) on CPU/gloo or GPUs.
 """
 
 from __future__ import annotations
@@ -44,28 +45,33 @@ class TinyLM(nn.Module):
         return self.head(x)'''
 """A small causal transformer LM (``Block``, ``TinyLM(vocab, dim, layers)``): the demo's model and the quickstart's."""
 
-DEMO_CELL = (
-    "\nimport math\n"
-    + MODEL_SOURCE
-    + '''
+DEMO_CELL = '''
+import math
 
+import torch
+import torch.nn as nn
+
+from jupyter_dist.models import Transformer  # a Llama-style LM that knows its tensor-parallel layout
 
 STEPS, VOCAB, DIM, SEQ, BATCH = {steps}, 64, 64, 32, 16
 torch.manual_seed(0)
 
 
 def batch(step: int) -> torch.Tensor:
-    """Synthetic data with structure to learn: each sequence counts up from a random start (mod VOCAB)."""
-    g = torch.Generator().manual_seed(step * jd.world_size + jd.rank)
+    """Synthetic data with structure to learn: each sequence counts up from a random start (mod VOCAB).
+
+    One batch per data-parallel rank (jd.dp_rank of jd.dp_size): the ranks of a tensor-parallel group share it.
+    """
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
     start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
     return (start + torch.arange(SEQ + 1)) % VOCAB
 
 
-model = TinyLM(vocab=VOCAB, dim=DIM)
+model = Transformer(vocab_size=VOCAB, dim=DIM, n_layers=2, n_heads=4)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, opt = jd.wrap(model, opt)
+model, opt = jd.wrap(model, opt)  # the plan's strategy: DDP, FSDP2, ZeRO, or FSDP2 + tensor/sequence parallelism
 for step in range(STEPS):
-    tokens = batch(step)
+    tokens = batch(step).to(jd.device)
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     jd.backward(loss)
@@ -74,4 +80,5 @@ for step in range(STEPS):
 if jd.is_main:
     print(f"final loss {{loss.item():.3f}} (random guessing: {{math.log(VOCAB):.3f}})")
 '''
-)
+"""The wizard's default Launch cell and the terminal demo: a complete ``%%dist_train`` cell
+(``DEMO_CELL.format(steps=N)``) that runs under every strategy ``jd.wrap`` applies, tensor parallelism included."""
