@@ -15,7 +15,8 @@ nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TESTS = Path(__file__).resolve().parent
-EXECUTED_HERE = ("plan_large_models.ipynb", "communication_health.ipynb", "strategies_memory.ipynb")
+EXECUTED_HERE = ("plan_large_models.ipynb", "communication_health.ipynb", "strategies_memory.ipynb",
+                 "tensor_parallel.ipynb")  # fmt: skip
 EXECUTED_ELSEWHERE = {"quickstart.ipynb": "test_demo.py", "pool_quickstart.ipynb": "test_pool.py",
                       "cluster_slurm.ipynb": "test_slurm.py", "cluster_skypilot.ipynb": "test_skypilot.py"}  # fmt: skip
 
@@ -100,3 +101,12 @@ def test_strategies_memory_notebook_measures_what_the_plan_predicts(tmp_path: Pa
     assert "within 2% of the plan" in text
     for s in ("ddp", "fsdp2", "zero1", "zero2"):
         assert f"{s}: succeeded" in text
+
+
+@pytest.mark.slow
+def test_tensor_parallel_notebook_rehearses_the_70b_layout_and_matches_the_plan(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "tensor_parallel.ipynb", tmp_path, timeout=900)
+    text = outputs_text(nb)
+    assert "recommended: fsdp2+tp2+sp" in text
+    assert "rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2" in text, text
+    assert "every rank holds exactly the bytes the plan predicts" in text

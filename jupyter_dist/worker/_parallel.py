@@ -205,6 +205,26 @@ def _hf_plan(model: torch.nn.Module) -> dict[str, str] | None:
     return plan
 
 
+def _vocab_parallel_embedding(model: torch.nn.Module, raw: Mapping[str, Any], tp: int) -> str | None:
+    """The input embedding's name, to split by vocabulary rows, where the model's own plan leaves it whole.
+
+    Hugging Face's Llama-family plans replicate the token embedding on every tensor-parallel rank; Megatron-LM and
+    torchtitan split it by vocabulary (an all-reduce of the looked-up rows), which is what the planner counts. Left
+    whole when ``tp`` does not divide the vocabulary or the embedding is tied to the head.
+    """
+    import torch.nn as nn
+
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if not isinstance(emb, nn.Embedding) or emb.num_embeddings % tp:
+        return None
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    tied = {a for pair in _tied_parameters(model) for a in pair}
+    if name is None or name in raw or f"{name}.weight" in tied:
+        return None
+    return name
+
+
 def _modules_matching(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
     """Submodules whose dotted name matches ``pattern`` token by token (``*`` within one name)."""
     tokens = pattern.split(".")
@@ -276,6 +296,9 @@ def resolve_tp_plan(model: torch.nn.Module, tp_plan: Mapping[str, Any] | None, *
     elif _hf_plan(model) is not None:
         raw = _hf_plan(model) or {}
         plan = {k: _torch_style(v, k) for k, v in raw.items()}
+        embed = _vocab_parallel_embedding(model, raw, tp)
+        if embed:
+            plan[embed] = _torch_style("embedding_rowwise", embed)
         if sequence_parallel:
             plan = _hf_sequence_parallel(model, plan)
         source = f"{kind}'s own Hugging Face tp plan"
