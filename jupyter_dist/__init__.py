@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["__version__", "plan", "open_run", "Dashboard", "Wizard", "load_ipython_extension",
            "unload_ipython_extension"]
@@ -39,6 +39,25 @@ def Wizard(model: Any = None, **kwargs: Any) -> Any:  # noqa: N802 - reads as th
     from .ui.wizard import Wizard as _Wizard
 
     return _Wizard(model, **kwargs)
+
+
+def _live_panels(run: Any, **kwargs: Any) -> Any:
+    from .ui.dashboard import Dashboard as _Dashboard
+
+    return _Dashboard(run, **kwargs)
+
+
+def _static_panels(run: Any) -> str:
+    from .ui.dashboard import Dashboard as _Dashboard
+
+    return str(_Dashboard(run, widget=False).static_html())
+
+
+# The one place that wires the ui layer to the launch layer: a Run shows the notebook panels through these hooks
+# (run.dashboard(), a finished run's card), and jupyter_dist.launch never imports jupyter_dist.ui.
+from .launch import views as _views  # noqa: E402
+
+_views.subscribe(live=_live_panels, static=_static_panels)
 
 
 def load_ipython_extension(ipython: Any) -> None:

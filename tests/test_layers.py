@@ -88,7 +88,8 @@ def test_planning_end_to_end_loads_no_forbidden_module() -> None:
     assert json.loads(out.stdout) == []
 
 
-LAYERS = ("errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magics", "pool_magics")
+LAYERS = ("_version", "errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magic_args",
+          "pool_magics", "magics")  # fmt: skip
 """Layer order (ARCHITECTURE.md): a module imports, at module level, only its own layer and the ones before it.
 Function-level imports may reach down (``Run.dashboard()`` builds ui panels lazily) and are not checked here."""
 
@@ -129,3 +130,130 @@ def test_module_level_imports_follow_the_layer_order(path: Path) -> None:
     allowed = set(LAYERS[: LAYERS.index(layer) + 1])
     bad = sorted({t for t in _module_level_targets(path) if t in LAYERS and t not in allowed})
     assert not bad, f"{rel} ({layer}) imports {bad} at module level; only {sorted(allowed)} are above it"
+
+
+# ---- no import circles ----------------------------------------------------------------------------------------------
+# The graph has one node per module of the package (a package's ``__init__.py`` is the package's node) and one edge per
+# import statement that names a module of the package: module-level, function-level and ``if TYPE_CHECKING:`` imports
+# alike. A lazy import inside a function still couples the two modules (neither can be read, tested or moved without
+# the other); it only postpones the cost. ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+# else to ``pkg``. The packages above a module, which Python runs first, are not edges unless an import names them.
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``<root>/a/b.py`` -> ``<root name>.a.b``; ``<root>/a/__init__.py`` -> ``<root name>.a``."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (anywhere in the file)."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    full = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    full = node.module or ""
+                for a in node.names:
+                    sub = f"{full}.{a.name}"
+                    targets.add(sub if sub in files else known(full))
+        graph[mod] = {t for t in targets if t is not None and t != mod}
+    return graph
+
+
+def import_groups(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected groups of two or more modules (Tarjan): each module of one reaches every other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(groups, key=min)
+
+
+def a_circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest circle ``a -> ... -> a`` through the group's first module (breadth-first inside the group)."""
+    start = min(group)
+    paths = {w: [start, w] for w in sorted(graph[start] & group)}
+    frontier = list(paths)
+    while start not in paths:
+        frontier_next = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    frontier_next.append(w)
+        frontier = frontier_next
+    return paths[start]
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One concrete circle per group of modules that import each other."""
+    return [a_circle(graph, g) for g in import_groups(graph)]
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph(ROOT)
+    lines = []
+    for group in import_groups(graph):  # a circle, then every import inside its group (a group can hold several)
+        lines.append(" -> ".join(a_circle(graph, group)))
+        lines += [f"    {a} -> {b}" for a in sorted(group) for b in sorted(graph[a] & group)]
+    assert not lines, "import circles (module-, function- or TYPE_CHECKING-level; see docs/architecture.md):\n" + (
+        "\n".join(lines)
+    )
+
+
+def test_the_circle_check_catches_circles_in_a_synthetic_package(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import c  # the package imports its child\n")
+    (pkg / "a.py").write_text("from .sub import b\n")  # a -> sub.b (a module, not the package)
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g  # lazy, still an edge\n")
+    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.sub\n")
+    (pkg / "d.py").write_text("import os\nfrom pkg import a\n")  # d -> a: no way back, no circle
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.a"}
+    assert import_circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"], ["pkg.sub", "pkg.sub.c", "pkg.sub"]]
+    (pkg / "sub" / "b.py").write_text("def f():\n    pass\n")
+    (pkg / "sub" / "c.py").write_text("X = 1\n")
+    assert import_circles(import_graph(pkg)) == []

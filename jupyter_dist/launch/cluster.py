@@ -146,8 +146,8 @@ def start_cluster_run(
 ) -> Any:
     """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``)."""
     from ..render.common import SECRET_NAMES, RenderOptions
+    from .prepare import PRELUDE, DryRun, _ship, resolve_strategy
     from .run import Run
-    from .session import PRELUDE, DryRun, _ship, resolve_strategy
 
     if backend not in CLUSTER_BACKENDS:
         raise JupyterDistError(f"unknown backend {backend!r}; valid: local, {', '.join(CLUSTER_BACKENDS)}")

@@ -6,24 +6,19 @@ Used by ``%%dist_train`` and usable from Python (``jupyter_dist.launch.session.s
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
 from .local import LaunchError, LocalLauncher, check_launcher
+from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, resolve_strategy
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
 __all__ = ["STRATEGY_CHOICES", "DryRun", "local_gpu_count", "resolve_strategy", "start_run"]
-
-STRATEGY_CHOICES = ("auto", "none", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload",
-                    "zero2-offload", "zero3-offload-params", "fsdp2-hybrid")  # fmt: skip
-_ALIASES = {"fsdp": "fsdp-full-shard"}
 
 
 def local_gpu_count() -> int:
@@ -38,17 +33,6 @@ def local_gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
-    """``auto`` -> the plan's recommendation (or DDP for more than one process); aliases -> strategy names."""
-    if strategy not in STRATEGY_CHOICES:
-        raise JupyterDistError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGY_CHOICES)}")
-    if strategy == "auto":
-        if plan is not None and plan.best is not None:
-            return str(plan.best.strategy)
-        return "ddp" if world_size > 1 else "none"
-    return _ALIASES.get(strategy, strategy)
-
-
 def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
     """A plan for the local CPU processes, so a DeepSpeed config can be rendered without a user plan."""
     from ..plan import Hardware, ModelSpec, TrainingShape, plan
@@ -56,36 +40,6 @@ def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
 
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc, nodes=nodes)
     return plan(ModelSpec.from_params(1e6, name="local"), hw, TrainingShape(precision="fp32"), strategy=strategy)
-
-
-@dataclass
-class DryRun:
-    """What ``--dry-run`` shows: the script, the configs and the commands, nothing started."""
-
-    script: str
-    argv: list[list[str]]
-    env: dict[str, str]
-    files: dict[str, str] = field(default_factory=dict)
-
-    def to_text(self) -> str:
-        """Plain text: commands, environment, files."""
-        out = ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
-        out += ["", "# environment added"] + [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-        for name, text in {"script.py": self.script, **self.files}.items():
-            out += ["", f"# ---- {name} ----", text.rstrip()]
-        return "\n".join(out)
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        import html
-
-        return {"text/plain": self.to_text(), "text/html": f"<pre>{html.escape(self.to_text())}</pre>"}
-
-
-PRELUDE = """\
-# --- added by jupyter-dist: the worker API is bound as `jd` ---
-import jupyter_dist.worker as jd  # noqa: E402
-# --- the cell ---
-"""
 
 
 def start_run(
@@ -180,16 +134,3 @@ def start_recorded(rd: RunDir, meta: dict[str, Any], lau: LocalLauncher) -> list
     meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
     rd.write_meta(meta)
     return procs
-
-
-def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
-    import pickle
-
-    import cloudpickle
-
-    try:
-        payload = cloudpickle.dumps(objects)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        names = ", ".join(objects)
-        raise JupyterDistError(f"--ship {names}: cannot be pickled for the workers ({exc})") from None
-    (rd.path / "shipped.pkl").write_bytes(payload)

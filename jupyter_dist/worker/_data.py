@@ -31,10 +31,11 @@ class ResumableSampler:
         if n < 1:
             raise ValueError(f"ResumableSampler needs at least one sample, got {n}")
         if num_replicas is None or rank is None:
-            import jupyter_dist.worker as jd
+            from ._runtime import get_runtime  # what jd.world_size / jd.rank read (not the jd facade: no circle)
 
-            num_replicas = jd.world_size if num_replicas is None else num_replicas
-            rank = jd.rank if rank is None else rank
+            rt = get_runtime()
+            num_replicas = rt.world_size if num_replicas is None else num_replicas
+            rank = rt.rank if rank is None else rank
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} must be in [0, {num_replicas})")
         self.n, self.num_replicas, self.rank = n, num_replicas, rank
