@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,38 @@ def test_the_size_note_check_reads_the_docstring_of_long_files_only(tmp_path: Pa
     split.write_text('"""Long.\n\nPlanned split: the table apart from its reader.\n"""\n' + body)
     comment.write_text('"""Long."""\n# one piece (a comment is not the docstring)\n' + body)
     assert [missing_size_note(p) for p in (short, long, noted, split, comment)] == [False, True, False, False, True]
+
+
+# ---- the architecture document matches the tree ------------------------------------------------------------------
+REPO = ROOT.parent
+ARCH = REPO / "docs" / "architecture.md"
+
+
+def test_the_architecture_doc_names_every_module_and_only_paths_that_exist() -> None:
+    text = ARCH.read_text()
+    modules = [p for p in sorted(ROOT.rglob("*.py")) if len(ast.parse(p.read_text()).body) > 1]  # not docstring-only
+    unnamed = [str(p.relative_to(REPO)) for p in modules if str(p.relative_to(REPO)) not in text]
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}: add them to 'The modules' (and their layer)"
+    named = set(re.findall(r"`((?:jupyter_dist|tests|benchmarks|docs)/[\w./<>-]+?)`", text))
+    missing = sorted(n for n in named if "<" not in n and not (REPO / n).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_docs_links_resolve_and_nothing_points_outside_the_repository() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, f"links to missing files: {broken}"
+    outside = ("../" + "shared", "ARCHITECTURE" + ".md", "RECIPES" + ".md", "CONVENTIONS" + ".md")
+    files = [
+        p
+        for d in ("jupyter_dist", "tests", "docs", "benchmarks", "scripts", "notebooks", "binder")
+        for p in sorted((REPO / d).rglob("*"))
+        if p.is_file() and p.suffix in (".py", ".md", ".sh", ".ipynb", ".txt", ".js")
+    ]
+    files += [REPO / "README.md", REPO / "pyproject.toml"]
+    bad = [f"{p.relative_to(REPO)}: {o}" for p in files for o in outside if o in p.read_text(errors="replace")]
+    assert not bad, f"references to documents outside the repository (use docs/...): {bad}"
