@@ -328,3 +328,16 @@ def test_docs_links_resolve_and_nothing_points_outside_the_repository() -> None:
     files += [REPO / "README.md", REPO / "pyproject.toml"]
     bad = [f"{p.relative_to(REPO)}: {o}" for p in files for o in outside if o in p.read_text(errors="replace")]
     assert not bad, f"references to documents outside the repository (use docs/...): {bad}"
+
+
+def test_the_readme_starts_small_with_the_two_commands_and_links_every_docs_page() -> None:
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) < 10 * 1024, "README.md is over 10 KB: move reference material into docs/ and link it"
+    main_job = (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+        'PIP_CONSTRAINT=constraints-cpu.txt pip install -e ".[notebook]" && jupyter-dist demo'
+    )
+    assert f"```bash\n{main_job}\n```" in text and "```bash\nbash scripts/test.sh\n```" in text
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    unlinked = sorted(p for p in pages if f"docs/{p}" not in text)
+    assert not unlinked, f"README.md does not link {unlinked}"
