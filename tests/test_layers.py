@@ -310,6 +310,24 @@ def test_the_architecture_doc_names_every_module_and_only_paths_that_exist() -> 
     assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
 
 
+def test_the_architecture_doc_names_only_code_that_exists() -> None:
+    """Every function, class, constant or variable the doc names in backticks (a name with ``_`` or a capital) is a
+    word of the package's source, so a rename that leaves the doc behind fails here; ``name*`` / ``name<x>`` are
+    prefixes."""
+    texts = [p.read_text() for p in ROOT.rglob("*.py")] + [(ROOT / "ui" / "dashboard.js").read_text()]
+    words = set(re.findall(r"\w+", "\n".join(texts))) | {"test_the_package_has_no_import_circle", "LAYERS"}
+    unknown = set()
+    for span in re.findall(r"`([^`]+)`", ARCH.read_text()):
+        if re.search(r"/|\.(py|md|js|json|jsonl|log|sbatch|yaml|pkl)\b", span):  # a path: checked above
+            continue
+        for ident, prefix in re.findall(r"([A-Za-z_]\w*)([*<]?)", span):
+            if not ("_" in ident or ident[:1].isupper()):
+                continue
+            if ident not in words and not (prefix and any(w.startswith(ident) for w in words)):
+                unknown.add(ident)
+    assert not unknown, f"docs/architecture.md names code that does not exist (renamed?): {sorted(unknown)}"
+
+
 def test_docs_links_resolve_and_nothing_points_outside_the_repository() -> None:
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     broken = []
