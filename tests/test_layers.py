@@ -1,6 +1,14 @@
-"""Guard: the pure core (plan/, render/, the in-worker telemetry emitter) never imports heavy or UI packages at
-module level. Checked two ways: statically (every top-level import statement of every file) and dynamically
-(importing every module in a fresh interpreter leaves no forbidden module in sys.modules)."""
+"""The structure of the package, as docs/architecture.md describes it.
+
+* The pure core (plan/, render/, the in-worker telemetry emitter) never imports heavy or UI packages at module level,
+  checked statically (every top-level import statement of every file) and dynamically (importing every module in a
+  fresh interpreter leaves no forbidden module in sys.modules).
+* Module-level imports follow the layer order; there is no import circle anywhere (module-level, function-level and
+  TYPE_CHECKING imports all count).
+* A module over 600 lines says why it is one piece or where it will split.
+* docs/architecture.md names every module and only paths and code that exist; README and docs links resolve; nothing
+  points at a document outside the repository; the README stays small and keeps its two commands.
+"""
 
 from __future__ import annotations
 
