@@ -1,44 +1,42 @@
 """jupyter-dist: plan, compile, run and watch distributed PyTorch training from a notebook.
 
-Importing the package is cheap: the planner is stdlib only, and notebook pieces load when the extension does.
+Importing the package is cheap: the planner is stdlib only, and everything else (runs, pools, panels, the wizard)
+loads on first use. ``jupyter_dist.plan`` is both the planning subpackage (``from jupyter_dist.plan import
+ModelSpec``) and the planner itself (``jupyter_dist.plan("llama-3-8b")``): the subpackage is callable.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
+from . import plan
 from ._version import __version__
 
-__all__ = ["__version__", "plan", "open_run", "Dashboard", "Wizard", "load_ipython_extension",
-           "unload_ipython_extension"]
+_LAZY: dict[str, str] = {
+    "Plan": "jupyter_dist.plan", "Candidate": "jupyter_dist.plan", "ModelSpec": "jupyter_dist.plan",
+    "Hardware": "jupyter_dist.plan", "TrainingShape": "jupyter_dist.plan", "ParallelDims": "jupyter_dist.plan",
+    "Run": "jupyter_dist.launch.run", "open_run": "jupyter_dist.launch.run", "Pool": "jupyter_dist.launch.pool",
+    "start_run": "jupyter_dist.launch.session", "DryRun": "jupyter_dist.launch.session",
+    "Bundle": "jupyter_dist.render.bundle", "render_bundle": "jupyter_dist.render.bundle",
+    "Dashboard": "jupyter_dist.ui.dashboard", "Wizard": "jupyter_dist.ui.wizard",
+}  # fmt: skip
+"""Public name -> the module that owns it; imported on first attribute access (PEP 562), so ``isinstance`` works."""
+
+__all__ = ["__version__", "plan", "load_ipython_extension", "unload_ipython_extension", *_LAZY]
 
 
-def plan(*args: Any, **kwargs: Any) -> Any:
-    """Plan distributed training; see :func:`jupyter_dist.plan.planner.plan`."""
-    from .plan.planner import plan as _plan
-
-    return _plan(*args, **kwargs)
-
-
-def open_run(path: Any) -> Any:
-    """Reopen a run from its directory (after a kernel restart); see :func:`jupyter_dist.launch.run.open_run`."""
-    from .launch.run import open_run as _open
-
-    return _open(path)
+def __getattr__(name: str) -> Any:
+    owner = _LAZY.get(name)
+    if owner is None:
+        raise AttributeError(f"module 'jupyter_dist' has no attribute {name!r}")
+    value = getattr(import_module(owner), name)
+    globals()[name] = value
+    return value
 
 
-def Dashboard(source: Any, **kwargs: Any) -> Any:  # noqa: N802 - reads as the class it returns
-    """Live panels for a Run or a run directory; see :class:`jupyter_dist.ui.dashboard.Dashboard`."""
-    from .ui.dashboard import Dashboard as _Dashboard
-
-    return _Dashboard(source, **kwargs)
-
-
-def Wizard(model: Any = None, **kwargs: Any) -> Any:  # noqa: N802 - reads as the class it returns
-    """The strategy wizard panel; see :class:`jupyter_dist.ui.wizard.Wizard`."""
-    from .ui.wizard import Wizard as _Wizard
-
-    return _Wizard(model, **kwargs)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _live_panels(run: Any, **kwargs: Any) -> Any:

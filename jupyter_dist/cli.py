@@ -58,7 +58,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = tr.add_mutually_exclusive_group()
     g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets grad-accum per candidate)")
-    tr.add_argument("--precision", default="bf16-mixed", help="bf16-mixed (default), fp16-mixed, bf16-true, fp32")
+    from .plan.training import precision_names
+
+    names = precision_names()
+    tr.add_argument("--precision", default=names[0], help=f"{names[0]} (default), {', '.join(names[1:])}")
     tr.add_argument("--optimizer", default="adamw", help="adamw (default), adamw-8bit, sgd")
     tr.add_argument("--checkpointing", default="none", help="activation checkpointing: none (default), selective, full")
     _bool_flag(tr, "flash-attn", True, "fused attention that never stores seq x seq scores (default on)")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from typing import Any
@@ -41,8 +42,16 @@ def _train_parser() -> MagicArgumentParser:
     )
     p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (locally: simulated torchrun agents; default 1)")
-    p.add_argument("--strategy", default="auto", help=f"one of {', '.join(STRATEGY_CHOICES)} (default auto)")
-    p.add_argument("--plan", metavar="VAR", help="a Plan object from the notebook (sets strategy, precision, configs)")
+    p.add_argument("--strategy", default="auto",
+                   help=f"one of {', '.join(STRATEGY_CHOICES)} or a candidate name the planner prints, e.g. "
+                        "fsdp2+tp2+sp (default auto: the plan's recommended candidate)")  # fmt: skip
+    p.add_argument("--plan", metavar="VAR",
+                   help="a Plan object from the notebook (sets the candidate with its degrees, precision, configs)")
+    for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("cp", "context-parallel"),
+                      ("ep", "expert-parallel")):  # fmt: skip
+        p.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what} degree (overrides the strategy's/plan's)")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism with tensor parallelism (--no-sp turns a candidate's off)")
     p.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
     p.add_argument("--name", metavar="NAME", help="bind the Run to this notebook variable (and name the run dir)")
     p.add_argument("--ship", metavar="VAR[,VAR...]", help="send notebook objects to the workers (cloudpickle)")
@@ -211,15 +220,16 @@ class DistMagics(Magics):
             raise UsageError(f"--name {args.name!r} must be a valid Python variable name (the Run is bound to it)")
         if args.nproc is not None and args.nproc < 1:
             raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-        for flag, value, var in (("--checkpoint-every", args.checkpoint_every, "JD_CHECKPOINT_EVERY"),
-                                 ("--keep", args.keep, "JD_KEEP")):  # fmt: skip
+        worker: dict[str, Any] = {}  # WorkerEnv fields: start_run writes them as JD_* (WorkerEnv.to_environ)
+        for flag, value, fld in (("--checkpoint-every", args.checkpoint_every, "checkpoint_every"),
+                                 ("--keep", args.keep, "keep")):  # fmt: skip
             if value is None:
                 continue
             if value < 1:
                 raise UsageError(f"{flag} must be >= 1, got {value}")
-            env.setdefault(var, str(value))
+            worker[fld] = value
         if args.async_save:
-            env.setdefault("JD_ASYNC_SAVE", "1")
+            worker["async_save"] = True
         if args.resume:
             from pathlib import Path
 
@@ -227,13 +237,17 @@ class DistMagics(Magics):
             if not (old / "run.json").exists():
                 raise UsageError(f"--resume {args.resume}: not a jupyter-dist run directory (no run.json)")
             env.setdefault("JD_CHECKPOINT_DIR", str(old / "checkpoints"))
-        for flag, value, var in (("--telemetry-interval", args.telemetry_interval, "JD_TELEMETRY_INTERVAL_S"),
-                                 ("--heartbeat", args.heartbeat, "JD_HEARTBEAT_S")):  # fmt: skip
+        for flag, value, fld in (("--telemetry-interval", args.telemetry_interval, "telemetry_interval_s"),
+                                 ("--heartbeat", args.heartbeat, "heartbeat_s")):  # fmt: skip
             if value is None:
                 continue
             if not value >= 0:
                 raise UsageError(f"{flag} must be >= 0 seconds, got {value}")
-            env.setdefault(var, repr(value))
+            worker[fld] = float(value)
+        for dim in ("tp", "pp", "cp", "ep"):
+            value = getattr(args, dim)
+            if value is not None and value < 1:
+                raise UsageError(f"--{dim} must be >= 1, got {value}")
         backend = args.backend or self.default_backend
         try:
             cluster = self._cluster_options(args, backend)
@@ -241,26 +255,27 @@ class DistMagics(Magics):
                 cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
                 name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
-                hang_timeout=args.hang_timeout, backend=backend, cluster=cluster,
+                hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
+                ep=args.ep, sp=args.sp, worker=worker,
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
         if args.dry_run:
             return result
+        for note in result.notes[1:]:  # the mesh is on the card; a rehearsal is said once, here
+            print(note)
         self.last_run = result
         if args.name:
             ns[args.name] = result
         if not args.no_dashboard and self._want_dashboard():
             try:
-                result._dashboard = result.dashboard(interval=0.5)
-                result._dashboard.show()
-                result._skip_display = True  # the dashboard's status line replaces the card
+                result.show_dashboard(interval=0.5)  # its status line replaces the card
             except JupyterDistError as exc:  # e.g. anywidget missing: say how to get the panels, keep the run
                 print(f"(no live panels: {exc})")
         if args.wait and hasattr(result, "wait"):
             result.wait()
-            if result._dashboard is not None:
-                result._dashboard.finished.wait(10.0)
+            if result.shown_dashboard is not None:
+                result.shown_dashboard.finished.wait(10.0)
         return result
 
     @staticmethod

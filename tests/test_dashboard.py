@@ -294,7 +294,7 @@ def test_a_real_two_process_run_feeds_the_live_panels(ip: Any, runs: Path) -> No
                                 "--timeout 120", SLOW_TRAIN.replace("STEPS", "150"))  # fmt: skip
     finally:
         magics.dashboard = "auto"
-    dash = run._dashboard
+    dash = run.shown_dashboard
     assert dash is not None and dash.widget is not None and run._skip_display
     sent = Sent(dash.widget)  # the workers need seconds to start: nothing was sent yet
     assert run.wait(150) == "succeeded", run.summary()

@@ -73,7 +73,7 @@ def test_dry_run_shows_script_configs_and_argv(ip: InteractiveShell, runs: Path)
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("--strategy zero9", "unknown strategy 'zero9'; valid: auto, none, ddp"),
+        ("--strategy zero9", "unknown strategy 'zero9' \\(did you mean 'zero3'\\?\\); valid: auto, none, ddp"),
         ("--nproc 0", "--nproc must be >= 1"),
         ("--nproc two", "invalid int value"),
         ("--ship not_defined_anywhere", "--ship not_defined_anywhere: no variable of that name"),

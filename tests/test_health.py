@@ -134,7 +134,8 @@ def test_a_rank_stuck_before_a_collective_is_named_and_the_run_stopped(ip: Any, 
     assert diag["where"]["1"].endswith("time.sleep(600)  # stuck before the collective the other rank enters")
     assert diag["where"]["0"].endswith("dist.all_reduce(t)") and "_comm.py" in diag["stacks"]["0"]
     assert "rank 1 was at script.py:" in run.summary()
-    assert "hung: no step for" in run.summary() and run.diagnosis()["culprit"] == 1
+    assert "hung: no step for" in run.summary() and run.diagnosis().hang["culprit"] == 1
+    assert run.diagnosis().first_rank == 1 and run.diagnosis().summary().startswith("Hung: no step for")
     assert descendants_gone(run)
 
 

@@ -206,7 +206,8 @@ def run_check(*, nproc: int | None = None, nodes: int = 1, sizes: list[int] | No
         raise JupyterDistError(f"--iters must be >= 1, got {iters}")
     code = CHECK_CELL.format(sizes=sizes, ops=ops, iters=iters, delay_rank=delay_rank, delay_s=delay_s)
     run: Any = start_run(code, nproc=nproc, nodes=nodes, strategy="none", launcher=launcher, name="check",
-                         timeout=timeout, env={"JD_HEARTBEAT_S": "1", **(env or {})}, runs_dir=runs_dir)  # fmt: skip
+                         timeout=timeout, env=dict(env or {}), worker={"heartbeat_s": 1.0},
+                         runs_dir=runs_dir)  # fmt: skip
     status = run.wait(timeout + 30)
     path = run.dir / "check.json"
     if not path.exists():

@@ -143,10 +143,17 @@ def start_cluster_run(
     code: str, *, backend: str, cluster: ClusterOptions, nproc: int | None, nodes: int, strategy: str, plan: Any,
     launcher: str, name: str, ship: dict[str, Any] | None, max_restarts: int, timeout: float | None,
     env: dict[str, str], runs_dir: str | Path, port: int | None, dry_run: bool,
-) -> Any:
-    """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``)."""
+    degrees: dict[str, Any] | None = None, worker: dict[str, Any] | None = None,
+) -> Any:  # fmt: skip
+    """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``).
+
+    ``strategy``, ``plan`` and ``degrees`` resolve as for a local run (:func:`~.prepare.launch_contract`); the
+    ``JD_*`` variables come from that contract's ``WorkerEnv.to_environ()``.
+    """
+    from dataclasses import replace
+
     from ..render.common import SECRET_NAMES, RenderOptions
-    from .prepare import PRELUDE, DryRun, _ship, resolve_strategy
+    from .prepare import PRELUDE, DryRun, _ship, launch_contract
     from .run import Run
 
     if backend not in CLUSTER_BACKENDS:
@@ -183,8 +190,11 @@ def start_cluster_run(
         raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
     if plan is not None and not hasattr(plan, "best"):
         raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
-    world = nproc * nodes
-    strat = resolve_strategy(strategy, plan, world)
+    precision = None if plan is not None else ("bf16-mixed" if gpus else "fp32")
+    choice, contract = launch_contract(
+        strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker, precision=precision
+    )
+    strat = choice.strategy
     for key in env:
         if not _ENV_RE.match(key):
             raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
@@ -198,22 +208,23 @@ def start_cluster_run(
         )
     the_plan = _plan_for(plan, strat, nproc, nodes, gpus)
     job = _job_name(name)
-    precision = the_plan.training.precision.value if plan is not None else ("bf16-mixed" if gpus else "fp32")
-    jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-              **env}  # fmt: skip
     files: dict[str, str] = {}
     if strat.startswith("zero"):
         from ..render.deepspeed import render_deepspeed_json
 
         files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat))
-        jd_env["JD_DS_CONFIG"] = "ds_config.json"
+        contract = replace(contract, ds_config="ds_config.json")
+    if backend == "skypilot":  # the job runs in its workdir and its records travel on the log stream
+        contract = replace(contract, run_dir=".", telemetry_stdout=True)
+    extras = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+    jd_env = {**contract.to_environ(), **extras}
     script = PRELUDE + code
     candidate = strat if strat not in ("none", "auto") else None
     if backend == "slurm":
         return _start_slurm(
             script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
-            nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout,
-            runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
+            nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship,
+            timeout=timeout, runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
             dry_cls=DryRun, ship_fn=_ship,
         )  # fmt: skip
     from .skypilot import start_skypilot
@@ -226,8 +237,8 @@ def start_cluster_run(
 
 
 def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
-                 cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str,
-                 jd_env: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
+                 cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
+                 extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
                  port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
                  ship_fn: Any) -> Any:  # fmt: skip
     from ..render.common import RenderOptions
@@ -236,9 +247,11 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
     from .slurm import SlurmLauncher
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
-    if "JD_DS_CONFIG" in jd_env and not dry_run:
-        jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
-    run_env = {"JD_RUN_DIR": str(rd.path), **jd_env}
+    from dataclasses import replace
+
+    if contract.ds_config and not dry_run:
+        contract = replace(contract, ds_config=str(rd.path / "ds_config.json"))
+    run_env = {**replace(contract, run_dir=str(rd.path)).to_environ(), **extras}
     opts = RenderOptions(
         candidate=candidate, name=job, script=str(rd.path / "jd_bootstrap.py"), script_args=(str(rd.script),),
         rdzv="static", master_port=port or (29500 if dry_run else _free_port()), max_restarts=max_restarts,

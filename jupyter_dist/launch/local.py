@@ -54,6 +54,13 @@ _INSTALL_HINT = {
 }
 
 
+def _precision_var() -> str:
+    """``JD_PRECISION``, named by the launch contract's one table (``WorkerEnv``'s ``ENV_VARS``)."""
+    from ..worker._env import ENV_VARS
+
+    return ENV_VARS["precision"]
+
+
 class LaunchError(JupyterDistError):
     """The job cannot be started (missing torchrun, port taken, ...)."""
 
@@ -158,7 +165,7 @@ class LocalLauncher(Launcher):
                      "--master_port", str(self.port or 0), "--no_local_rank", "--module",
                      "jupyter_dist.launch.bootstrap", str(self.run_dir.script)]]  # fmt: skip
         if self.launcher == "accelerate":
-            precision = self.extra_env.get("JD_PRECISION", "")
+            precision = self.extra_env.get(_precision_var(), "")
             mixed = next((p for p in ("bf16", "fp16") if precision.startswith(p)), "no")
             dist = ["--multi_gpu"] if self.nproc > 1 else []
             return [[self.executable or "accelerate", "launch", *dist, "--num_processes", str(self.nproc),
@@ -226,7 +233,7 @@ class LocalLauncher(Launcher):
         return {
             "kind": "local", "launcher": self.launcher, "run_dir": str(self.run_dir.path), "nproc": self.nproc,
             "nodes": self.nodes, "max_restarts": self.max_restarts, "port": self.port, "torchrun": self.torchrun,
-            "executable": self.executable, "precision": self.extra_env.get("JD_PRECISION"), "state": self.state,
+            "executable": self.executable, "precision": self.extra_env.get(_precision_var()), "state": self.state,
             "pids": list(self.pids), "args": self.args(),
         }  # fmt: skip
 
@@ -239,5 +246,5 @@ class LocalLauncher(Launcher):
             launcher=str(data.get("launcher", "torchrun")), max_restarts=int(data["max_restarts"]),
             port=data.get("port"), torchrun=data.get("torchrun"), executable=data.get("executable"),
             state=str(data.get("state", "after")), pids=list(data.get("pids", [])),
-            extra_env={"JD_PRECISION": str(precision)} if precision else {},
+            extra_env={_precision_var(): str(precision)} if precision else {},
         )  # fmt: skip

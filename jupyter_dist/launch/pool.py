@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +294,7 @@ class Pool:
     def __init__(self, *, nproc: int = 2, strategy: str = "auto", plan: Any = None, name: str = "pool",
                  env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
                  start_timeout: float = 120.0, interrupt_grace: float = INTERRUPT_GRACE_S) -> None:  # fmt: skip
-        from .session import resolve_strategy
+        from .session import launch_contract
 
         if nproc < 1:
             raise PoolError(f"--nproc must be >= 1, got {nproc}")
@@ -307,7 +307,9 @@ class Pool:
                 raise PoolError(f"--env name {key!r} is not a valid environment variable name")
         self.nproc = nproc
         self.world_size = nproc
-        self.strategy = resolve_strategy(strategy, plan, nproc)
+        self.choice, self._contract = launch_contract(strategy, plan, nproc=nproc)
+        self.strategy = self.choice.strategy
+        """The base strategy the ranks apply (the candidate with its degrees: ``choice.candidate.name``)."""
         self.plan = plan
         self.name = name
         self._env = dict(env or {})
@@ -348,8 +350,7 @@ class Pool:
     def _jd_env(self) -> dict[str, str]:
         from .session import _local_plan
 
-        precision = self.plan.training.precision.value if self.plan is not None else "fp32"
-        env = {"JD_STRATEGY": self.strategy, "JD_PRECISION": precision, "JD_POOL": "1"}
+        contract = self._contract
         if self.strategy.startswith("zero"):
             from ..render.common import RenderOptions
             from ..render.deepspeed import render_deepspeed_json
@@ -358,9 +359,8 @@ class Pool:
             assert self.dir is not None
             (self.dir / "ds_config.json").write_text(render_deepspeed_json(ds_plan, RenderOptions(
                 candidate=self.strategy)), encoding="utf-8")  # fmt: skip
-            env["JD_DS_CONFIG"] = str(self.dir / "ds_config.json")
-        env.update(self._env)
-        return env
+            contract = replace(contract, ds_config=str(self.dir / "ds_config.json"))
+        return {**contract.to_environ(), "JD_POOL": "1", **self._env}
 
     def dry_run(self) -> Any:
         """What :meth:`start` would run (command, environment, script), started nothing and written nothing."""
@@ -368,8 +368,7 @@ class Pool:
         from .session import PRELUDE, DryRun
 
         rd = RunDir(Path(self._runs_dir).expanduser().resolve() / f"{self.name}-DRYRUN")
-        env = {"JD_STRATEGY": self.strategy, "JD_PRECISION": "fp32" if self.plan is None else
-               self.plan.training.precision.value, "JD_POOL": "1", **self._env,
+        env = {**self._contract.to_environ(), "JD_POOL": "1", **self._env,
                "JD_POOL_ADDR": "127.0.0.1:<port chosen at start>", "JD_POOL_KEY": "<random per pool, never written>",
                "JD_POOL_KERNEL_PID": str(os.getpid())}  # fmt: skip
         lau = LocalLauncher(run_dir=rd, nproc=self.nproc, extra_env=env)
@@ -577,7 +576,7 @@ class Pool:
         """How the failed rank ended, from torchrun's failure summary (it ends the other ranks, then reports)."""
         if self.run is None:
             return {}
-        self.run._done.wait(wait)  # torchrun notices the dead worker, stops the others and exits
+        self.run.wait(wait)  # torchrun notices the dead worker, stops the others and exits
         text = self.run.launcher_log()
         if "Root Cause" in text:  # torchrun lists the ranks it terminated itself first, the root cause after
             text = text.rsplit("Root Cause", 1)[1]
@@ -939,16 +938,14 @@ class Pool:
         self._closing.set()
         run = self.run
         if run is not None and not run.done:
-            with run._lock:
-                if run._stop_reason is None:
-                    run._stop_reason = STOPPED
+            run.expect_stop(STOPPED)
             if was in ("ready", "busy"):
                 for conn in list(self._conns.values()):
                     try:
                         conn.channel.send({"op": "shutdown", "id": 0})
                     except ChannelClosed:
                         pass
-                run._done.wait(grace)
+                run.wait(grace)
             if not run.done:
                 run.stop(grace=min(grace, 3.0))
         if self._listener is not None:

@@ -1,10 +1,11 @@
-"""What every back-end does to a cell before launching it: strategy, worker prelude, shipped objects, ``DryRun``.
+"""What every back-end does to a cell before launching it: what runs, worker prelude, shipped objects, ``DryRun``.
 
-``resolve_strategy`` turns ``--strategy`` into a strategy name, ``PRELUDE`` goes in front of the cell's code,
-``_ship`` pickles the notebook's objects into the run directory, and ``DryRun`` is what ``--dry-run`` shows instead of
-launching. Shared by the local path (``session.py``) and the cluster back-ends (``cluster.py``, ``skypilot.py``), which
-``session.start_run`` dispatches to: it lives below all three so that no back-end imports the session back
-(docs/architecture.md, "No import circles").
+``resolve_strategy`` / :func:`launch_contract` turn ``--strategy``, ``--plan`` and the degrees into what runs and the
+:class:`~jupyter_dist.worker._env.WorkerEnv` that carries it to the workers, ``PRELUDE`` goes in front of the cell's
+code, ``_ship`` pickles the notebook's objects into the run directory, and ``DryRun`` is what ``--dry-run`` shows
+instead of launching. Shared by the local path (``session.py``) and the cluster back-ends (``cluster.py``,
+``skypilot.py``), which ``session.start_run`` dispatches to: it lives below all three so that no back-end imports the
+session back (docs/architecture.md, "No import circles").
 """
 
 from __future__ import annotations
@@ -14,24 +15,48 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import JupyterDistError
+from ..plan.candidates import LaunchChoice, resolve_launch
+from ..plan.strategies import strategy_names
 from .rundir import RunDir
 
-__all__ = ["PRELUDE", "STRATEGY_CHOICES", "DryRun", "resolve_strategy"]
+__all__ = ["PRELUDE", "STRATEGY_CHOICES", "DryRun", "launch_contract", "resolve_strategy"]
 
-STRATEGY_CHOICES = ("auto", "none", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3", "zero3-offload",
-                    "zero2-offload", "zero3-offload-params", "fsdp2-hybrid")  # fmt: skip
-_ALIASES = {"fsdp": "fsdp-full-shard"}
+STRATEGY_CHOICES = ("auto", "none", *strategy_names())
+"""Plain names ``--strategy`` takes; it also takes every candidate name the planner prints (``fsdp2+tp2+sp``,
+see :func:`~jupyter_dist.plan.candidates.parse_candidate`) and the aliases of
+:func:`~jupyter_dist.plan.strategies.get_strategy`."""
 
 
 def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
-    """``auto`` -> the plan's recommendation (or DDP for more than one process); aliases -> strategy names."""
-    if strategy not in STRATEGY_CHOICES:
-        raise JupyterDistError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGY_CHOICES)}")
-    if strategy == "auto":
-        if plan is not None and plan.best is not None:
-            return str(plan.best.strategy)
-        return "ddp" if world_size > 1 else "none"
-    return _ALIASES.get(strategy, strategy)
+    """The base strategy ``world_size`` processes run (``auto``: the plan's recommendation, else DDP/none).
+
+    Kept for callers that want only the name; launches use :func:`launch_contract`, which keeps the degrees.
+    """
+    return resolve_launch(strategy, plan, world_size).strategy
+
+
+def launch_contract(
+    strategy: str, plan: Any, *, nproc: int, nodes: int = 1, degrees: dict[str, Any] | None = None,
+    precision: str | None = None, worker: dict[str, Any] | None = None,
+) -> tuple[LaunchChoice, Any]:  # fmt: skip
+    """``--strategy``/``--plan``/``--tp ...`` -> (what runs, the WorkerEnv that carries it to the workers).
+
+    Every launch path writes its ``JD_*`` variables from that WorkerEnv's
+    ``to_environ()``; errors are one line (the degrees that don't fit, what cannot run yet).
+    """
+    from ..worker._env import WorkerEnv, WorkerError
+
+    if plan is not None and not hasattr(plan, "best"):
+        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
+    world = nproc * nodes
+    choice = resolve_launch(strategy, plan, world, nproc_per_node=nproc, degrees=degrees)
+    if precision is None:
+        precision = plan.training.precision.value if plan is not None else "fp32"
+    try:
+        env = WorkerEnv.for_launch(world_size=world, precision=precision, **choice.worker_fields(), **(worker or {}))
+    except WorkerError as exc:
+        raise JupyterDistError(str(exc)) from None
+    return choice, env
 
 
 @dataclass
@@ -42,10 +67,12 @@ class DryRun:
     argv: list[list[str]]
     env: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """What runs, in words: the mesh (``mesh: dp_shard=2 x tp=2 (4 processes)``) and any rehearsal note."""
 
     def to_text(self) -> str:
-        """Plain text: commands, environment, files."""
-        out = ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
+        """Plain text: what runs, commands, environment, files."""
+        out = [f"# {n}" for n in self.notes] + ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
         out += ["", "# environment added"] + [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
         for name, text in {"script.py": self.script, **self.files}.items():
             out += ["", f"# ---- {name} ----", text.rstrip()]

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -31,6 +31,9 @@ from .base import RemoteLauncher
 from .local import LocalLauncher
 from .rundir import RunDir
 from .stream import LogRouter
+
+if TYPE_CHECKING:
+    from ..telemetry.diagnose import Diagnosis
 
 __all__ = ["Run", "RunStatus", "open_run", "kill_tree"]
 
@@ -146,6 +149,23 @@ class Run:
         ranks = [int(p.stem.split("-", 1)[1]) for p in self._rd.telemetry.glob("rank-*.jsonl")
                  if p.stem.split("-", 1)[1].isdigit()]  # fmt: skip
         return max(ranks, default=0) + 1
+
+    @property
+    def strategy(self) -> str | None:
+        """The base strategy the ranks apply (``JD_STRATEGY``: ``"fsdp2"``, ``"zero3"``, ``"none"``)."""
+        value = self._meta.get("strategy")
+        return str(value) if value else None
+
+    @property
+    def candidate(self) -> str | None:
+        """The candidate the ranks run, with its degrees (``"fsdp2+tp2+sp"``); ``None`` for older runs."""
+        value = self._meta.get("candidate")
+        return str(value) if value else None
+
+    @property
+    def notes(self) -> list[str]:
+        """What runs, in words: the mesh line, then a rehearsal note when a plan runs on fewer processes."""
+        return [str(n) for n in self._meta.get("notes") or []]
 
     @property
     def exit_codes(self) -> dict[int, int | None]:
@@ -367,14 +387,19 @@ class Run:
                 where[rank] = f"script.py:{m.group(1)}: {source[int(m.group(1)) - 1].strip()}"
         return where
 
-    def diagnosis(self) -> Any:
-        """Why the run failed or hung: the hang report, or the ranks' logs classified (first failing rank first)."""
+    def diagnosis(self) -> Diagnosis | None:
+        """Why the run failed or hung, always a :class:`~jupyter_dist.telemetry.diagnose.Diagnosis` (or ``None``).
+
+        ``None`` while it runs or after it succeeded; else the ranks' logs classified, first failing rank first, or
+        for a hung run the hang report (``diagnosis().hang``, with the culprit as ``first_rank``).
+        """
+        from ..telemetry.diagnose import Diagnosis, diagnose_ranks
+
         path = self.dir / "diagnosis.json"
         if path.exists():
-            return json.loads(path.read_text())
+            return Diagnosis.from_hang(json.loads(path.read_text()))
         if self.status not in (FAILED, TIMED_OUT):
             return None
-        from ..telemetry.diagnose import diagnose_ranks
 
         times, codes = {}, {}
         for r in range(self.world_size):
@@ -437,7 +462,7 @@ class Run:
                     diag = self.diagnosis()
                 except Exception:  # a diagnosis must never hide the failure itself
                     diag = None
-                if diag is not None and getattr(diag, "findings", None):
+                if diag is not None and diag.findings:
                     lines.append("  diagnosis: " + diag.summary().replace("\n", "\n  "))
         return "\n".join(lines)
 
@@ -453,6 +478,31 @@ class Run:
         if not self.done:
             dash.start()
         return dash
+
+    def show_dashboard(self, **kwargs: Any) -> Any:
+        """Display the live panels under the current cell and keep them as :attr:`shown_dashboard`.
+
+        The Run's own card is then not displayed a second time (the dashboard's status line replaces it).
+        """
+        dash = self.dashboard(**kwargs)
+        dash.show()
+        self._dashboard = dash
+        self._skip_display = True
+        return dash
+
+    @property
+    def shown_dashboard(self) -> Any:
+        """The dashboard :meth:`show_dashboard` displayed (``None`` when none was)."""
+        return self._dashboard
+
+    def expect_stop(self, reason: str = STOPPED) -> None:
+        """Say the run is being ended on purpose (a pool shutting down): its final status is ``reason``, not failed.
+
+        Signals nothing; the caller ends the processes (or :meth:`stop` does). A finished run is left as it is.
+        """
+        with self._lock:
+            if not self.done and self._stop_reason is None:
+                self._stop_reason = reason
 
     def _ipython_display_(self) -> None:
         if self._skip_display:  # %%dist_train just showed the live dashboard for this run: no second card

@@ -9,16 +9,17 @@ import os
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
 from .local import LaunchError, LocalLauncher, check_launcher
-from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, resolve_strategy
+from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
-__all__ = ["STRATEGY_CHOICES", "DryRun", "local_gpu_count", "resolve_strategy", "start_run"]
+__all__ = ["STRATEGY_CHOICES", "DryRun", "launch_contract", "local_gpu_count", "resolve_strategy", "start_run"]
 
 
 def local_gpu_count() -> int:
@@ -47,13 +48,18 @@ def start_run(
     launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
     port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
-    cluster: Any = None,
-) -> Run | DryRun:
+    cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
+    sp: bool | None = None, worker: dict[str, Any] | None = None,
+) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
+    ``strategy`` is ``auto`` (the plan's recommended candidate), ``none``, a strategy or any candidate name the
+    planner prints (``fsdp2+tp2+sp``); ``tp``/``pp``/``cp``/``ep``/``sp`` override its degrees. ``worker`` sets
+    other :class:`~jupyter_dist.worker._env.WorkerEnv` fields (``checkpoint_every``, ``heartbeat_s``, ...).
     ``backend="slurm"`` or ``"skypilot"`` submits it to a cluster instead (``cluster``: a
     :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.cluster`.
     """
+    degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
     if backend != "local":
         from .cluster import ClusterOptions, start_cluster_run
 
@@ -62,7 +68,7 @@ def start_run(
         result: Run | DryRun = start_cluster_run(
             code, backend=backend, cluster=cluster or ClusterOptions(), nproc=nproc, nodes=nodes, strategy=strategy,
             plan=plan, launcher=launcher, name=name, ship=ship, max_restarts=max_restarts, timeout=timeout,
-            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run,
+            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run, degrees=degrees, worker=worker,
         )  # fmt: skip
         return result
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
@@ -73,9 +79,8 @@ def start_run(
     if hang_timeout is not None and hang_timeout <= 0:
         raise JupyterDistError(f"--hang-timeout must be positive seconds, got {hang_timeout}")
     world = nproc * nodes
-    if plan is not None and not hasattr(plan, "best"):
-        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
-    strat = resolve_strategy(strategy, plan, world)
+    choice, contract = launch_contract(strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker)
+    strat = choice.strategy
     extra_env = dict(env or {})
     for key in extra_env:
         if not key.replace("_", "a").isalnum() or key[0].isdigit():
@@ -87,34 +92,34 @@ def start_run(
 
         ds_plan = plan if plan is not None else _local_plan(strat, nproc, nodes)
         files["ds_config.json"] = render_deepspeed_json(ds_plan, RenderOptions(candidate=strat))
-    precision = plan.training.precision.value if plan is not None else "fp32"
-    jd_env = {"JD_STRATEGY": strat, "JD_PRECISION": precision}
-    if "ds_config.json" in files:
-        jd_env["JD_DS_CONFIG"] = "ds_config.json"
+        contract = replace(contract, ds_config="ds_config.json")
+    notes = [choice.mesh(), *([choice.note] if choice.note else [])]
     if launcher != "torchrun" and local_gpu_count() == 0:
         # deepspeed's runner asks DeepSpeed's accelerator how many devices exist; accelerate's `Accelerator()` in a
         # rank started with --multi_gpu is MULTI_CPU (gloo) only with ACCELERATE_USE_CPU, else each rank runs alone
-        jd_env.update({"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher])
-    jd_env.update(extra_env)
+        extra_env = {**{"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher],
+                     **extra_env}  # fmt: skip
+    jd_env = {**contract.to_environ(), **extra_env}
     script = PRELUDE + code
     if dry_run:
         rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
         lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                             port=port, extra_env=jd_env)  # fmt: skip
-        return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files)
+        return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files, notes=notes)
 
     rd = new_run_dir(runs_dir, name)
     rd.script.write_text(script, encoding="utf-8")
     for fname, text in files.items():
         (rd.path / fname).write_text(text, encoding="utf-8")
     if files.get("ds_config.json"):
-        jd_env["JD_DS_CONFIG"] = str(rd.path / "ds_config.json")
+        jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
     if ship:
         _ship(rd, ship)
     lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                         port=port, extra_env=jd_env)  # fmt: skip
     meta: dict[str, Any] = {
-        "name": name, "status": "pending", "strategy": strat, "world_size": world, "nproc": nproc, "nodes": nodes,
+        "name": name, "status": "pending", "strategy": strat, "candidate": choice.candidate.name, "notes": notes,
+        "world_size": world, "nproc": nproc, "nodes": nodes,
         "timeout": timeout, "hang_timeout": hang_timeout, "env": scrub_env(lau.env()), "created": time.time(),
         "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
     }  # fmt: skip

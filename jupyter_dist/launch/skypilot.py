@@ -376,7 +376,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
     from .run import Run
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
-    run_env = {"JD_RUN_DIR": ".", "JD_LOG_STREAM": "1", "JD_TELEMETRY_STDOUT": "1", **jd_env}
+    run_env = {"JD_LOG_STREAM": "1", **jd_env}  # jd_env: WorkerEnv.to_environ() (JD_RUN_DIR=., telemetry on stdout)
     setup = cluster.setup if cluster.setup is not None else "pip install -U jupyter-dist"
     opts = RenderOptions(
         candidate=candidate, name=job, script="jd_bootstrap.py", script_args=("script.py",), rdzv="static",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..errors import PlanInputError
 from .units import close_match_hint
 
-__all__ = ["StrategySpec", "STRATEGIES", "get_strategy", "strategy_names"]
+__all__ = ["FSDP1_SHARDING", "StrategySpec", "STRATEGIES", "get_strategy", "strategy_names"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +34,8 @@ class StrategySpec:
     """Optimizer states, master weights and gradient partitions live in CPU memory; the step runs on CPU."""
     offload_params: bool = False
     """Parameters live in CPU memory and are fetched for each use."""
+    fsdp1_sharding: str = ""
+    """FSDP1 wrapper only: the ``torch.distributed.fsdp.ShardingStrategy`` member (``"FULL_SHARD"``, ...)."""
     model_parallel: bool = False
     """Can be combined with tensor/pipeline/context/expert parallelism (torchtitan FSDP2, Megatron ZeRO-1)."""
     complexity: int = 0
@@ -66,16 +68,17 @@ STRATEGIES: dict[str, StrategySpec] = {
                      family="deepspeed", shard_optimizer=True, shard_grads=True, shard_params=True,
                      offload_optimizer=True, offload_params=True, complexity=7,
                      summary="ZeRO-Infinity style: parameters and optimizer in CPU memory"),
-        StrategySpec(name="fsdp-no-shard", label="FSDP NO_SHARD", family="fsdp", complexity=1,
-                     summary="FSDP wrapper without sharding (equivalent to DDP)"),
-        StrategySpec(name="fsdp-shard-grad-op", label="FSDP SHARD_GRAD_OP", family="fsdp", shard_optimizer=True,
-                     shard_grads=True, keeps_gathered_params=True, complexity=2,
+        StrategySpec(name="fsdp-no-shard", label="FSDP NO_SHARD", family="fsdp", fsdp1_sharding="NO_SHARD",
+                     complexity=1, summary="FSDP wrapper without sharding (equivalent to DDP)"),
+        StrategySpec(name="fsdp-shard-grad-op", label="FSDP SHARD_GRAD_OP", family="fsdp",
+                     fsdp1_sharding="SHARD_GRAD_OP", shard_optimizer=True, shard_grads=True,
+                     keeps_gathered_params=True, complexity=2,
                      summary="gradients and optimizer sharded; parameters gathered once and kept until backward"),
-        StrategySpec(name="fsdp-full-shard", label="FSDP FULL_SHARD", family="fsdp", shard_optimizer=True,
-                     shard_grads=True, shard_params=True, complexity=3,
+        StrategySpec(name="fsdp-full-shard", label="FSDP FULL_SHARD", family="fsdp", fsdp1_sharding="FULL_SHARD",
+                     shard_optimizer=True, shard_grads=True, shard_params=True, complexity=3,
                      summary="everything sharded; parameters gathered per unit in forward and again in backward"),
-        StrategySpec(name="fsdp-hybrid-shard", label="FSDP HYBRID_SHARD", family="fsdp", shard_optimizer=True,
-                     shard_grads=True, shard_params=True, hybrid=True, complexity=3,
+        StrategySpec(name="fsdp-hybrid-shard", label="FSDP HYBRID_SHARD", family="fsdp", fsdp1_sharding="HYBRID_SHARD",
+                     shard_optimizer=True, shard_grads=True, shard_params=True, hybrid=True, complexity=3,
                      summary="FULL_SHARD inside each node, replicas across nodes"),
         StrategySpec(name="fsdp2", label="FSDP2 fully_shard", family="fsdp2", shard_optimizer=True,
                      shard_grads=True, shard_params=True, model_parallel=True, complexity=3,
@@ -85,6 +88,10 @@ STRATEGIES: dict[str, StrategySpec] = {
                      summary="fully_shard on a (replicate, shard) mesh: shard inside a node, replicate across"),
     )
 }  # fmt: skip
+
+
+FSDP1_SHARDING: dict[str, str] = {s.name: s.fsdp1_sharding for s in STRATEGIES.values() if s.family == "fsdp"}
+"""FSDP1 strategy name -> member of ``torch.distributed.fsdp.ShardingStrategy`` (from :data:`STRATEGIES`)."""
 
 
 def strategy_names() -> list[str]:

@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 
 from ..errors import PlanInputError
 
-__all__ = ["Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "parse_enum"]
+__all__ = [
+    "Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "TORCH_DTYPES", "parse_enum", "precision_names",
+]
 
 E = TypeVar("E", bound=Enum)
 
@@ -34,6 +36,15 @@ class Precision(str, Enum):
     def bytes_per_activation(self) -> int:
         """Bytes of one activation element."""
         return 4 if self is Precision.FP32 else 2
+
+
+TORCH_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+""":attr:`Precision.compute_dtype` -> the ``torch`` dtype's attribute name (``getattr(torch, TORCH_DTYPES[d])``)."""
+
+
+def precision_names() -> list[str]:
+    """Every ``--precision`` / ``JD_PRECISION`` value, the default (bf16-mixed) first."""
+    return [p.value for p in Precision]
 
 
 class OptimizerKind(str, Enum):

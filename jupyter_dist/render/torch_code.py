@@ -19,7 +19,8 @@ change to the generated code reads as a change to code (issue 17; docs/architect
 from __future__ import annotations
 
 from ..plan.plan import Plan
-from ..plan.training import Checkpointing, OptimizerKind, Precision
+from ..plan.strategies import FSDP1_SHARDING
+from ..plan.training import TORCH_DTYPES, Checkpointing, OptimizerKind, Precision, precision_names
 from .commands import deepspeed_command, torchrun_command
 from .common import Layout, RenderError, RenderOptions, layout_of
 
@@ -31,15 +32,8 @@ FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
 
-FSDP1_SHARDING = {
-    "fsdp-no-shard": "NO_SHARD",
-    "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-    "fsdp-full-shard": "FULL_SHARD",
-    "fsdp-hybrid-shard": "HYBRID_SHARD",
-}
-"""FSDP1 strategy name -> member of ``torch.distributed.fsdp.ShardingStrategy``."""
 
-_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+_DTYPES = {k: f"torch.{v}" for k, v in TORCH_DTYPES.items()}
 _STDLIB = frozenset({"argparse", "collections", "contextlib", "functools", "json", "os", "re", "time", "pathlib"})
 _FSDP1_AC = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
@@ -646,9 +640,10 @@ class _Script:
 
     def constants(self) -> str:
         lay, opts = self.lay, self.opts
+        *others, last = precision_names()
         rows = [
             ("STRATEGY", _py_str(lay.strategy.name), lay.strategy.label),
-            ("PRECISION", _py_str(lay.precision.value), "bf16-mixed, fp16-mixed, bf16-true or fp32"),
+            ("PRECISION", _py_str(lay.precision.value), f"{', '.join(others)} or {last}"),
             ("ACTIVATION_CHECKPOINTING", _py_str(lay.checkpointing.value), "none, selective (attention), full"),
             ("MICRO_BATCH", str(lay.micro_batch), "sequences per GPU per micro-step"),
             ("GRAD_ACCUM", str(lay.grad_accum), "micro-steps per optimizer step"),

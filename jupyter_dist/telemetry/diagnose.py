@@ -1051,6 +1051,16 @@ class Diagnosis:
     """Ranks that timeout / barrier / desync reports name as not having arrived."""
     silent_ranks: list[int] = field(default_factory=list)
     """Ranks whose logs show no error at all while others failed (hung, killed, or simply stopped)."""
+    hang: dict[str, Any] | None = None
+    """For a run stopped by ``--hang-timeout``: the hang report of ``diagnosis.json`` (``culprit``, ``stalled_s``,
+    ``reason``, ``phases``, ``issued``, ``where`` and every rank's ``stacks``); ``None`` otherwise."""
+
+    @classmethod
+    def from_hang(cls, report: Mapping[str, Any]) -> Diagnosis:
+        """The diagnosis of a hung run from its hang report (``first_rank`` is the rank that fell behind)."""
+        culprit = report.get("culprit")
+        return cls(first_rank=int(culprit) if isinstance(culprit, int) else None, root=None, findings=[],
+                   by_rank={}, facts={}, basis="hang", hang=dict(report))  # fmt: skip
 
     def consequences(self) -> list[Finding]:
         """The findings that are consequences of the root cause."""
@@ -1058,6 +1068,12 @@ class Diagnosis:
 
     def summary(self) -> str:
         """One paragraph: which rank failed first and why, the fix, and what the other errors are."""
+        if self.hang is not None:
+            h = self.hang
+            where = "; ".join(f"rank {r} was at {w}" for r, w in (h.get("where") or {}).items())
+            who = f"rank {self.first_rank} fell behind" if self.first_rank is not None else "no rank stood out"
+            head = f"Hung: no step for {h.get('stalled_s')} s ({who}); {h.get('reason')}"
+            return head + (f". {where}" if where else "")
         if self.root is None or self.first_rank is None:
             n = len(self.by_rank)
             return f"No communication or rank errors found in {n} rank log{'s' if n != 1 else ''}."
@@ -1099,6 +1115,7 @@ class Diagnosis:
             "ranks": {str(r): {"findings": [f.to_dict() for f in fs], "facts": self.facts[r].to_dict()}
                       for r, fs in sorted(self.by_rank.items())},
             "suspects": list(self.suspects), "silent_ranks": list(self.silent_ranks), "summary": self.summary(),
+            "hang": self.hang,
         }  # fmt: skip
 
 

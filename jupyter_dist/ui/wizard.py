@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import JupyterDistError, MissingDependencyError
 from ..plan import ACCELERATORS, INTERCONNECTS, ModelSpec, Plan, preset_names, strategy_names
+from ..plan.training import precision_names
 from ..plan.units import GiB
 from .static import figure_svg
 from .wizard_model import (
@@ -200,7 +201,7 @@ class Wizard:
         c["batch_mode"].style.button_width = "auto"
         c["grad_accum"] = ipw.IntText(value=inp.grad_accum, description="Grad. accum.")
         c["global_batch"] = ipw.IntText(value=inp.global_batch, description="Global batch")
-        c["precision"] = ipw.Dropdown(options=["bf16-mixed", "fp16-mixed", "bf16-true", "fp32"],
+        c["precision"] = ipw.Dropdown(options=precision_names(),
                                       value=inp.precision, description="Precision")  # fmt: skip
         c["optimizer"] = ipw.Dropdown(options=["adamw", "adamw-8bit", "sgd"], value=inp.optimizer,
                                       description="Optimizer")  # fmt: skip
@@ -585,7 +586,8 @@ class Wizard:
         """
         import shlex
 
-        from ..launch.session import STRATEGY_CHOICES, start_run
+        from ..launch.session import start_run
+        from ..plan.candidates import resolve_launch
 
         p = self.plan
         if p is None or (self.answer is not None and self.answer.problems):
@@ -605,11 +607,11 @@ class Wizard:
         if not run_name.isidentifier():
             self.launch_msg.value = self._msg(f"run name {run_name!r} must be a valid Python variable name")
             return None
-        strategy = "auto" if name == p.recommended else cand.strategy
-        if strategy not in STRATEGY_CHOICES:
-            self.launch_msg.value = self._msg(
-                f"{cand.strategy} cannot be chosen by name for a run; pick the recommended candidate or "
-                f"one of: {', '.join(s for s in STRATEGY_CHOICES if s not in ('auto', 'none'))}")
+        strategy = "auto" if name == p.recommended else cand.name  # the candidate with its degrees
+        try:
+            resolve_launch(strategy, p, nproc * nodes, nproc_per_node=nproc)  # what cannot run yet, or fit: one line
+        except JupyterDistError as exc:
+            self.launch_msg.value = self._msg(str(exc))
             return None
         backend = self.backend.value
         try:
@@ -654,14 +656,10 @@ class Wizard:
         self.run = run
         if ns is not None:
             ns[run_name] = run
-        notes = []
-        if cand.dims.world_size != cand.dims.dp:
-            notes.append(f"{cand.strategy} data parallelism is applied by jd.wrap; the {cand.dims.label()} degrees "
-                         "need the generated train.py (Configs)")  # fmt: skip
-        if p.world_size != nproc * nodes:
-            notes.append(f"the plan is for {p.world_size} GPUs; this run uses {nproc * nodes} processes")
+        notes = list(getattr(run, "notes", []))  # the mesh, and a rehearsal note when the plan was for more GPUs
         where = {"local": "on this machine", "slurm": "on SLURM", "skypilot": "on SkyPilot"}[backend]
-        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> {where} ({cand.strategy}, "
+        what = html.escape(run.candidate or cand.name)
+        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> {where} ({what}, "
                                  f"{nodes} x {nproc} processes) in <code>{html.escape(str(run.dir))}</code>"
                                  + "".join(f"<br><small>{html.escape(n)}</small>" for n in notes) + "</div>")
         shown = line.removesuffix(f" --timeout {timeout:g}") if timeout is not None else line

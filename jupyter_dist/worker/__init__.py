@@ -9,9 +9,7 @@ Examples
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = jd.wrap(model, opt)              # DDP / FSDP / FSDP2 / DeepSpeed, from JD_STRATEGY
-    start = jd.resume()                           # (state, step) of the newest checkpoint, or None
-    first = start[1] + 1 if start else 0
-    for step in range(first, 100):
+    for step in range(jd.start_step(), 100):      # loads the newest checkpoint: the step after it, else 0
         x = batch(step).to(jd.device)
         with jd.autocast():                       # JD_PRECISION=*-mixed with none/ddp; a no-op otherwise
             loss = model(x).square().mean()
@@ -21,12 +19,13 @@ Examples
         if step % 50 == 0:
             jd.save({"model": model, "optimizer": opt}, step)
 
-``jd.rank``, ``jd.world_size``, ``jd.local_rank``, ``jd.device`` and ``jd.is_main`` are resolved on first use:
-under torchrun that first use initialises the process group (nccl with CUDA, else gloo); elsewhere they are
-rank 0 of 1 with no process group. Importing this module is cheap: it loads neither torch nor any notebook
-package. In a launched worker (``JD_RUN_DIR`` set) importing it also redirects stdout/stderr to
-``logs/rank-<k>.log`` (``JD_LOG_STDIO=1``) and arranges for an ``exit`` record at interpreter exit (status
-``ok``, ``error`` with the exception's type and message, or ``terminated`` on SIGTERM).
+``jd.rank``, ``jd.world_size``, ``jd.local_rank``, ``jd.device``, ``jd.is_main``, ``jd.dp_rank`` and ``jd.dp_size``
+(the data-parallel index and count: load batches by these) are resolved on first use; ``jd.mesh`` is the device mesh
+``jd.wrap`` built under model parallelism (``None`` otherwise). Under torchrun the first use initialises the process
+group (nccl with CUDA, else gloo); elsewhere they are rank 0 of 1 with no process group. Importing this module is
+cheap: it loads neither torch nor any notebook package. In a launched worker (``JD_RUN_DIR`` set) importing it
+also redirects stdout/stderr to ``logs/rank-<k>.log`` (``JD_LOG_STDIO=1``) and arranges for an ``exit`` record at
+interpreter exit (status ``ok``, ``error`` with the exception's type and message, or ``terminated`` on SIGTERM).
 """
 
 from __future__ import annotations
@@ -47,6 +46,9 @@ if TYPE_CHECKING:  # pragma: no cover
     local_rank: int
     device: torch.device
     is_main: bool
+    dp_rank: int
+    dp_size: int
+    mesh: Any
 
 __all__ = [
     "rank",
@@ -54,6 +56,9 @@ __all__ = [
     "local_rank",
     "device",
     "is_main",
+    "dp_rank",
+    "dp_size",
+    "mesh",
     "init",
     "wrap",
     "autocast",
@@ -62,6 +67,7 @@ __all__ = [
     "log",
     "save",
     "resume",
+    "start_step",
     "checkpoint",
     "ResumableSampler",
     "barrier",
@@ -74,7 +80,7 @@ __all__ = [
     "PRECISIONS",
 ]
 
-_LAZY = ("rank", "world_size", "local_rank", "device", "is_main")
+_LAZY = ("rank", "world_size", "local_rank", "device", "is_main", "dp_rank", "dp_size", "mesh")
 
 
 def __getattr__(name: str) -> Any:
@@ -92,8 +98,21 @@ def init() -> None:
     get_runtime().init()
 
 
-def wrap(model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
+         pretrained: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:  # fmt: skip
     """Apply the planned strategy (``JD_STRATEGY``) to ``model`` and ``optimizer``; returns the pair to use.
+
+    With model parallelism (``JD_TP`` > 1, from a plan candidate such as ``fsdp2+tp2+sp``), a model built on the
+    meta device, or ``pretrained=``: one device mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` is built
+    (:data:`mesh`), the tensor-parallel layout is applied with ``parallelize_module`` on its ``tp`` dimension --
+    ``tp_plan`` (``{"layers.*.attn.q_proj": "colwise", ...}``, Hugging Face style names or ``ParallelStyle``
+    objects) if given, else a Hugging Face model's own ``base_model_tp_plan``, else the model's ``tp_plan()`` method
+    (:class:`jupyter_dist.models.Transformer`) -- with sequence parallelism when ``JD_SP=1``; the blocks are
+    wrapped for activation checkpointing (``JD_AC``); ``fully_shard`` shards over the data-parallel dims (HSDP with
+    ``JD_DP_REPLICATE`` > 1); a meta model's local shards are then allocated and initialised (its
+    ``init_weights()``, or a Hugging Face model's own initialisation); ``pretrained`` (a ``save_pretrained``
+    folder) is loaded into the shards, each rank reading only its slices. Load data by :data:`dp_rank` /
+    :data:`dp_size` (:class:`ResumableSampler` does): ranks of one tensor-parallel group see the same batch.
 
     ``none``
         both unchanged;
@@ -114,7 +133,7 @@ def wrap(model: Any, optimizer: Any = None) -> tuple[Any, Any]:
 
     ``JD_PRECISION=bf16-true`` casts the model to bfloat16 first (except for DeepSpeed, whose JSON decides).
     """
-    return get_runtime().wrap(model, optimizer)
+    return get_runtime().wrap(model, optimizer, tp_plan=tp_plan, pretrained=pretrained)
 
 
 def autocast() -> contextlib.AbstractContextManager[Any]:
@@ -187,6 +206,16 @@ def resume(
     the given dict plus the plain values that were saved -- or ``None`` when there is no checkpoint yet.
     """
     return get_runtime().resume(state, root=root)
+
+
+def start_step(state: dict[str, Any] | None = None, *, root: str | os.PathLike[str] | None = None) -> int:
+    """Load the newest complete checkpoint like :func:`resume` and return the step to continue from (always an int).
+
+    ``range(jd.start_step(), steps)`` replaces ``got = jd.resume(); start = got[1] + 1 if got else 0``: the step
+    after the checkpoint's, or 0 when there is none yet. Every rank must call it.
+    """
+    got = resume(state, root=root)
+    return 0 if got is None else int(got[1]) + 1
 
 
 def phase(name: str) -> contextlib.AbstractContextManager[Any]:

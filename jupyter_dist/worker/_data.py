@@ -20,7 +20,8 @@ class ResumableSampler:
     dataset_len
         Number of samples (or the dataset itself: ``len()`` is taken).
     num_replicas, rank
-        Default: the process group's world size and rank (``jd.world_size``/``jd.rank``).
+        Default: the data-parallel size and rank (``jd.dp_size``/``jd.dp_rank``), which are the world size and
+        rank without model parallelism.
     shuffle, seed, drop_last
         As ``torch.utils.data.DistributedSampler``.
     """
@@ -31,11 +32,12 @@ class ResumableSampler:
         if n < 1:
             raise ValueError(f"ResumableSampler needs at least one sample, got {n}")
         if num_replicas is None or rank is None:
-            from ._runtime import get_runtime  # what jd.world_size / jd.rank read (not the jd facade: no circle)
+            from ._runtime import get_runtime  # what jd.dp_size / jd.dp_rank read (not the jd facade: no circle)
 
             rt = get_runtime()
-            num_replicas = rt.world_size if num_replicas is None else num_replicas
-            rank = rt.rank if rank is None else rank
+            # data-parallel, not global: the ranks of one tensor-parallel group must see the same samples
+            num_replicas = rt.dp_size if num_replicas is None else num_replicas
+            rank = rt.dp_rank if rank is None else rank
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} must be in [0, {num_replicas})")
         self.n, self.num_replicas, self.rank = n, num_replicas, rank

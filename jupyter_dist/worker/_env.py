@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ..errors import JupyterDistError
 from ..plan.strategies import get_strategy
+from ..plan.training import Precision
 
-__all__ = ["WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+__all__ = ["ENV_VARS", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
-"""Values of ``JD_PRECISION``."""
+PRECISIONS = tuple(p.value for p in Precision)
+"""Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables whose presence means "started by torchrun (or an equivalent launcher)"."""
@@ -89,6 +91,9 @@ class WorkerEnv:
     """``JD_EP``: expert-parallel degree (borrows ranks from the data-parallel x context-parallel dims)."""
     sp: bool = False
     """``JD_SP=1``: sequence parallelism with tensor parallelism (norms and residuals split along the sequence)."""
+    ac: str = "none"
+    """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
+    recomputed) or ``full`` (each block is recomputed in backward)."""
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
@@ -106,6 +111,8 @@ class WorkerEnv:
             raise WorkerError(f"JD_CHECKPOINT_EVERY={self.checkpoint_every} must be >= 0 (0: no periodic saves)")
         if self.keep is not None and self.keep < 1:
             raise WorkerError(f"JD_KEEP={self.keep} must be >= 1")
+        if self.ac not in ("none", "selective", "full"):
+            raise WorkerError(f"JD_AC={self.ac!r} is not valid; valid: none, selective, full")
         for dim in ("tp", "pp", "cp", "ep", "dp_replicate"):
             value = getattr(self, dim)
             if value < 1:
@@ -164,7 +171,28 @@ class WorkerEnv:
             ep=_int(env, "JD_EP", 1),
             sp=env.get("JD_SP", "") == "1",
             dp_replicate=_int(env, "JD_DP_REPLICATE", 1),
+            ac=(env.get("JD_AC", "").strip().lower() or "none"),
         )
+
+    @classmethod
+    def for_launch(cls, *, world_size: int = 1, **fields: Any) -> WorkerEnv:
+        """The contract a launcher hands to ``world_size`` processes (validated here, before anything starts)."""
+        return cls(distributed=world_size > 1, world_size=world_size, **fields)
+
+    def to_environ(self) -> dict[str, str]:
+        """The ``JD_*`` variables that make :meth:`from_environ` read this contract back: their one writer.
+
+        ``JD_STRATEGY`` and ``JD_PRECISION`` are always written, every other variable only when it differs from its
+        default (a dry run shows what was chosen, not every knob). The torchrun variables (``RANK``, ...) are the
+        launcher's to set.
+        """
+        out: dict[str, str] = {}
+        for name, var in ENV_VARS.items():
+            value = getattr(self, name)
+            if value == _DEFAULTS[name] and name not in ("strategy", "precision"):
+                continue
+            out[var] = "1" if value is True else repr(value) if isinstance(value, float) else str(value)
+        return out
 
     @property
     def dp_shard(self) -> int:
@@ -180,3 +208,15 @@ class WorkerEnv:
     def family(self) -> str:
         """``"none"``, ``"ddp"``, ``"fsdp"`` (FSDP1 wrapper), ``"fsdp2"`` or ``"deepspeed"``."""
         return "none" if self.strategy == "none" else get_strategy(self.strategy).family
+
+
+ENV_VARS: dict[str, str] = {
+    "run_dir": "JD_RUN_DIR", "strategy": "JD_STRATEGY", "ds_config": "JD_DS_CONFIG", "precision": "JD_PRECISION",
+    "log_stdio": "JD_LOG_STDIO", "heartbeat_s": "JD_HEARTBEAT_S", "checkpoint_every": "JD_CHECKPOINT_EVERY",
+    "async_save": "JD_ASYNC_SAVE", "keep": "JD_KEEP", "telemetry_interval_s": "JD_TELEMETRY_INTERVAL_S",
+    "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
+    "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE",
+}  # fmt: skip
+""":class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
+
+_DEFAULTS = {f.name: f.default for f in fields(WorkerEnv) if f.name in ENV_VARS}

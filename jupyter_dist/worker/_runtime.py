@@ -71,6 +71,8 @@ class Runtime:
         """The model returned by the last :meth:`wrap` (a DeepSpeed engine for ``zero*``)."""
         self.optimizer: Any = None
         """The optimizer returned by the last :meth:`wrap`."""
+        self.mesh: Any = None
+        """The :class:`~jupyter_dist.worker._parallel.Mesh` built by :meth:`wrap` under model parallelism, else None."""
         self._lock = threading.RLock()
         self._initialized = False
         self._owns_pg = False
@@ -130,6 +132,27 @@ class Runtime:
         if torch.cuda.is_available():
             return torch.device("cuda", self.env.local_rank % max(1, torch.cuda.device_count()))
         return torch.device("cpu")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: how many different batches one optimizer step sees (world / (pp * cp * tp))."""
+        e = self.env
+        return max(1, self.world_size // (e.pp * e.cp * e.tp))
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel index of this rank; the ranks of one tensor/context-parallel group share it.
+
+        From the mesh layout ``(pp, dp_replicate, dp_shard, cp, tp)``, row-major, tp innermost.
+        """
+        e = self.env
+        return (self.rank // (e.cp * e.tp)) % self.dp_size
+
+    def _needs_mesh(self, model: Any, tp_plan: Any, pretrained: Any) -> bool:
+        if self.env.family == "fsdp2" or self.env.model_parallel or tp_plan is not None or pretrained is not None:
+            return True
+        params = getattr(model, "parameters", None)
+        return callable(params) and any(getattr(p, "is_meta", False) for p in params())
 
     # ------------------------------------------------------------------ life cycle
     def init(self) -> None:
@@ -226,13 +249,31 @@ class Runtime:
             self._owns_pg = False
 
     # ------------------------------------------------------------------ training
-    def wrap(self, model: Any, optimizer: Any = None) -> tuple[Any, Any]:
-        """Apply ``JD_STRATEGY``; see :func:`jupyter_dist.worker.wrap`."""
+    def wrap(self, model: Any, optimizer: Any = None, *, tp_plan: Any = None,
+             pretrained: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:  # fmt: skip
+        """Apply ``JD_STRATEGY`` and the model-parallel degrees; see :func:`jupyter_dist.worker.wrap`."""
         from ._strategy import apply_strategy
 
         self.init()
         self.emitter.set_phase("wrap")
-        model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device, comm_stats=self.comm_stats)
+        if self._needs_mesh(model, tp_plan, pretrained):
+            from ._parallel import parallelize
+
+            family = self.env.family
+            if family not in ("none", "fsdp2"):
+                raise WorkerError(
+                    f"jd.wrap: JD_STRATEGY={self.env.strategy} does not compose with tensor parallelism or sharded "
+                    "loading here; use fsdp2 (e.g. the plan's fsdp2+tp candidate)"
+                )
+            if not self.env.distributed and self.env.tp > 1:
+                raise WorkerError(f"jd.wrap: JD_TP={self.env.tp} needs {self.env.tp}+ processes started by torchrun")
+            model, optimizer, self.mesh = parallelize(
+                self.env, model, optimizer, device=self.device, tp_plan=tp_plan,
+                pretrained=None if pretrained is None else os.fspath(pretrained), family=family,
+            )  # fmt: skip
+        else:
+            model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device,
+                                              comm_stats=self.comm_stats)  # fmt: skip
         self.model, self.optimizer = model, optimizer
         self.emitter.set_phase("forward")
         if self.env.precision == "fp16-mixed" and self.env.family in ("none", "ddp"):

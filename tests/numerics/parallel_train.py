@@ -1,0 +1,143 @@
+"""Equal-math worker: train a model a few steps under whatever JD_* degrees it is launched with; save losses and
+the final full parameters (gathered) from rank 0.
+
+Run whole (``python parallel_train.py OUT MODEL``, one process, no jd strategy) for the reference, or under
+``torchrun --nproc-per-node N`` with ``JD_STRATEGY=fsdp2 JD_TP=2 JD_SP=1 ...`` for a parallel run. Every run sees the
+same global batch each step: rank ``r`` takes the ``jd.dp_rank``-th of ``jd.dp_size`` equal slices. Adding a model
+to the equal-math tests = adding a builder to ``MODELS``.
+
+Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
+(checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
+``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import jupyter_dist.worker as jd
+
+VOCAB = 128
+
+
+def ref_model() -> torch.nn.Module:
+    from jupyter_dist.models import Transformer
+
+    return Transformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def llama_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS = {"ref": ref_model, "llama": llama_model}
+
+
+def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def batch(step: int, n: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    noise = torch.randint(0, 3, (n, seq + 1), generator=g)
+    return (start + 3 * torch.arange(seq + 1) + noise) % VOCAB
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+
+
+def clean(name: str) -> str:
+    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def main() -> None:
+    out_path, kind = sys.argv[1], sys.argv[2]
+    steps = int(os.environ.get("EQ_STEPS", "10"))
+    n, seq = int(os.environ.get("EQ_BATCH", "8")), int(os.environ.get("EQ_SEQ", "16"))
+    torch.manual_seed(0)
+    if os.environ.get("EQ_META") == "1":
+        with torch.device("meta"):
+            model = MODELS[kind]()
+    else:
+        model = MODELS[kind]()
+    if os.environ.get("EQ_OPT", "adamw") == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=float(os.environ.get("EQ_LR", "1e-3")), weight_decay=0.1)
+    pretrained = os.environ.get("EQ_PRETRAINED") or None
+    model, opt = jd.wrap(model, opt, pretrained=pretrained)
+    first = 0
+    ckpt = os.environ.get("EQ_CKPT")
+    if ckpt and os.environ.get("EQ_RESUME") == "1":
+        got = jd.resume({"model": model, "optimizer": opt}, root=ckpt)
+        assert got is not None, "nothing to resume"
+        first = got[1] + 1
+    save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
+    losses = []
+    for step in range(first, steps):
+        tokens = batch(step, n, seq)
+        if n % jd.dp_size:
+            raise SystemExit(f"batch {n} does not split over dp {jd.dp_size}")
+        if os.environ.get("EQ_BAD_DATA") == "1":  # the classic mistake: shard data by global rank under tp
+            local = tokens.chunk(jd.world_size)[jd.rank]
+        else:
+            local = tokens.chunk(jd.dp_size)[jd.dp_rank]
+        logits = logits_of(model, local[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), local[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()  # tensor-parallel ranks hold the same loss: the mean over dp
+        losses.append(value.item())
+        if step == save_at:
+            jd.save({"model": model, "optimizer": opt}, step, root=ckpt)
+    params = {clean(k): full(p) for k, p in model.named_parameters()}
+    first_logits = None
+    if os.environ.get("EQ_LOGITS") == "1":
+        with torch.no_grad():
+            first_logits = full(logits_of(model, batch(0, n, seq)[:, :-1]))
+    if jd.rank == 0:
+        torch.save(
+            {
+                "losses": losses,
+                "params": params,
+                "first": first,
+                "mesh": str(jd.mesh and jd.mesh.describe()),
+                "logits": first_logits,
+            },
+            out_path,
+        )
+        print(json.dumps({"losses": losses}))
+
+
+if __name__ == "__main__":
+    main()

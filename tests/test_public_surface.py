@@ -1,0 +1,337 @@
+"""Issue 23: the public surface keeps its promises.
+
+``jupyter_dist.plan()`` twice and the lazy top-level classes; one owner for every list of names (candidate names,
+precision spellings, FSDP1 sharding, the JD_* variables); composite candidate names (``fsdp2+tp2+sp``) carried to the
+workers without dropping a dimension; single-typed ``Run.diagnosis()`` and ``jd.start_step()``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+
+from jupyter_dist.errors import JupyterDistError, ParallelismError, PlanInputError
+from jupyter_dist.plan import Hardware, TrainingShape, plan
+from jupyter_dist.plan.candidates import RUNNABLE, CandidateName, parse_candidate, resolve_launch, runnable_problem
+from jupyter_dist.worker._env import WorkerEnv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_py(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+# --------------------------------------------------------------------------- item 1: plan() twice, lazy classes
+def test_every_public_entry_point_works_twice_whatever_was_imported_first() -> None:
+    out = _run_py(
+        """
+        import json, sys
+        from jupyter_dist.plan import ModelSpec          # the README's import, before the first call
+        import jupyter_dist
+        heavy = ("torch", "IPython", "ipywidgets", "jupyter_dist.launch.run", "jupyter_dist.ui.wizard")
+        light = sorted(m for m in heavy if m in sys.modules)
+        p1 = jupyter_dist.plan("gpt2", "cpu")
+        p2 = jupyter_dist.plan("gpt2", "cpu")
+        p3 = jupyter_dist.plan.plan(ModelSpec.from_params(1e6), "cpu")
+        from jupyter_dist import Plan, Run, Pool, Wizard, Dashboard, open_run, start_run, render_bundle
+        from jupyter_dist.errors import JupyterDistError
+        res = {"light": light, "plans": [isinstance(p, jupyter_dist.Plan) for p in (p1, p2, p3)],
+               "same": p1.recommended == p2.recommended,
+               "classes": [isinstance(c, type) for c in (Plan, Run, Pool, Wizard, Dashboard)]}
+        w1, w2 = jupyter_dist.Wizard(model="gpt2", gpu="cpu"), jupyter_dist.Wizard(model="gpt2", gpu="cpu")
+        res["wizards"] = [isinstance(w, Wizard) for w in (w1, w2)]
+        errs = []
+        for _ in range(2):
+            for f in (lambda: jupyter_dist.open_run("/nonexistent/run"),
+                      lambda: jupyter_dist.Dashboard("/nonexistent/run")):
+                try:
+                    f()
+                except JupyterDistError as e:
+                    errs.append(type(e).__name__)
+        res["errors"] = errs
+        res["bundle"] = [type(jupyter_dist.render_bundle(p1)).__name__ for _ in range(2)]
+        res["dir"] = all(n in dir(jupyter_dist) for n in ("Plan", "Run", "Pool", "Wizard", "Dashboard"))
+        print(json.dumps(res))
+        """
+    )
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["light"] == [], "importing jupyter_dist.plan / jupyter_dist must stay light"
+    assert res["plans"] == [True, True, True] and res["same"]
+    assert res["classes"] == [True] * 5 and res["wizards"] == [True, True]
+    assert len(res["errors"]) == 4, res
+    assert res["bundle"] == ["Bundle", "Bundle"] and res["dir"]
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error() -> None:
+    import jupyter_dist
+
+    with pytest.raises(AttributeError, match="no attribute 'Plans'"):
+        jupyter_dist.Plans  # noqa: B018
+
+
+# --------------------------------------------------------------------------- item 3: candidate names
+PLANS = [
+    ("gpt2", Hardware.from_names("cpu", gpus_per_node=4), None),
+    ("llama-3-70b", Hardware.from_names("a100-80gb", gpus_per_node=8, nodes=4), None),
+    ("mixtral-8x7b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2), None),
+    ("llama-3-8b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2), TrainingShape(seq_len=65536)),
+]
+
+
+@pytest.mark.parametrize("model,hw,shape", PLANS, ids=[p[0] for p in PLANS])
+def test_every_candidate_name_the_planner_prints_parses_back_to_its_dims(model: str, hw: Hardware, shape: Any) -> None:
+    p = plan(model, hw, shape)
+    assert len(p.candidates) > 5
+    for c in p.candidates:
+        parsed = parse_candidate(c.name)
+        assert parsed.name == c.name and parsed.strategy == c.strategy
+        assert (parsed.tp, parsed.pp, parsed.cp, parsed.ep, parsed.sp) == (c.dims.tp, c.dims.pp, c.dims.cp,
+                                                                          c.dims.ep, c.dims.sp)  # fmt: skip
+        assert parsed.dims_for(p.world_size) == c.dims
+
+
+def test_parse_candidate_is_strict_and_says_what_is_valid() -> None:
+    assert parse_candidate("FSDP2+sp+tp2").name == "fsdp2+tp2+sp"  # any order, canonical name back
+    assert parse_candidate("hsdp+tp2").name == "fsdp2-hybrid+tp2"  # aliases of the base
+    assert parse_candidate("none+tp2").spec is None
+    for bad, msg in [("zero2+tp2", "zero2 does not combine with tp/pp/cp/ep"), ("fsdp2+tp2+tp4", "tp appears twice"),
+                     ("fsdp2+sp", "needs tp >= 2"), ("fsdp2+tp0", "tp must be a positive integer"),
+                     ("fsdp2+xx2", "'xx2' in 'fsdp2+xx2' is not a degree"), ("nope+tp2", "unknown strategy 'nope'"),
+                     ("", "empty strategy name")]:  # fmt: skip
+        with pytest.raises(PlanInputError, match=re.escape(msg)) as info:
+            parse_candidate(bad)
+        assert "\n" not in str(info.value)
+        if "degree" in msg or "unknown" in msg or "empty" in msg or "twice" in msg:
+            assert "fsdp2+tp2+sp" in str(info.value)  # the valid forms, by example
+
+
+def test_a_plan_on_fewer_processes_is_a_rehearsal_that_keeps_every_model_parallel_degree() -> None:
+    p = plan("llama-3-70b", PLANS[1][1])
+    assert p.recommended == "fsdp2+tp2+sp" and p.world_size == 32
+    c = resolve_launch("auto", p, 4, nproc_per_node=4)
+    assert c.worker_fields() == {"strategy": "fsdp2", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "sp": True,
+                                 "dp_replicate": 1}  # fmt: skip
+    assert c.mesh() == "mesh: dp_shard=2 x tp=2 (4 processes), sequence parallel on"
+    assert c.note == "rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2"
+    assert resolve_launch("auto", p, 32, nproc_per_node=8).note is None
+    with pytest.raises(ParallelismError, match=r"needs a multiple of tp x pp x cp = 2 processes; 3 given"):
+        resolve_launch("auto", p, 3)
+    with pytest.raises(ParallelismError, match=r"tp x pp x cp = 8 processes; 4 given"):
+        resolve_launch("fsdp2+tp8+sp", p, 4)
+
+
+def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
+    refusals = {
+        "fsdp2+tp4+pp2+sp": "pipeline parallelism (pp2) cannot run yet; it is planned in issue 19 — run the fsdp2+tp "
+                            "candidate or pass --pp 1",
+        "fsdp2+cp2": "context parallelism (cp2) cannot run yet",
+        "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
+        "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
+    }  # fmt: skip
+    for name, msg in refusals.items():
+        assert msg in (runnable_problem(parse_candidate(name)) or "")
+        with pytest.raises(ParallelismError, match=re.escape(msg)):
+            resolve_launch(name, None, 8)
+    for name in ("fsdp2+tp2+sp", "ddp+tp2", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3"):
+        assert runnable_problem(parse_candidate(name)) is None, name
+    # the table is the one switch: flipping pp on makes fsdp2+pp2 runnable
+    saved = RUNNABLE["pp"]
+    try:
+        RUNNABLE["pp"] = (frozenset({"fsdp2"}), saved[1])
+        assert runnable_problem(parse_candidate("fsdp2+pp2")) is None
+    finally:
+        RUNNABLE["pp"] = saved
+    # explicit degrees override the name's, on purpose; --sp alone needs a tp
+    assert resolve_launch("fsdp2+tp4+pp2+sp", None, 8, degrees={"pp": 1}).candidate.name == "fsdp2+tp4+sp"
+    assert resolve_launch("fsdp2+tp2+sp", None, 4, degrees={"tp": 1}).candidate.name == "fsdp2"
+    with pytest.raises(ParallelismError, match="--sp needs tensor parallelism"):
+        resolve_launch("fsdp2", None, 4, degrees={"sp": True})
+    with pytest.raises(ParallelismError, match="--tp must be a positive integer"):
+        resolve_launch("fsdp2", None, 4, degrees={"tp": 0})
+
+
+def test_hybrid_with_tp_replicates_across_nodes() -> None:
+    c = resolve_launch("fsdp2-hybrid+tp2+sp", None, 16, nproc_per_node=4)  # 4 nodes x 4: tp2 inside, dp 8
+    assert (c.dims.dp, c.dp_replicate) == (8, 4)
+    assert c.mesh() == "mesh: dp_replicate=4 x dp_shard=2 x tp=2 (16 processes), sequence parallel on"
+    env = WorkerEnv.for_launch(world_size=16, **c.worker_fields()).to_environ()
+    assert env["JD_DP_REPLICATE"] == "4" and env["JD_TP"] == "2" and env["JD_STRATEGY"] == "fsdp2-hybrid"
+
+
+# --------------------------------------------------------------------------- item 2: one owner per list
+def test_to_environ_is_read_back_by_from_environ_and_writes_only_what_differs() -> None:
+    env = WorkerEnv.for_launch(world_size=8, strategy="fsdp2", precision="bf16-mixed", tp=2, pp=2, sp=True,
+                               dp_replicate=2, heartbeat_s=0.5, checkpoint_every=10, keep=3, async_save=True,
+                               ds_config="/x/ds.json", run_dir="/x")  # fmt: skip
+    out = env.to_environ()
+    assert out["JD_TP"] == "2" and out["JD_PP"] == "2" and out["JD_SP"] == "1" and out["JD_DP_REPLICATE"] == "2"
+    assert "JD_CP" not in out and "JD_EP" not in out and "JD_LOG_STDIO" not in out
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_WORLD_SIZE": "1"}
+    back = WorkerEnv.from_environ({**out, **torchrun})
+    for f in ("strategy", "precision", "tp", "pp", "cp", "ep", "sp", "dp_replicate", "heartbeat_s",
+              "checkpoint_every", "keep", "async_save", "ds_config", "run_dir"):  # fmt: skip
+        assert getattr(back, f) == getattr(env, f), f
+    assert WorkerEnv.for_launch(strategy="ddp").to_environ() == {"JD_STRATEGY": "ddp", "JD_PRECISION": "fp32"}
+    with pytest.raises(JupyterDistError, match="does not divide WORLD_SIZE=6"):
+        WorkerEnv.for_launch(world_size=6, strategy="fsdp2", tp=4)
+
+
+def test_no_launch_path_types_the_jd_contract_variables_by_hand() -> None:
+    contract = ["JD_STRATEGY", "JD_PRECISION", "JD_DS_CONFIG", "JD_TP", "JD_PP", "JD_CP", "JD_EP", "JD_SP",
+                "JD_DP_REPLICATE", "JD_CHECKPOINT_EVERY", "JD_KEEP", "JD_ASYNC_SAVE", "JD_HEARTBEAT_S",
+                "JD_TELEMETRY_INTERVAL_S", "JD_TELEMETRY_STDOUT"]  # fmt: skip
+    offenders = []
+    for path in [*(ROOT / "jupyter_dist" / "launch").glob("*.py"), *(ROOT / "jupyter_dist" / "ui").glob("*.py"),
+                 ROOT / "jupyter_dist" / "magics.py", ROOT / "jupyter_dist" / "pool_magics.py"]:  # fmt: skip
+        for var in contract:
+            for m in re.finditer(rf"[\"']{var}[\"']\s*[:\]]", path.read_text()):  # a dict key or a subscript write
+                offenders.append(f"{path.name}: {m.group(0)}")
+    assert offenders == [], "write JD_* through WorkerEnv.to_environ(): " + ", ".join(offenders)
+
+
+def test_precision_and_fsdp1_names_have_one_owner() -> None:
+    from jupyter_dist.plan.strategies import FSDP1_SHARDING, STRATEGIES
+    from jupyter_dist.plan.training import Precision, precision_names
+    from jupyter_dist.render import torch_code
+    from jupyter_dist.worker._env import PRECISIONS
+
+    assert list(PRECISIONS) == precision_names() == [p.value for p in Precision]
+    assert torch_code.FSDP1_SHARDING is FSDP1_SHARDING
+    assert set(FSDP1_SHARDING) == {s.name for s in STRATEGIES.values() if s.family == "fsdp"}
+    for src in ("jupyter_dist/cli.py", "jupyter_dist/ui/wizard.py", "jupyter_dist/render/torch_code.py",
+                "jupyter_dist/worker/_env.py"):  # fmt: skip
+        text = (ROOT / src).read_text()
+        assert '"bf16-mixed", "fp16-mixed"' not in text and "bf16-mixed, fp16-mixed, bf16-true" not in text, src
+        assert '"SHARD_GRAD_OP"' not in text, src
+
+
+# --------------------------------------------------------------------------- item 3 through the magic
+@pytest.fixture()
+def big_plan(ip: Any) -> Any:
+    p = plan("llama-3-70b", PLANS[1][1])
+    ip.user_ns["p70"] = p
+    return p
+
+
+def test_dist_train_plan_on_fewer_processes_carries_tp_and_sp_and_says_so(ip: Any, runs: Path, big_plan: Any) -> None:
+    dry = ip.run_cell_magic("dist_train", "--plan p70 --nproc 4 --dry-run", "pass")
+    assert {k: dry.env[k] for k in dry.env if k.startswith("JD_") and k != "JD_RUN_DIR"} == {
+        "JD_STRATEGY": "fsdp2", "JD_PRECISION": "bf16-mixed", "JD_TP": "2", "JD_SP": "1"}  # fmt: skip
+    text = dry.to_text()
+    assert "# mesh: dp_shard=2 x tp=2 (4 processes), sequence parallel on" in text
+    assert "# rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2" in text
+    with pytest.raises(UsageError, match=r"fsdp2\+tp2\+sp needs a multiple of tp x pp x cp = 2 processes; 3 given"):
+        ip.run_cell_magic("dist_train", "--plan p70 --nproc 3 --dry-run", "pass")
+    # a named candidate of the plan, and the flags
+    dry = ip.run_cell_magic("dist_train", "--plan p70 --strategy fsdp2+tp4+sp --nproc 8 --dry-run", "pass")
+    assert dry.env["JD_TP"] == "4" and "dp from 8 to 2" in dry.to_text()
+    dry = ip.run_cell_magic("dist_train", "--strategy fsdp2 --tp 2 --sp --nproc 4 --heartbeat 0.5 --dry-run", "pass")
+    assert dry.env["JD_TP"] == "2" and dry.env["JD_SP"] == "1" and dry.env["JD_HEARTBEAT_S"] == "0.5"
+    with pytest.raises(UsageError, match="pipeline parallelism \\(pp2\\) cannot run yet"):
+        ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --nproc 4 --dry-run", "pass")
+    dry = ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --pp 1 --nproc 4 --dry-run", "pass")
+    assert "JD_PP" not in dry.env and dry.env["JD_TP"] == "2"
+    with pytest.raises(UsageError, match="--tp must be >= 1, got 0"):
+        ip.run_cell_magic("dist_train", "--tp 0 --nproc 2 --dry-run", "pass")
+
+
+def test_every_name_the_cpu_planner_prints_is_known_to_dist_train(ip: Any, runs: Path) -> None:
+    p = plan("gpt2", Hardware.from_names("cpu", gpus_per_node=4))
+    for c in p.candidates:
+        problem = runnable_problem(parse_candidate(c.name))
+        try:
+            dry = ip.run_cell_magic("dist_train", f"--strategy {c.name} --nproc 4 --dry-run", "pass")
+        except UsageError as exc:
+            assert problem is not None and str(exc) == problem, (c.name, str(exc))
+            continue
+        assert problem is None, c.name
+        assert dry.env["JD_STRATEGY"] == c.strategy
+        assert dry.env.get("JD_TP", "1") == str(c.dims.tp) and dry.env.get("JD_SP") == ("1" if c.dims.sp else None)
+        assert WorkerEnv.from_environ({**dry.env, "JD_RUN_DIR": ""}).strategy == c.strategy  # the worker reads it
+
+
+def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
+    from jupyter_dist.launch.pool import Pool
+
+    pool = Pool(nproc=4, strategy="fsdp2+tp2+sp", runs_dir=runs)
+    env = pool.dry_run().env
+    assert (env["JD_STRATEGY"], env["JD_TP"], env["JD_SP"], env["JD_POOL"]) == ("fsdp2", "2", "1", "1")
+    with pytest.raises(JupyterDistError, match="expert parallelism"):
+        Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs)
+
+
+@pytest.mark.slow
+def test_the_wizard_launches_fsdp1_and_composite_candidates(ip: Any, runs: Path) -> None:
+    from conftest import descendants_gone
+
+    from jupyter_dist.ui.wizard import Wizard
+
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2, code="print('hello', jd.rank)", runs_dir=runs, shell=ip)
+    names = [c.name for c in w.plan.candidates]
+    assert "fsdp-shard-grad-op" in names and "fsdp2+tp2+sp" in names
+    for name, env in (("fsdp-shard-grad-op", {"JD_STRATEGY": "fsdp-shard-grad-op"}),
+                      ("fsdp2+tp2+sp", {"JD_STRATEGY": "fsdp2", "JD_TP": "2", "JD_SP": "1"})):  # fmt: skip
+        w.candidate.value = name
+        w.run_name.value = "wiz_" + re.sub(r"\W", "_", name)
+        run = w.launch(timeout=120)
+        assert run is not None, w.launch_msg.value
+        assert run.candidate == name and f"({name}, 1 x 2 processes)" in w.launch_msg.value
+        assert f"--strategy {name}" in w.train_line
+        assert run.wait(120) == "succeeded", run.logs()
+        meta_env = json.loads((run.dir / "run.json").read_text())["env"]
+        assert {k: meta_env.get(k) for k in env} == env
+        assert descendants_gone(run)
+    w.candidate.value = "zero1+tp2+sp"
+    assert w.launch() is None and "tensor parallelism with zero1 (tp2) cannot run yet" in w.launch_msg.value
+
+
+# --------------------------------------------------------------------------- item 4: single-typed results
+def test_diagnosis_of_a_hung_run_is_a_diagnosis(tmp_path: Path) -> None:
+    from jupyter_dist.launch.run import open_run
+    from jupyter_dist.telemetry.diagnose import Diagnosis
+
+    rd = tmp_path / "run-hung"
+    (rd / "logs").mkdir(parents=True)
+    (rd / "telemetry").mkdir()
+    (rd / "run.json").write_text(json.dumps({"name": "run-hung", "status": "hung", "world_size": 2, "nproc": 2,
+                                             "nodes": 1, "strategy": "none", "candidate": "none"}))  # fmt: skip
+    report = {"kind": "hang", "culprit": 1, "stalled_s": 4.2, "reason": "rank 1 issued fewer collectives",
+              "where": {"1": "script.py:7: time.sleep(600)"}, "stacks": {"0": "...", "1": "..."}}  # fmt: skip
+    (rd / "diagnosis.json").write_text(json.dumps(report))
+    run = open_run(rd)
+    d = run.diagnosis()
+    assert isinstance(d, Diagnosis) and d.first_rank == 1 and d.basis == "hang" and d.hang == report
+    assert d.summary().startswith("Hung: no step for 4.2 s (rank 1 fell behind)") and "script.py:7" in d.summary()
+    assert d.to_dict()["hang"]["culprit"] == 1 and run.strategy == "none" and run.candidate == "none"
+
+
+def test_start_step_is_an_int_before_and_after_a_checkpoint(tmp_path: Path) -> None:
+    out = _run_py(
+        f"""
+        import torch, jupyter_dist.worker as jd
+        model = torch.nn.Linear(2, 2)
+        model, opt = jd.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        root = {str(tmp_path / "ck")!r}
+        first = jd.start_step(root=root)
+        jd.save({{"model": model, "optimizer": opt}}, 4, root=root)
+        print(first, jd.start_step(root=root), jd.resume(root=root)[1])
+        """
+    )
+    assert out.split()[-3:] == ["0", "5", "4"]  # start at 0, then the step after the checkpoint; resume() unchanged
+
+
+def test_candidate_name_validates_its_fields() -> None:
+    with pytest.raises(PlanInputError, match="unknown strategy 'zero9'"):
+        CandidateName(strategy="zero9")
+    assert CandidateName(strategy="fsdp2", tp=2, sp=True).with_degrees(tp=1).name == "fsdp2"
