@@ -100,8 +100,8 @@ def test_planning_end_to_end_loads_no_forbidden_module() -> None:
 LAYERS = ("_version", "errors", "plan", "render", "telemetry", "launch", "worker", "models", "ui", "demo", "cli",
           "magic_args", "pool_magics", "magics")  # fmt: skip
 """Layer order (docs/architecture.md): a module imports, at module level, only its own layer and the ones before it.
-Function-level imports are not held to the order here (one reaches a later layer: ``launch/check.py`` takes the
-worker's list of collectives to validate ``--ops`` before it starts the ranks); the circle check below counts them."""
+Function-level imports are not held to the order here (launch reaches into worker for the contract it launches:
+``WorkerEnv`` and the check's list of collectives); the circle check below counts them."""
 
 
 def _layer_of(rel: Path) -> str:
