@@ -11,8 +11,7 @@ from importlib import import_module
 from typing import Any
 
 from . import plan
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY: dict[str, str] = {
     "Plan": "jupyter_dist.plan", "Candidate": "jupyter_dist.plan", "ModelSpec": "jupyter_dist.plan",
@@ -38,6 +37,25 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def _live_panels(run: Any, **kwargs: Any) -> Any:
+    from .ui.dashboard import Dashboard as _Dashboard
+
+    return _Dashboard(run, **kwargs)
+
+
+def _static_panels(run: Any) -> str:
+    from .ui.dashboard import Dashboard as _Dashboard
+
+    return str(_Dashboard(run, widget=False).static_html())
+
+
+# The one place that wires the ui layer to the launch layer: a Run shows the notebook panels through these hooks
+# (run.dashboard(), a finished run's card), and jupyter_dist.launch never imports jupyter_dist.ui.
+from .launch import views as _views  # noqa: E402
+
+_views.subscribe(live=_live_panels, static=_static_panels)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -216,7 +216,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     """The ``jupyter-dist`` parser with its sub-commands."""
     parser = _Parser(prog="jupyter-dist", description="Plan, compile, run and watch distributed PyTorch training.")
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"jupyter-dist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

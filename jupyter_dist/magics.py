@@ -17,6 +17,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 
 from .cli import add_plan_arguments, plan_from_args
 from .errors import JupyterDistError
+from .magic_args import parse_magic_line
 
 __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -141,18 +142,6 @@ def _rank_parser() -> MagicArgumentParser:
     p.add_argument("--tail", type=int, help="only the last N lines")
     p.add_argument("run", nargs="?", help="a Run variable (default: the last run)")
     return p
-
-
-def parse_magic_line(parser: MagicArgumentParser, line: str) -> Any:
-    """Parse a magic's line with ``shlex`` (quotes and spaces in paths); ``--help`` prints and returns ``None``."""
-    try:
-        argv = shlex.split(line)
-    except ValueError as exc:
-        raise UsageError(f"{parser.prog}: {exc}") from None
-    if "-h" in argv or "--help" in argv:
-        print(parser.format_help())
-        return None
-    return parser.parse_args(argv)
 
 
 @magics_class

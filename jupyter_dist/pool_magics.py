@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from .errors import JupyterDistError
-from .magics import parse_magic_line
+from .magic_args import parse_magic_line
 
 __all__ = ["PoolMagics", "register", "route_stop", "unregister"]
 

@@ -1,4 +1,4 @@
-"""SkyPilot on the local SLURM cluster: a real multi-node SkyPilot cluster without any cloud (../shared/RECIPES.md).
+"""SkyPilot on the local SLURM cluster: a real multi-node SkyPilot cluster without any cloud (docs/recipes.md).
 
 On top of :class:`slurm_cluster.SlurmCluster`:
 

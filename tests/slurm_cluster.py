@@ -1,6 +1,6 @@
 """A real SLURM cluster on this machine for tests: munged, slurmctld and two ``slurmd -N <name>`` on 127.0.0.1.
 
-Follows ../shared/RECIPES.md "SLURM on one machine": two node names that resolve to this host (``localhost`` and the
+Follows docs/recipes.md "SLURM on one machine": two node names that resolve to this host (``localhost`` and the
 short hostname), different slurmd ports, ``proctrack/linuxproc``, ``task/none``, ``select/cons_tres``,
 ``auth/munge`` with munged started as the munge user on its own socket and key, every state/spool/pid/log path in a
 temporary folder, and ``SLURM_CONF`` pointing at its ``slurm.conf``. Accounting is off.

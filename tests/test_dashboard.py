@@ -238,6 +238,30 @@ def test_a_finished_run_renders_static_panels_without_javascript(tmp_path: Path)
     assert "polyline" in html or "<path" in html
 
 
+def test_a_run_shows_the_views_subscribed_to_its_hooks(tmp_path: Path) -> None:
+    """launch/views.py: a Run asks its hooks for panels (the launch layer imports no ui); the package root subscribes
+    the notebook's panels, and another front-end can subscribe its own."""
+    from jupyter_dist.launch import views
+    from jupyter_dist.launch.run import open_run
+    from jupyter_dist.ui.dashboard import Dashboard
+
+    run = open_run(write_run_dir(tmp_path, recorded_run(steps=5), status="succeeded"))
+    assert isinstance(run.dashboard(widget=False), Dashboard)
+    seen: list[tuple[Any, dict[str, Any]]] = []
+
+    def live(r: Any, **kwargs: Any) -> str:
+        seen.append((r, kwargs))
+        return "panels"
+
+    previous = views.subscribe(live=live, static=lambda r: f"<p>panels of {r.name}</p>")
+    try:
+        assert run.dashboard(interval=3) == "panels" and seen == [(run, {"interval": 3})]
+        assert run._repr_mimebundle_()["text/html"].endswith(f"<p>panels of {run.name}</p>")
+    finally:
+        views.restore(previous)
+    assert "<svg" in run._repr_mimebundle_()["text/html"]
+
+
 # --------------------------------------------------------------------------- real runs
 SLOW_TRAIN = """
 import time

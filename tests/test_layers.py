@@ -1,11 +1,20 @@
-"""Guard: the pure core (plan/, render/, the in-worker telemetry emitter) never imports heavy or UI packages at
-module level. Checked two ways: statically (every top-level import statement of every file) and dynamically
-(importing every module in a fresh interpreter leaves no forbidden module in sys.modules)."""
+"""The structure of the package, as docs/architecture.md describes it.
+
+* The pure core (plan/, render/, the in-worker telemetry emitter) never imports heavy or UI packages at module level,
+  checked statically (every top-level import statement of every file) and dynamically (importing every module in a
+  fresh interpreter leaves no forbidden module in sys.modules).
+* Module-level imports follow the layer order; there is no import circle anywhere (module-level, function-level and
+  TYPE_CHECKING imports all count).
+* A module over 600 lines says why it is one piece or where it will split.
+* docs/architecture.md names every module and only paths and code that exist; README and docs links resolve; nothing
+  points at a document outside the repository; the README stays small and keeps its two commands.
+"""
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,9 +97,11 @@ def test_planning_end_to_end_loads_no_forbidden_module() -> None:
     assert json.loads(out.stdout) == []
 
 
-LAYERS = ("errors", "plan", "render", "telemetry", "launch", "worker", "ui", "demo", "cli", "magics", "pool_magics")
-"""Layer order (ARCHITECTURE.md): a module imports, at module level, only its own layer and the ones before it.
-Function-level imports may reach down (``Run.dashboard()`` builds ui panels lazily) and are not checked here."""
+LAYERS = ("_version", "errors", "plan", "render", "telemetry", "launch", "worker", "models", "ui", "demo", "cli",
+          "magic_args", "pool_magics", "magics")  # fmt: skip
+"""Layer order (docs/architecture.md): a module imports, at module level, only its own layer and the ones before it.
+Function-level imports are not held to the order here (launch reaches into worker for the contract it launches:
+``WorkerEnv`` and the check's list of collectives); the circle check below counts them."""
 
 
 def _layer_of(rel: Path) -> str:
@@ -125,7 +136,234 @@ def test_module_level_imports_follow_the_layer_order(path: Path) -> None:
     rel = path.relative_to(ROOT)
     layer = _layer_of(rel)
     if layer not in LAYERS:
-        pytest.fail(f"{rel}: unknown layer {layer!r}; add it to LAYERS (and to ARCHITECTURE.md)")
+        pytest.fail(f"{rel}: unknown layer {layer!r}; add it to LAYERS (and to docs/architecture.md)")
     allowed = set(LAYERS[: LAYERS.index(layer) + 1])
     bad = sorted({t for t in _module_level_targets(path) if t in LAYERS and t not in allowed})
     assert not bad, f"{rel} ({layer}) imports {bad} at module level; only {sorted(allowed)} are above it"
+
+
+# ---- no import circles ----------------------------------------------------------------------------------------------
+# The graph has one node per module of the package (a package's ``__init__.py`` is the package's node) and one edge per
+# import statement that names a module of the package: module-level, function-level and ``if TYPE_CHECKING:`` imports
+# alike. A lazy import inside a function still couples the two modules (neither can be read, tested or moved without
+# the other); it only postpones the cost. ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+# else to ``pkg``. The packages above a module, which Python runs first, are not edges unless an import names them.
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``<root>/a/b.py`` -> ``<root name>.a.b``; ``<root>/a/__init__.py`` -> ``<root name>.a``."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (anywhere in the file)."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    full = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    full = node.module or ""
+                for a in node.names:
+                    sub = f"{full}.{a.name}"
+                    targets.add(sub if sub in files else known(full))
+        graph[mod] = {t for t in targets if t is not None and t != mod}
+    return graph
+
+
+def import_groups(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected groups of two or more modules (Tarjan): each module of one reaches every other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(groups, key=min)
+
+
+def a_circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """A shortest circle ``a -> ... -> a`` through the group's first module (breadth-first inside the group)."""
+    start = min(group)
+    paths = {w: [start, w] for w in sorted(graph[start] & group)}
+    frontier = list(paths)
+    while start not in paths:
+        frontier_next = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    frontier_next.append(w)
+        frontier = frontier_next
+    return paths[start]
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One concrete circle per group of modules that import each other."""
+    return [a_circle(graph, g) for g in import_groups(graph)]
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph(ROOT)
+    lines = []
+    for group in import_groups(graph):  # a circle, then every import inside its group (a group can hold several)
+        lines.append(" -> ".join(a_circle(graph, group)))
+        lines += [f"    {a} -> {b}" for a in sorted(group) for b in sorted(graph[a] & group)]
+    assert not lines, "import circles (module-, function- or TYPE_CHECKING-level; see docs/architecture.md):\n" + (
+        "\n".join(lines)
+    )
+
+
+def test_the_circle_check_catches_circles_in_a_synthetic_package(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import c  # the package imports its child\n")
+    (pkg / "a.py").write_text("from .sub import b\n")  # a -> sub.b (a module, not the package)
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import g  # lazy, still an edge\n")
+    (pkg / "sub" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.sub\n")
+    (pkg / "d.py").write_text("import os\nfrom pkg import a\n")  # d -> a: no way back, no circle
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.a"}
+    assert import_circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"], ["pkg.sub", "pkg.sub.c", "pkg.sub"]]
+    (pkg / "sub" / "b.py").write_text("def f():\n    pass\n")
+    (pkg / "sub" / "c.py").write_text("X = 1\n")
+    assert import_circles(import_graph(pkg)) == []
+
+
+# ---- long modules say why ---------------------------------------------------------------------------------------
+LONG_MODULE_LINES = 600
+"""Past this many lines a module's docstring says why it is one piece ("One piece: ...") or along which seam it is
+planned to split ("Planned split: ..."); docs/architecture.md lists the planned splits."""
+
+
+def missing_size_note(path: Path) -> bool:
+    """Whether a module is longer than :data:`LONG_MODULE_LINES` and its docstring has no one-piece or split note."""
+    text = path.read_text()
+    if text.count("\n") + 1 <= LONG_MODULE_LINES:
+        return False
+    doc = (ast.get_docstring(ast.parse(text, filename=str(path))) or "").lower()
+    return "one piece" not in doc and "planned split" not in doc
+
+
+def test_every_long_module_says_why_it_is_one_piece_or_where_it_splits() -> None:
+    bad = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py")) if missing_size_note(p)]
+    assert not bad, (
+        f"over {LONG_MODULE_LINES} lines without a 'One piece: ...' or 'Planned split: ...' sentence in the module "
+        f"docstring: {bad}"
+    )
+
+
+def test_the_size_note_check_reads_the_docstring_of_long_files_only(tmp_path: Path) -> None:
+    body = "x = 1\n" * LONG_MODULE_LINES
+    short, long, noted, split, comment = (tmp_path / f"{n}.py" for n in ("short", "long", "noted", "split", "comment"))
+    short.write_text('"""Short."""\n' + "x = 1\n" * 10)
+    long.write_text('"""Long, with no note."""\n' + body)
+    noted.write_text('"""Long.\n\nOne piece: one table and its reader.\n"""\n' + body)
+    split.write_text('"""Long.\n\nPlanned split: the table apart from its reader.\n"""\n' + body)
+    comment.write_text('"""Long."""\n# one piece (a comment is not the docstring)\n' + body)
+    assert [missing_size_note(p) for p in (short, long, noted, split, comment)] == [False, True, False, False, True]
+
+
+# ---- the architecture document matches the tree ------------------------------------------------------------------
+REPO = ROOT.parent
+ARCH = REPO / "docs" / "architecture.md"
+
+
+def test_the_architecture_doc_names_every_module_and_only_paths_that_exist() -> None:
+    text = ARCH.read_text()
+    modules = [p for p in sorted(ROOT.rglob("*.py")) if len(ast.parse(p.read_text()).body) > 1]  # not docstring-only
+    unnamed = [str(p.relative_to(REPO)) for p in modules if str(p.relative_to(REPO)) not in text]
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}: add them to 'The modules' (and their layer)"
+    named = set(re.findall(r"`((?:jupyter_dist|tests|benchmarks|docs)/[\w./<>-]+?)`", text))
+    missing = sorted(n for n in named if "<" not in n and not (REPO / n).exists())
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_architecture_doc_names_only_code_that_exists() -> None:
+    """Every function, class, constant or variable the doc names in backticks (a name with ``_`` or a capital) is a
+    word of the package's source, so a rename that leaves the doc behind fails here; ``name*`` / ``name<x>`` are
+    prefixes."""
+    texts = [p.read_text() for p in ROOT.rglob("*.py")] + [(ROOT / "ui" / "dashboard.js").read_text()]
+    words = set(re.findall(r"\w+", "\n".join(texts))) | {"test_the_package_has_no_import_circle", "LAYERS"}
+    unknown = set()
+    for span in re.findall(r"`([^`]+)`", ARCH.read_text()):
+        if re.search(r"/|\.(py|md|js|json|jsonl|log|sbatch|yaml|pkl)\b", span):  # a path: checked above
+            continue
+        for ident, prefix in re.findall(r"([A-Za-z_]\w*)([*<]?)", span):
+            if not ("_" in ident or ident[:1].isupper()):
+                continue
+            if ident not in words and not (prefix and any(w.startswith(ident) for w in words)):
+                unknown.add(ident)
+    assert not unknown, f"docs/architecture.md names code that does not exist (renamed?): {sorted(unknown)}"
+
+
+def test_docs_links_resolve_and_nothing_points_outside_the_repository() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} -> {target}")
+    assert not broken, f"links to missing files: {broken}"
+    outside = ("../" + "shared", "ARCHITECTURE" + ".md", "RECIPES" + ".md", "CONVENTIONS" + ".md")
+    files = [
+        p
+        for d in ("jupyter_dist", "tests", "docs", "benchmarks", "scripts", "notebooks", "binder")
+        for p in sorted((REPO / d).rglob("*"))
+        if p.is_file() and p.suffix in (".py", ".md", ".sh", ".ipynb", ".txt", ".js")
+    ]
+    files += [REPO / "README.md", REPO / "pyproject.toml"]
+    bad = [f"{p.relative_to(REPO)}: {o}" for p in files for o in outside if o in p.read_text(errors="replace")]
+    assert not bad, f"references to documents outside the repository (use docs/...): {bad}"
+
+
+def test_the_readme_starts_small_with_the_two_commands_and_links_every_docs_page() -> None:
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) < 10 * 1024, "README.md is over 10 KB: move reference material into docs/ and link it"
+    main_job = (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+        'PIP_CONSTRAINT=constraints-cpu.txt pip install -e ".[notebook]" && jupyter-dist demo'
+    )
+    assert f"```bash\n{main_job}\n```" in text and "```bash\nbash scripts/test.sh\n```" in text
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    unlinked = sorted(p for p in pages if f"docs/{p}" not in text)
+    assert not unlinked, f"README.md does not link {unlinked}"

@@ -1,1 +1,1 @@
-"""Layer `launch` (see ARCHITECTURE.md)."""
+"""Layer `launch` (see docs/architecture.md)."""

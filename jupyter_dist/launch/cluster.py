@@ -147,14 +147,14 @@ def start_cluster_run(
 ) -> Any:  # fmt: skip
     """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``).
 
-    ``strategy``, ``plan`` and ``degrees`` resolve as for a local run (:func:`~.session.launch_contract`); the
+    ``strategy``, ``plan`` and ``degrees`` resolve as for a local run (:func:`~.prepare.launch_contract`); the
     ``JD_*`` variables come from that contract's ``WorkerEnv.to_environ()``.
     """
     from dataclasses import replace
 
     from ..render.common import SECRET_NAMES, RenderOptions
+    from .prepare import PRELUDE, DryRun, _ship, launch_contract
     from .run import Run
-    from .session import PRELUDE, DryRun, _ship, launch_contract
 
     if backend not in CLUSTER_BACKENDS:
         raise JupyterDistError(f"unknown backend {backend!r}; valid: local, {', '.join(CLUSTER_BACKENDS)}")

@@ -12,6 +12,11 @@ diagnoses a cell that runs past its timeout (faulthandler stacks through SIGUSR1
 does) and notices a rank that dies (the pool is then *broken* and says which rank and why). The pool's run directory
 is an ordinary one (``run.json`` with ``"kind": "pool"``, ``logs/``, ``telemetry/``), so ``jd.log`` in a cell feeds
 the same live panels (:meth:`Pool.dashboard`) and ``logs/pool.log`` records what the control channel did.
+
+Planned split: the pool becomes a package of its own (issue 17; docs/architecture.md, "Planned"): the kernel-side
+:class:`Pool` apart from the values it returns (``RankReport``, ``CellResult``, ``CellError``) and from the
+per-connection bookkeeping (``_Conn``, ``_Reply``, ``_Wait``, ``_InterruptFlag``), next to the channel and the rank
+side (``worker/_pool.py``) it talks to.
 """
 
 from __future__ import annotations

@@ -469,11 +469,12 @@ class Run:
     def dashboard(self, **kwargs: Any) -> Any:
         """The live panels of this run (:class:`~jupyter_dist.ui.dashboard.Dashboard`), following it until it ends.
 
-        Display the result in a notebook; a finished run's panels are drawn from its telemetry files.
+        Display the result in a notebook; a finished run's panels are drawn from its telemetry files. The panels
+        come through the live view subscribed in :mod:`.views` (the notebook's, unless a front-end subscribed another).
         """
-        from ..ui.dashboard import Dashboard
+        from .views import live_view  # the ui layer's panels, subscribed by the package root (launch imports no ui)
 
-        dash = Dashboard(self, **kwargs)
+        dash = live_view()(self, **kwargs)
         if not self.done:
             dash.start()
         return dash
@@ -522,11 +523,12 @@ class Run:
         body = html.escape(self.summary())
         card = (f'<div style="border-left:4px solid {colour};padding:4px 8px"><pre style="margin:0">{body}</pre>'
                 "</div>")  # fmt: skip
-        if self.done and self._rd.telemetry.is_dir():
-            try:  # the final panels, drawn without JavaScript (they survive export)
-                from ..ui.dashboard import Dashboard
+        from .views import static_view
 
-                card += Dashboard(self, widget=False).static_html()
+        static = static_view()
+        if static is not None and self.done and self._rd.telemetry.is_dir():
+            try:  # the final panels, drawn without JavaScript (they survive export)
+                card += static(self)
             except Exception as exc:  # never let a damaged telemetry file hide the run's card
                 card += f"<p>(panels unavailable: {html.escape(str(exc))})</p>"
         return {"text/plain": self.summary(), "text/html": card}

@@ -6,27 +6,20 @@ Used by ``%%dist_train`` and usable from Python (``jupyter_dist.launch.session.s
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
-from ..plan.candidates import LaunchChoice, resolve_launch
-from ..plan.strategies import strategy_names
 from .local import LaunchError, LocalLauncher, check_launcher
+from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
 __all__ = ["STRATEGY_CHOICES", "DryRun", "launch_contract", "local_gpu_count", "resolve_strategy", "start_run"]
-
-STRATEGY_CHOICES = ("auto", "none", *strategy_names())
-"""Plain names ``--strategy`` takes; it also takes every candidate name the planner prints (``fsdp2+tp2+sp``,
-see :func:`~jupyter_dist.plan.candidates.parse_candidate`) and the aliases of
-:func:`~jupyter_dist.plan.strategies.get_strategy`."""
 
 
 def local_gpu_count() -> int:
@@ -41,41 +34,6 @@ def local_gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def resolve_strategy(strategy: str, plan: Any, world_size: int) -> str:
-    """The base strategy ``world_size`` processes run (``auto``: the plan's recommendation, else DDP/none).
-
-    Kept for callers that want only the name; launches use :func:`launch_contract`, which keeps the degrees.
-    """
-    return resolve_launch(strategy, plan, world_size).strategy
-
-
-def launch_contract(
-    strategy: str, plan: Any, *, nproc: int, nodes: int = 1, degrees: dict[str, Any] | None = None,
-    precision: str | None = None, worker: dict[str, Any] | None = None,
-) -> tuple[LaunchChoice, Any]:  # fmt: skip
-    """``--strategy``/``--plan``/``--tp ...`` -> (what runs, the WorkerEnv that carries it to the workers).
-
-    Every launch path writes its ``JD_*`` variables from that WorkerEnv's
-    ``to_environ()``; errors are one line (the degrees that don't fit, what cannot run yet).
-    """
-    from ..worker._env import WorkerEnv, WorkerError
-
-    if plan is not None and not hasattr(plan, "best"):
-        raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
-    world = nproc * nodes
-    choice = resolve_launch(strategy, plan, world, nproc_per_node=nproc, degrees=degrees)
-    if precision is None:
-        precision = plan.training.precision.value if plan is not None else "fp32"
-    fields = {**choice.worker_fields(), **(worker or {})}
-    if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
-        fields["ac"] = plan.training.checkpointing.value
-    try:
-        env = WorkerEnv.for_launch(world_size=world, precision=precision, **fields)
-    except WorkerError as exc:
-        raise JupyterDistError(str(exc)) from None
-    return choice, env
-
-
 def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
     """A plan for the local CPU processes, so a DeepSpeed config can be rendered without a user plan."""
     from ..plan import Hardware, ModelSpec, TrainingShape, plan
@@ -83,38 +41,6 @@ def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
 
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc, nodes=nodes)
     return plan(ModelSpec.from_params(1e6, name="local"), hw, TrainingShape(precision="fp32"), strategy=strategy)
-
-
-@dataclass
-class DryRun:
-    """What ``--dry-run`` shows: the script, the configs and the commands, nothing started."""
-
-    script: str
-    argv: list[list[str]]
-    env: dict[str, str]
-    files: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    """What runs, in words: the mesh (``mesh: dp_shard=2 x tp=2 (4 processes)``) and any rehearsal note."""
-
-    def to_text(self) -> str:
-        """Plain text: what runs, commands, environment, files."""
-        out = [f"# {n}" for n in self.notes] + ["# commands (one per node)"] + [shlex.join(a) for a in self.argv]
-        out += ["", "# environment added"] + [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-        for name, text in {"script.py": self.script, **self.files}.items():
-            out += ["", f"# ---- {name} ----", text.rstrip()]
-        return "\n".join(out)
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        import html
-
-        return {"text/plain": self.to_text(), "text/html": f"<pre>{html.escape(self.to_text())}</pre>"}
-
-
-PRELUDE = """\
-# --- added by jupyter-dist: the worker API is bound as `jd` ---
-import jupyter_dist.worker as jd  # noqa: E402
-# --- the cell ---
-"""
 
 
 def start_run(
@@ -213,16 +139,3 @@ def start_recorded(rd: RunDir, meta: dict[str, Any], lau: LocalLauncher) -> list
     meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
     rd.write_meta(meta)
     return procs
-
-
-def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
-    import pickle
-
-    import cloudpickle
-
-    try:
-        payload = cloudpickle.dumps(objects)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        names = ", ".join(objects)
-        raise JupyterDistError(f"--ship {names}: cannot be pickled for the workers ({exc})") from None
-    (rd.path / "shipped.pkl").write_bytes(payload)

@@ -372,8 +372,8 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
     from ..render.common import RenderOptions
     from ..render.skypilot import dump_yaml, render_skypilot_task
+    from .prepare import DryRun, _ship
     from .run import Run
-    from .session import DryRun, _ship
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
     run_env = {"JD_LOG_STREAM": "1", **jd_env}  # jd_env: WorkerEnv.to_environ() (JD_RUN_DIR=., telemetry on stdout)

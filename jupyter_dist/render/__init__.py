@@ -1,1 +1,1 @@
-"""Layer `render` (see ARCHITECTURE.md)."""
+"""Layer `render` (see docs/architecture.md)."""

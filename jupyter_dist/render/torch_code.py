@@ -10,6 +10,10 @@ runs as is (on CPU with gloo for a quick check, e.g. ``--steps 5 --model-dim 32 
 The script is assembled from the templates below: a line that holds only ``<<name>>`` is replaced by a block
 (indented like the marker, dropped when empty); ``<<name>>`` inside a line by a value. Pure and stdlib only: this
 module renders text and never imports torch.
+
+Planned split: the templates (``_MODEL`` to ``_MAIN_DEEPSPEED``, about half the file) move to template files that
+are linted as Python themselves, apart from the assembler (``_Script``, :func:`render_train_script`), so that a
+change to the generated code reads as a change to code (issue 17; docs/architecture.md, "Planned").
 """
 
 from __future__ import annotations

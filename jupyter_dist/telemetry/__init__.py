@@ -1,1 +1,1 @@
-"""Layer `telemetry` (see ARCHITECTURE.md)."""
+"""Layer `telemetry` (see docs/architecture.md)."""

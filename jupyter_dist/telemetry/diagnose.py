@@ -14,6 +14,10 @@ torchrun) and of NCCL itself, and answers three questions:
 
 Every pattern below carries a comment naming the source that emits the message and its format string; the
 golden tests in ``tests/test_diagnose.py`` reproduce complete logs in those formats.
+
+Planned split: the patterns as a table (``_KIND_INFO`` and ``_RULES``, each with its source; about 600 lines) apart
+from the engine that applies them (:func:`classify`, :func:`diagnose_ranks`) and from the NCCL debug-line parser
+(:func:`parse_nccl_line`, :func:`nccl_facts`) (issue 17; docs/architecture.md, "Planned").
 """
 
 from __future__ import annotations

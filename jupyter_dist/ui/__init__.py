@@ -1,1 +1,1 @@
-"""Layer `ui` (see ARCHITECTURE.md)."""
+"""Layer `ui` (see docs/architecture.md)."""

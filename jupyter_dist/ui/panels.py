@@ -5,6 +5,10 @@
 line trace since the last call (sent to the browser as binary ``extendTraces`` batches), and which figures
 changed as a whole (re-sent as state: bar panels, a decimated or new trace). The live widget, the static export
 and the tests all read the same model; time comes from an injectable clock.
+
+One piece: :class:`DashboardModel` is the single model that the live widget, the static export and the tests
+read, and the helpers here (``Series``, ``decimate_minmax``, the rate and unit helpers) exist only for it; splitting
+would spread one model over several files. A new panel is one more figure in this model (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ GitHub's notebook viewer, an nbconvert HTML export, a reopened notebook before t
   the plot width are reduced to the min and max of every 1-unit pixel column (invisible at this resolution),
   so a figure stays small whatever the trace length.
 * Values: ``None`` breaks a line (a gap); NaN, infinities, non-numbers and, on a log axis, values <= 0 are skipped.
+
+One piece: a small SVG plotting library whose four figure kinds (line, bar, horizontal bar, heatmap; ~80 lines
+each) share the scales, ticks, frame and legend above them; if a figure kind is added, the split is the shared axes
+and text helpers apart from one module per figure kind.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ Planning and compiling live elsewhere: the handler copies control values into a
 :class:`~jupyter_dist.ui.wizard_model.WizardInputs`, calls :func:`~jupyter_dist.ui.wizard_model.evaluate`
 (the planner) and :func:`~jupyter_dist.render.bundle.render_bundle` (the compiler), and shows what they return.
 Invalid inputs are shown as a one-line message next to their control; the panel never shows a traceback.
+
+Planned split, along the tabs: the :class:`Wizard` keeps the controls and the one change handler, and each tab
+(Plan, What-if, Configs, Launch) gets a module with its builder and refresh; it is one piece today because the
+handler and the four tabs share the controls' state.
 """
 
 from __future__ import annotations

@@ -24,12 +24,9 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ._env import WorkerError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ._runtime import Runtime
+from ._env import WorkerEnv, WorkerError
 
 __all__ = [
     "save", "commit_pending", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state",
@@ -38,6 +35,23 @@ __all__ = [
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointHost(Protocol):
+    """What saving and resuming need of the worker's runtime; ``_runtime.Runtime`` is one.
+
+    Named here rather than imported: ``_runtime`` calls into this module, so importing it back would be a circle.
+    """
+
+    env: WorkerEnv
+    _pending_save: Any
+    _save_pg: Any
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
 def latest_checkpoint(root: str) -> tuple[int, str] | None:
@@ -138,7 +152,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = None, keep: int | None = None,
+def save(rt: CheckpointHost, state: dict[str, Any], step: int, *, root: str | None = None, keep: int | None = None,
          async_: bool = False) -> str:  # fmt: skip
     """Write a checkpoint of ``state`` at ``step``; collective (every rank calls it). Returns the final path.
 
@@ -190,7 +204,7 @@ def save(rt: Runtime, state: dict[str, Any], step: int, *, root: str | None = No
     return final
 
 
-def _save_group(rt: Runtime) -> Any:
+def _save_group(rt: CheckpointHost) -> Any:
     """A gloo group for asynchronous saves (created once, collectively, at the first one)."""
     import torch.distributed as dist
 
@@ -206,7 +220,7 @@ class _Pending:
         self.future, self.tmp, self.final, self.marker, self.root, self.keep = future, tmp, final, marker, root, keep
 
 
-def commit_pending(rt: Runtime) -> str | None:
+def commit_pending(rt: CheckpointHost) -> str | None:
     """Finish and commit an asynchronous save (collective); returns its path, or ``None`` when none is pending."""
     pending = getattr(rt, "_pending_save", None)
     if pending is None:
@@ -216,7 +230,7 @@ def commit_pending(rt: Runtime) -> str | None:
     return pending.final
 
 
-def _commit(rt: Runtime, p: _Pending) -> None:
+def _commit(rt: CheckpointHost, p: _Pending) -> None:
     if p.future is not None:
         p.future.result()  # this rank's shards are on disk (raises what the writer raised)
     _barrier()
@@ -260,7 +274,7 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _agree(rt: Runtime, value: Any) -> Any:
+def _agree(rt: CheckpointHost, value: Any) -> Any:
     """Rank 0's ``value`` on every rank (one broadcast when a process group exists)."""
     import torch.distributed as dist
 
@@ -318,7 +332,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _all_ok(rt: Runtime, ok: bool) -> bool:
+def _all_ok(rt: CheckpointHost, ok: bool) -> bool:
     """Whether every rank says ``ok`` (one all-reduce when a process group exists)."""
     import torch.distributed as dist
 
@@ -333,7 +347,7 @@ def _all_ok(rt: Runtime, ok: bool) -> bool:
     return ok
 
 
-def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, Any], int] | None:
+def resume(rt: CheckpointHost, state: dict[str, Any], *, root: str) -> tuple[dict[str, Any], int] | None:
     """Load the newest complete checkpoint under ``root`` into ``state``'s objects; collective.
 
     A checkpoint that fails to load on any rank (a corrupt or truncated file) is skipped with a warning, and the
@@ -364,7 +378,7 @@ def resume(rt: Runtime, state: dict[str, Any], *, root: str) -> tuple[dict[str, 
     return None
 
 
-def _load(rt: Runtime, split: _Split, state: dict[str, Any], path: str) -> dict[str, Any]:
+def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import state_dict_loader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

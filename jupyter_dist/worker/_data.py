@@ -32,11 +32,12 @@ class ResumableSampler:
         if n < 1:
             raise ValueError(f"ResumableSampler needs at least one sample, got {n}")
         if num_replicas is None or rank is None:
-            import jupyter_dist.worker as jd
+            from ._runtime import get_runtime  # what jd.dp_size / jd.dp_rank read (not the jd facade: no circle)
 
+            rt = get_runtime()
             # data-parallel, not global: the ranks of one tensor-parallel group must see the same samples
-            num_replicas = jd.dp_size if num_replicas is None else num_replicas
-            rank = jd.dp_rank if rank is None else rank
+            num_replicas = rt.dp_size if num_replicas is None else num_replicas
+            rank = rt.dp_rank if rank is None else rank
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} must be in [0, {num_replicas})")
         self.n, self.num_replicas, self.rank = n, num_replicas, rank

@@ -1,0 +1,28 @@
+"""The one magic-line parser shared by the run magics (``magics.py``) and the pool magics (``pool_magics.py``).
+
+It lives apart from both so that neither imports the other for it: ``magics.py`` registers the pool magics and
+routes ``%dist_stop`` to them, so the pool magics must not import ``magics.py`` back (docs/architecture.md, "No import
+circles").
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import MagicArgumentParser
+
+__all__ = ["parse_magic_line"]
+
+
+def parse_magic_line(parser: MagicArgumentParser, line: str) -> Any:
+    """Parse a magic's line with ``shlex`` (quotes and spaces in paths); ``--help`` prints and returns ``None``."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+    if "-h" in argv or "--help" in argv:
+        print(parser.format_help())
+        return None
+    return parser.parse_args(argv)
