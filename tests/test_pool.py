@@ -391,7 +391,7 @@ def test_connections_without_the_key_are_refused_and_logged(pool: Pool) -> None:
         Channel(s, new_key(), nonce, kernel_side=False).send({"op": "hello", "rank": 0, "pid": os.getpid()})
         assert _closed_by_peer(s)
     _wait_for(lambda: len(pool.refused) >= before + 2, 10, "two refusals")
-    reasons = [r["reason"] for r in pool.refused[before:]]
+    reasons = [r["reason"] for r in list(pool.refused)[before:]]
     assert "frame of" in reasons[0] and "refused" in reasons[0]
     assert "bad signature" in reasons[1]
     log = (pool.run.dir / "logs" / "pool.log").read_text()
