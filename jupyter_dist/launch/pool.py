@@ -56,7 +56,8 @@ MAX_REFUSED_KEPT = 100
 """Refusals kept in :attr:`Pool.refused` and logged one by one (then every 1000th)."""
 
 
-def _shutdown(sock: socket.socket) -> None:
+def _shutdown(sock: socket.socket, expired: threading.Event) -> None:
+    expired.set()
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -473,7 +474,8 @@ class Pool:
         channel = None
         # the whole hello must arrive within HANDSHAKE_TIMEOUT: a peer trickling one byte at a time (slowloris) would
         # otherwise hold its thread forever, as each recv() restarts the socket timeout
-        deadline = threading.Timer(HANDSHAKE_TIMEOUT, _shutdown, args=(sock,))
+        expired = threading.Event()
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT, _shutdown, args=(sock, expired))
         deadline.daemon = True
         deadline.start()
         try:
@@ -487,7 +489,7 @@ class Pool:
             self._refuse(peer, str(exc), channel, sock)
             return
         except (ChannelClosed, OSError, ValueError) as exc:
-            late = not deadline.is_alive() and not isinstance(exc, ValueError)
+            late = expired.is_set()
             why = f"no complete hello within {HANDSHAKE_TIMEOUT:g} s" if late else f"{type(exc).__name__}: {exc}"
             self._refuse(peer, f"no signed hello ({why})", channel, sock)
             return

@@ -82,8 +82,9 @@ def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
     return killed
 
 
-EARLY_EXIT_GRACE = 20.0
-"""Seconds a run goes on after one rank left with ``os._exit(0)`` while the others still run, before it is stopped."""
+EARLY_EXIT_GRACE = 60.0
+"""Seconds of silence (nothing printed) from the other ranks, after one rank left with ``os._exit(0)``, before the run
+is stopped: they are most likely waiting for it in a collective (a rank that prints goes on)."""
 
 
 def kill_strays(run_dir: str | os.PathLike[str], *, grace: float = 2.0) -> list[int]:
@@ -342,14 +343,31 @@ class Run:
                 return {"rank": r, **rec}
         return None
 
+    def _output_size(self, *, skip: int) -> int:
+        """Bytes the ranks but ``skip`` have written to their logs so far (a sign of life)."""
+        total = 0
+        for r in range(self.world_size):
+            if r != skip:
+                try:
+                    total += self._rd.rank_log(r).stat().st_size
+                except OSError:
+                    pass
+        return total
+
+    def _early_reason(self, rec: dict[str, Any], waiting: list[int], stopped: bool) -> str:
+        where = f" at {rec['where']}" if rec.get("where") else ""
+        text = (f"rank {rec['rank']} ended with os._exit({rec.get('code')}){where} before the script finished (no "
+                "process-group teardown)")  # fmt: skip
+        if stopped:
+            return (f"{text} while rank(s) {', '.join(map(str, waiting)) or '-'} still ran; they printed nothing for "
+                    f"{EARLY_EXIT_GRACE:g} s (waiting for it in a collective?), so the run was stopped")  # fmt: skip
+        return f"{text}; the other ranks lost their peer"
+
     def _on_early_exit(self, rec: dict[str, Any]) -> None:
         """Stop a run one of whose ranks skipped its normal end: its peers would wait for it in the next collective."""
         self._stop_reason = FAILED
         waiting = [r for r, c in self.exit_codes.items() if c is None]
-        reason = (f"rank {rec['rank']} ended with os._exit({rec.get('code')}) before the script finished (no "
-                  f"process-group teardown) while rank(s) {', '.join(map(str, waiting)) or '-'} still ran; they "
-                  f"would wait for it in their next collective, so the run was stopped after "
-                  f"{EARLY_EXIT_GRACE:g} s")  # fmt: skip
+        reason = self._early_reason(rec, waiting, stopped=True)
         diagnosis = {"kind": "early_exit", "rank": rec["rank"], "code": rec.get("code"), "waiting": waiting,
                      "where": rec.get("where"), "reason": reason, "t": time.time()}  # fmt: skip
         self._meta["diagnosis"] = diagnosis
@@ -369,7 +387,8 @@ class Run:
             from ..telemetry.reader import TelemetryReader
 
             tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
-        next_check = next_early = 0.0
+        next_check = next_early = quiet_since = 0.0
+        last_output = -1
         while self._alive():
             if tracker is not None and reader is not None and self._stop_reason is None and time.time() >= next_check:
                 next_check = time.time() + 1.0
@@ -387,8 +406,12 @@ class Run:
             if self._stop_reason is None and time.time() >= next_early:
                 next_early = time.time() + 1.0
                 early = self._early_exit()
-                if early is not None and time.time() - float(early.get("t", 0.0)) > EARLY_EXIT_GRACE:
-                    self._on_early_exit(early)
+                if early is not None:  # stop once the other ranks have been silent for the grace (not while
+                    output = self._output_size(skip=int(early["rank"]))  # they print: they may be saving)
+                    if output != last_output:
+                        last_output, quiet_since = output, time.time()
+                    if time.time() - max(quiet_since, float(early.get("t", 0.0))) > EARLY_EXIT_GRACE:
+                        self._on_early_exit(early)
             time.sleep(0.2)
 
     def _watch_remote(self) -> None:
@@ -510,8 +533,12 @@ class Run:
                 self._meta["strays_killed"] = strays
         codes = [p.poll() for p in self._procs]
         rank_codes = self.exit_codes
-        if self._stop_reason in (STOPPED, TIMED_OUT, HUNG):
-            status = self._stop_reason
+        if not self._meta.get("reason") and self._stop_reason != STOPPED and any(c for c in codes):
+            early = self._early_exit()  # a peer noticed the rank that left early and failed: say who began it
+            if early is not None:
+                self._meta["reason"] = self._early_reason(early, [], stopped=False)
+        if self._stop_reason in (STOPPED, TIMED_OUT, HUNG, FAILED):  # FAILED: a node or an early exit; the agents
+            status = self._stop_reason  # may still exit 0 on our SIGTERM
         elif remote_state in REMOTE_FINAL:
             status = str(remote_state)
         elif self._procs:
