@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .errors import JupyterDistError
@@ -23,6 +24,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+MAX_LOCAL_NPROC = 512
+"""Most processes per node a local run starts (a typo like ``--nproc 20000`` must not fork-bomb the machine)."""
+MAX_SECONDS = 30 * 86400.0
+"""Longest time any timeout flag takes (30 days): a run, a wait or a pool cell."""
+MAX_COUNT = 2**31 - 1
+"""Largest integer any count flag takes (layers, batch, sequence length, ...): beyond it a value is a typo."""
+
+
+def int_arg(lo: int = 1, hi: int = MAX_COUNT) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``lo..hi``; anything else is a one-line error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want an integer in {lo}..{hi}, got {_shown(text)}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"want an integer in {lo}..{hi}, got {_shown(text)}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_arg(lo: float = 0.0, hi: float = float("inf"), *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number in ``lo..hi`` (``(lo..hi`` with ``lo_open``); NaN and inf refused."""
+    span = f"{'(' if lo_open else '['}{lo:g}, {'inf)' if hi == float('inf') else f'{hi:g}]'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want a number in {span}, got {_shown(text)}") from None
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"want a finite number in {span}, got {_shown(text)}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _shown(text: str) -> str:
+    """A bad value as shown in an error: repr, cut to one short line."""
+    shown = repr(text)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
 def _bool_flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
                         default=default, help=help)  # fmt: skip
@@ -34,30 +82,52 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="preset name, e.g. llama-2-7b, gpt2, mixtral-8x7b (see --list-models)")
     model.add_argument("--params", help="bare parameter count, e.g. 7.5e9 or 7B (shape is guessed)")
     model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its folder); no network")
-    model.add_argument("--module", metavar="MOD:CALLABLE",
-                       help="import a torch nn.Module class/factory and measure it on the meta device")
+    model.add_argument(
+        "--module",
+        metavar="MOD:CALLABLE",
+        help="import a torch nn.Module class/factory and measure it on the meta device",
+    )
     dims = p.add_argument_group("model dimensions (instead of, or overriding, a preset)")
-    for flag, hlp in (("layers", "transformer blocks"), ("hidden", "model width"), ("heads", "attention heads"),
-                      ("kv-heads", "key/value heads (GQA)"), ("ffn", "MLP width"), ("vocab", "vocabulary size"),
-                      ("experts", "MoE experts"), ("top-k", "experts per token")):
-        dims.add_argument(f"--{flag}", type=int, help=hlp)
-    dims.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                      help="input and output embeddings share weights")
-    dims.add_argument("--gated-mlp", action=argparse.BooleanOptionalAction, default=None,
-                      help="SwiGLU-style gated MLP (default for dimension-given models)")
+    for flag, hlp in (
+        ("layers", "transformer blocks"),
+        ("hidden", "model width"),
+        ("heads", "attention heads"),
+        ("kv-heads", "key/value heads (GQA)"),
+        ("ffn", "MLP width"),
+        ("vocab", "vocabulary size"),
+        ("experts", "MoE experts"),
+        ("top-k", "experts per token"),
+    ):
+        dims.add_argument(f"--{flag}", type=int_arg(0 if flag in ("kv-heads", "ffn") else 1), help=hlp)
+    dims.add_argument(
+        "--tied-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="input and output embeddings share weights",
+    )
+    dims.add_argument(
+        "--gated-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="SwiGLU-style gated MLP (default for dimension-given models)",
+    )
     hw = p.add_argument_group("hardware")
     hw.add_argument("--gpu", default="h100-80gb", help="accelerator (see --list-gpus); default h100-80gb")
-    hw.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the node size of --gpu, e.g. 8)")
-    hw.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    hw.add_argument(
+        "--gpus-per-node", type=int_arg(1, 1024), help="GPUs per node (default: the node size of --gpu, e.g. 8)"
+    )
+    hw.add_argument("--nodes", type=int_arg(1, 1 << 20), default=1, help="number of nodes (default 1)")
     hw.add_argument("--interconnect", help="inter-node network (see --list-gpus); default: typical for --gpu")
     hw.add_argument("--gpu-memory", metavar="SIZE", help="override device memory, e.g. 48GiB")
-    hw.add_argument("--gpu-tflops", type=float, help="override peak dense bf16/fp16 TFLOPS")
+    hw.add_argument("--gpu-tflops", type=float_arg(0.0, 1e9, lo_open=True), help="override peak dense bf16/fp16 TFLOPS")
     tr = p.add_argument_group("training shape")
-    tr.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
-    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    tr.add_argument("--micro-batch", type=int_arg(), default=1, help="sequences per GPU per step (default 1)")
+    tr.add_argument("--seq-len", type=int_arg(), default=2048, help="tokens per sequence (default 2048)")
     g = tr.add_mutually_exclusive_group()
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    g.add_argument("--global-batch", type=int, help="sequences per optimizer step (sets grad-accum per candidate)")
+    g.add_argument("--grad-accum", type=int_arg(), help="micro-batches per optimizer step (default 1)")
+    g.add_argument(
+        "--global-batch", type=int_arg(), help="sequences per optimizer step (sets grad-accum per candidate)"
+    )
     from .plan.training import precision_names
 
     names = precision_names()
@@ -68,11 +138,23 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     par = p.add_argument_group("parallelism")
     par.add_argument("--strategy", help="evaluate only this strategy (ddp, zero1..zero3, fsdp-*, fsdp2, ...)")
     for flag in ("tp", "pp", "cp", "ep"):
-        par.add_argument(f"--{flag}", type=int, help=f"fix the {flag.upper()} degree (data parallel takes the rest)")
-    par.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                     help="sequence parallelism with TP (default on when tp > 1)")
-    par.add_argument("--min-headroom", type=float, help="free memory fraction a recommendation must leave (0.10)")
-    par.add_argument("--efficiency", type=float, help="assumed fraction of peak FLOPs matmuls reach (0.5)")
+        par.add_argument(
+            f"--{flag}", type=int_arg(1, 1 << 20), help=f"fix the {flag.upper()} degree (data parallel takes the rest)"
+        )
+    par.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism with TP (default on when tp > 1)",
+    )
+    par.add_argument(
+        "--min-headroom", type=float_arg(0.0, 1.0), help="free memory fraction a recommendation must leave (0.10)"
+    )
+    par.add_argument(
+        "--efficiency",
+        type=float_arg(0.0, 1.0, lo_open=True),
+        help="assumed fraction of peak FLOPs matmuls reach (0.5)",
+    )
 
 
 def add_render_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,13 +164,25 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
     g.add_argument("--name", default="jupyter-dist", help="run / job / cluster name (lower case, digits, dashes)")
     g.add_argument("--script", default="train.py", help="training script the commands run (default train.py)")
-    g.add_argument("--script-arg", action="append", default=[], metavar="ARG",
-                   help="argument for the training script (repeatable, quoted safely; --script-arg=--flag for flags)")
+    g.add_argument(
+        "--script-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="argument for the training script (repeatable, quoted safely; --script-arg=--flag for flags)",
+    )
     g.add_argument("--rdzv", default="c10d", help="multi-node rendezvous: c10d (default) or static")
-    g.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
-    g.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (default 0)")
-    g.add_argument("--lr", type=float, default=3e-4, help="learning rate in generated configs (default 3e-4)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient clipping norm, 0 = off (default 1.0)")
+    g.add_argument("--master-port", type=int_arg(1, 65535), default=29500, help="rendezvous port (default 29500)")
+    g.add_argument("--max-restarts", type=int_arg(0, 1000), default=0, help="torchrun --max-restarts (default 0)")
+    g.add_argument(
+        "--lr",
+        type=float_arg(0.0, 1e3, lo_open=True),
+        default=3e-4,
+        help="learning rate in generated configs (default 3e-4)",
+    )
+    g.add_argument(
+        "--grad-clip", type=float_arg(0.0, 1e9), default=1.0, help="gradient clipping norm, 0 = off (default 1.0)"
+    )
     g.add_argument("--nvme-path", help="ZeRO-Infinity: offload to NVMe at this path")
     g.add_argument("--partition", help="SLURM partition (omitted if not given)")
     g.add_argument("--account", help="SLURM account (omitted if not given)")
@@ -97,8 +191,12 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spot", action="store_true", help="SkyPilot spot instances")
     g.add_argument("--setup", help="SkyPilot setup commands (default: pip install -U jupyter-dist)")
     g.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment (repeatable)")
-    g.add_argument("--secret", action="append", metavar="NAME",
-                   help="secret forwarded by name, never written (repeatable; default WANDB_API_KEY, HF_TOKEN)")
+    g.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME",
+        help="secret forwarded by name, never written (repeatable; default WANDB_API_KEY, HF_TOKEN)",
+    )
     g.add_argument("--nccl-debug", default="WARN", help="NCCL_DEBUG level (default WARN)")
 
 
@@ -242,9 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "real kernel (wizard plan, %%%%dist_train on fresh torchrun processes, gloo on "
                                    "CPU), print the ranks' progress, and leave the executed notebook, an offline HTML "
                                    "report and the run's panels (dashboard.html).")  # fmt: skip
-    d.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    d.add_argument("--nproc", type=int_arg(1, MAX_LOCAL_NPROC), default=2, help="processes (default 2)")
     d.add_argument("--strategy", default="auto", help="auto (the plan's choice; default), ddp, fsdp2, zero2 ...")
-    d.add_argument("--steps", type=int, help="optimizer steps (default 200; 300 with --terminal)")
+    d.add_argument("--steps", type=int_arg(1, 10**7), help="optimizer steps (default 200; 300 with --terminal)")
     d.add_argument("--runs-dir", default="runs", help="where the demo folder goes (default ./runs)")
     d.add_argument("--terminal", action="store_true", help="no notebook: train and print progress only")
     k = sub.add_parser("check", help="preflight: versions, correctness and collective bandwidth on fresh ranks",
@@ -257,15 +355,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_check_arguments(k: argparse.ArgumentParser) -> None:
     """Flags shared by ``jupyter-dist check`` and ``%dist_check``."""
-    k.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
-    k.add_argument("--nodes", type=int, default=1, help="nodes (locally: simulated torchrun agents; default 1)")
+    k.add_argument(
+        "--nproc", type=int_arg(1, MAX_LOCAL_NPROC), help="processes per node (default: local GPU count, else 2)"
+    )
+    k.add_argument(
+        "--nodes", type=int_arg(1, 64), default=1, help="nodes (locally: simulated torchrun agents; default 1)"
+    )
     k.add_argument("--sizes", default="1K,64K,1M,16M", help="message sizes (default 1K,64K,1M,16M)")
     k.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast", help="collectives to time")
-    k.add_argument("--iters", type=int, default=5, help="timed calls per size (default 5)")
+    k.add_argument("--iters", type=int_arg(1, 10**6), default=5, help="timed calls per size (default 5)")
     k.add_argument("--gpu", help="compare with this accelerator's expected bandwidth (catalog name)")
     k.add_argument("--interconnect", help="and this interconnect between nodes (catalog name)")
     k.add_argument("--expect-busbw", metavar="BYTES_PER_S", help="reference bus bandwidth, e.g. 100GB (per second)")
-    k.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds (default 180)")
+    k.add_argument(
+        "--timeout",
+        type=float_arg(0.0, 7 * 86400, lo_open=True),
+        default=180.0,
+        help="give up after this many seconds (default 180)",
+    )
     k.add_argument("--runs-dir", default="runs", help="where the run directory goes (default ./runs)")
     k.add_argument("--json", action="store_true", help="print one JSON object (bandwidths in bytes/s)")
 
@@ -378,6 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `jupyter-dist plan | head`: the reader left; not an error worth a traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second EPIPE at interpreter exit
+        return 141
+    except KeyboardInterrupt:  # Ctrl-C (a check or demo has already ended its processes): no traceback
+        print(f"jupyter-dist {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

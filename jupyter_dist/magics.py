@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from .cli import add_plan_arguments, plan_from_args
+from .cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
 from .errors import JupyterDistError
 from .magic_args import parse_magic_line
 
@@ -40,8 +40,12 @@ def _train_parser() -> MagicArgumentParser:
         add_help=False,
         description="Run the cell as a distributed training script on fresh torchrun processes.",
     )
-    p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (locally: simulated torchrun agents; default 1)")
+    p.add_argument(
+        "--nproc", type=int_arg(1, MAX_LOCAL_NPROC), help="processes per node (default: local GPU count, else 2)"
+    )
+    p.add_argument(
+        "--nodes", type=int_arg(1, 1024), default=1, help="nodes (locally: simulated torchrun agents; default 1)"
+    )
     p.add_argument("--strategy", default="auto",
                    help=f"one of {', '.join(STRATEGY_CHOICES)} or a candidate name the planner prints, e.g. "
                         "fsdp2+tp2+sp (default auto: the plan's recommended candidate)")  # fmt: skip
@@ -49,36 +53,55 @@ def _train_parser() -> MagicArgumentParser:
                    help="a Plan object from the notebook (sets the candidate with its degrees, precision, configs)")
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("cp", "context-parallel"),
                       ("ep", "expert-parallel")):  # fmt: skip
-        p.add_argument(f"--{dim}", type=int, metavar="N", help=f"{what} degree (overrides the strategy's/plan's)")
+        p.add_argument(f"--{dim}", type=int_arg(1, 1024), metavar="N",
+                       help=f"{what} degree (overrides the strategy's/plan's)")  # fmt: skip
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism with tensor parallelism (--no-sp turns a candidate's off)")
     p.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
     p.add_argument("--name", metavar="NAME", help="bind the Run to this notebook variable (and name the run dir)")
     p.add_argument("--ship", metavar="VAR[,VAR...]", help="send notebook objects to the workers (cloudpickle)")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (default 0)")
-    p.add_argument("--timeout", type=float, help="stop the run after this many seconds")
+    p.add_argument("--max-restarts", type=int_arg(0, 1000), default=0, help="torchrun --max-restarts (default 0)")
+    p.add_argument(
+        "--timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), help="stop the run after this many seconds"
+    )
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the workers")
-    p.add_argument("--port", type=int, help="rendezvous / master port (default: a free one)")
+    p.add_argument("--port", type=int_arg(1024, 65535), help="rendezvous / master port (default: a free one)")
     p.add_argument("--runs-dir", help="where run directories go (default: the DistMagics.runs_dir setting)")
     p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
     p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
     p.add_argument("--no-dashboard", action="store_true", help="do not show live panels under the cell")
     p.add_argument(
         "--telemetry-interval",
-        type=float,
+        type=float_arg(0.0, 3600.0),
         metavar="S",
         help="seconds between the ranks' coalesced step records (default 1; 0: one per jd.log call)",
     )
-    p.add_argument("--heartbeat", type=float, metavar="S", help="seconds between heartbeats (default 2; 0: off)")
-    p.add_argument("--checkpoint-every", type=int, metavar="N",
-                   help="jd.checkpoint(state, step) saves every N steps (JD_CHECKPOINT_EVERY)")
-    p.add_argument("--keep", type=int, metavar="K", help="keep the newest K checkpoints (JD_KEEP)")
-    p.add_argument("--async-save", action="store_true",
-                   help="jd.checkpoint writes in the background while training goes on (JD_ASYNC_SAVE=1)")
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints")
-    p.add_argument("--hang-timeout", type=float, metavar="S",
-                   help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)")
+    p.add_argument(
+        "--heartbeat", type=float_arg(0.0, 3600.0), metavar="S", help="seconds between heartbeats (default 2; 0: off)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int_arg(1, MAX_COUNT),
+        metavar="N",
+        help="jd.checkpoint(state, step) saves every N steps (JD_CHECKPOINT_EVERY)",
+    )
+    p.add_argument("--keep", type=int_arg(1, 10**6), metavar="K", help="keep the newest K checkpoints (JD_KEEP)")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="jd.checkpoint writes in the background while training goes on (JD_ASYNC_SAVE=1)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float_arg(0.0, MAX_SECONDS, lo_open=True),
+        metavar="S",
+        help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)",
+    )
     _add_cluster_arguments(p)
     return p
 
@@ -98,22 +121,36 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
     g.add_argument("--infra", "--cloud", dest="infra", metavar="INFRA",
                    help="aws, gcp/us-central1, kubernetes, slurm, ... (default: SkyPilot chooses)")  # fmt: skip
     g.add_argument("--spot", action="store_true", help="spot / preemptible instances")
-    g.add_argument("--idle-minutes", type=int, metavar="N", help="autostop the cluster after N idle minutes")
+    g.add_argument(
+        "--idle-minutes", type=int_arg(0, 10**6), metavar="N", help="autostop the cluster after N idle minutes"
+    )
     g.add_argument("--down", action="store_true", help="tear the cluster down when the job ends (or at autostop)")
-    g.add_argument("--managed", action="store_true",
-                   help="managed job: recovers from preemption, resumes from checkpoints keyed on the task id")
+    g.add_argument(
+        "--managed",
+        action="store_true",
+        help="managed job: recovers from preemption, resumes from checkpoints keyed on the task id",
+    )
     g.add_argument("--setup", metavar="CMDS", help="setup commands on each node (default: pip install jupyter-dist)")
-    g.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="checkpoint root on the nodes (e.g. a bucket mount); the job's folder is keyed on its task id")
-    p.add_argument("--secret", action="append", default=[], metavar="NAME",
-                   help="pass this environment variable's value to the job by name (never written to files)")
+    g.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="checkpoint root on the nodes (e.g. a bucket mount); the job's folder is keyed on its task id",
+    )
+    p.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="pass this environment variable's value to the job by name (never written to files)",
+    )
 
 
 def _check_parser() -> MagicArgumentParser:
     from .cli import add_check_arguments
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
-        prog="%dist_check", add_help=False,
+        prog="%dist_check",
+        add_help=False,
         description="Preflight: versions, correctness and collective bandwidth on fresh ranks, with a verdict.",
     )
     add_check_arguments(p)
@@ -129,17 +166,24 @@ def _wizard_parser() -> MagicArgumentParser:
     )
     add_plan_arguments(p)
     w = p.add_argument_group("wizard")
-    w.add_argument("--model-var", metavar="VAR",
-                   help="an nn.Module (or a class / factory) from the notebook, measured on the meta device")
-    w.add_argument("--plan-var", default="wizard_plan", metavar="VAR",
-                   help="notebook variable Launch binds the plan to (default wizard_plan)")
+    w.add_argument(
+        "--model-var",
+        metavar="VAR",
+        help="an nn.Module (or a class / factory) from the notebook, measured on the meta device",
+    )
+    w.add_argument(
+        "--plan-var",
+        default="wizard_plan",
+        metavar="VAR",
+        help="notebook variable Launch binds the plan to (default wizard_plan)",
+    )
     return p
 
 
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
-    p.add_argument("--rank", type=int, help="rank to show (default: the failing rank, else 0)")
-    p.add_argument("--tail", type=int, help="only the last N lines")
+    p.add_argument("--rank", type=int_arg(0, MAX_COUNT), help="rank to show (default: the failing rank, else 0)")
+    p.add_argument("--tail", type=int_arg(0, MAX_COUNT), help="only the last N lines")
     p.add_argument("run", nargs="?", help="a Run variable (default: the last run)")
     return p
 
@@ -434,7 +478,6 @@ class DistMagics(Magics):
             return plan_from_args(args)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
-
 
     @line_magic
     def dist_wizard(self, line: str) -> Any:

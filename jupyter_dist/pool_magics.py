@@ -16,6 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
+from .cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, float_arg, int_arg
 from .errors import JupyterDistError
 from .magic_args import parse_magic_line
 
@@ -30,13 +31,13 @@ def _start_parser() -> MagicArgumentParser:
 
     p = MagicArgumentParser(prog="%dist_start", add_help=False,  # type: ignore[no-untyped-call]
                             description="Start a pool of ranks that keep their state from cell to cell.")  # fmt: skip
-    p.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--nproc", type=int_arg(1, MAX_LOCAL_NPROC), default=2, help="number of ranks (default 2)")
     p.add_argument("--strategy", default="auto", help=f"what jd.wrap applies: {', '.join(STRATEGY_CHOICES)}")
     p.add_argument("--plan", metavar="VAR", help="a Plan object from the notebook (strategy, precision, configs)")
     p.add_argument("--name", metavar="VAR", help="also bind the Pool to this notebook variable")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the ranks")
     p.add_argument("--runs-dir", help="where the pool's run directory goes (default: the DistMagics.runs_dir setting)")
-    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+    p.add_argument("--start-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=120.0, metavar="S",
                    help="seconds to wait for every rank to connect (default 120)")  # fmt: skip
     p.add_argument("--dashboard", action="store_true", help="show live panels (jd.log in cells) under this cell")
     p.add_argument("--dry-run", action="store_true", help="show the command and environment; start nothing")
@@ -47,7 +48,7 @@ def _cell_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%%dist", add_help=False,  # type: ignore[no-untyped-call]
                             description="Run the cell on every rank of the pool (or on --ranks).")  # fmt: skip
     p.add_argument("--ranks", metavar="R", help="ranks to run on: 0,1 or 0-3 or all (default all)")
-    p.add_argument("--timeout", type=float, metavar="S",
+    p.add_argument("--timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), metavar="S",
                    help="interrupt the cell after S seconds and report where each rank was")  # fmt: skip
     return p
 
@@ -64,7 +65,7 @@ def _pull_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_pull", add_help=False,  # type: ignore[no-untyped-call]
                             description="Fetch a variable from a rank (tensors on the CPU).")  # fmt: skip
     p.add_argument("name", metavar="NAME", help="variable on the ranks")
-    p.add_argument("--rank", type=int, default=None, help="the rank to fetch from (default 0)")
+    p.add_argument("--rank", type=int_arg(0, MAX_COUNT), default=None, help="the rank to fetch from (default 0)")
     p.add_argument("--all", action="store_true", help="fetch from every rank: a dict {rank: value}")
     p.add_argument("--gather", action="store_true",
                    help="DTensors: the full tensor (all ranks take part), not the local shard")  # fmt: skip
@@ -77,7 +78,9 @@ def _mode_parser() -> MagicArgumentParser:
                             description="on: the following cells run on the pool; off: locally.")  # fmt: skip
     p.add_argument("state", nargs="?", help="on or off (no argument: show the mode)")
     p.add_argument("--ranks", metavar="R", help="%%dist --ranks for the cells (default all)")
-    p.add_argument("--timeout", type=float, metavar="S", help="%%dist --timeout for the cells")
+    p.add_argument(
+        "--timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), metavar="S", help="%%dist --timeout for the cells"
+    )
     return p
 
 

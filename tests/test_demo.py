@@ -56,7 +56,9 @@ def test_demo_in_the_terminal_trains_on_two_processes(tmp_path: Path) -> None:
 def test_demo_rejects_bad_numbers(capsys: pytest.CaptureFixture[str]) -> None:
     from jupyter_dist.cli import main
 
-    assert main(["demo", "--nproc", "0"]) == 2
-    assert "--nproc and --steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--nproc", "0"])
+    assert info.value.code == 2
+    assert "argument --nproc: want an integer in 1..512, got '0'" in capsys.readouterr().err
     assert main(["demo", "--strategy", "zero9"]) == 2
     assert "--strategy 'zero9' is not one of auto, none, ddp" in capsys.readouterr().err

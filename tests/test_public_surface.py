@@ -243,7 +243,7 @@ def test_dist_train_plan_on_fewer_processes_carries_tp_and_sp_and_says_so(ip: An
         ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --nproc 4 --dry-run", "pass")
     dry = ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --pp 1 --nproc 4 --dry-run", "pass")
     assert "JD_PP" not in dry.env and dry.env["JD_TP"] == "2"
-    with pytest.raises(UsageError, match="--tp must be >= 1, got 0"):
+    with pytest.raises(UsageError, match="argument --tp: want an integer in 1..1024, got '0'"):
         ip.run_cell_magic("dist_train", "--tp 0 --nproc 2 --dry-run", "pass")
 
 

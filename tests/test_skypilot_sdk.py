@@ -350,7 +350,7 @@ def test_every_generated_task_passes_skypilots_parser(ip: InteractiveShell, runs
         ("--gpus H100:8 --nproc 4", "--nproc 4 != 8 GPUs per node from --gpus H100:8"),
         ("--cluster My_Cluster", "--cluster 'My_Cluster': 1-63 lower-case letters"),
         ("--managed --cluster c1", "--managed jobs run on clusters SkyPilot creates"),
-        ("--idle-minutes -1", "--idle-minutes must be >= 0"),
+        ("--idle-minutes -1", "argument --idle-minutes: want an integer in 0..1000000, got '-1'"),
         ("--partition debug", "--partition/--account/--time are SLURM options"),
         ("--infra 'aws; rm -rf /'", "is not a SkyPilot infra"),
         ("--secret HF_TOKEN --nodes 2 --nproc 1", "--secret HF_TOKEN: not set in this kernel's environment"),

@@ -86,6 +86,38 @@ def _note_exit(code: int, exc: BaseException | None) -> None:
             pass
 
 
+def _record_os_exit(run_dir: Path, rank: int, script: str) -> None:
+    """Make ``os._exit`` in the rank's own process leave an exit record marked ``early`` first.
+
+    ``os._exit`` skips the script's end (and the process-group teardown): the other ranks would wait for this one
+    in their next collective until gloo's 30-minute timeout. The record lets the Run handle see it and stop the
+    run with a diagnosis instead. Children the rank forks (DataLoader workers, ``os.fork``) end with ``os._exit``
+    too; they are not the rank and pass straight through.
+    """
+    real_exit = os._exit
+    me = os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() == me:
+            where = None
+            frame = sys._getframe(1)
+            while frame is not None:
+                if Path(frame.f_code.co_filename) == Path(script):
+                    where = f"script.py:{frame.f_lineno}"
+                    break
+                frame = frame.f_back  # type: ignore[assignment]
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                record = {"rank": rank, "code": code, "error": None, "early": True, "where": where, "t": time.time()}
+                (run_dir / "logs" / f"rank-{rank}.exit.json").write_text(json.dumps(record))
+            except (OSError, ValueError):
+                pass
+        real_exit(code)
+
+    os._exit = _exit  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``argv[0]`` as this rank's script; return its exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -100,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         _redirect(run_dir / "logs" / f"rank-{rank}.log")
     if hasattr(faulthandler, "register"):  # SIGUSR1 dumps every thread's stack into the log (hang diagnosis)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _record_os_exit(run_dir, rank, args[0])
     code, error = 0, None
     try:
         init = _shipped(run_dir)

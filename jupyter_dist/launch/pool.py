@@ -52,6 +52,21 @@ __all__ = ["CellError", "CellResult", "Pool", "PoolBroken", "PoolError", "PoolIn
            "parse_ranks", "start_pool"]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.pool")
+
+HANDSHAKE_TIMEOUT = 10.0
+"""Seconds a new connection has to deliver its whole signed hello."""
+MAX_PENDING_HANDSHAKES = 32
+"""Connections waiting for their hello at once; more are refused at once (a flood gets no thread each)."""
+MAX_REFUSED_KEPT = 100
+"""Refusals kept in :attr:`Pool.refused` and logged one by one (then every 1000th)."""
+
+
+def _shutdown(sock: socket.socket, expired: threading.Event) -> None:
+    expired.set()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 _LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 POOL_SCRIPT = "from jupyter_dist.worker._pool import serve\n\nserve()\n"
@@ -326,8 +341,11 @@ class Pool:
         self.dir: Path | None = None
         self.last: CellResult | None = None
         """The last cell's result."""
-        self.refused: list[dict[str, Any]] = []
-        """Connections the control channel refused: ``{"t", "peer", "reason"}``."""
+        self.refused: deque[dict[str, Any]] = deque(maxlen=MAX_REFUSED_KEPT)
+        """The latest connections the control channel refused: ``{"t", "peer", "reason"}`` (bounded)."""
+        self.refused_total = 0
+        """How many connections were refused in all."""
+        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self.cells = 0
         """Cells executed."""
         self._conns: dict[int, _Conn] = {}
@@ -429,13 +447,19 @@ class Pool:
                 continue
             except OSError:
                 return
+            if not self._handshakes.acquire(blocking=False):  # a flood of connections: no thread, no memory each
+                self._refuse(f"{peer[0]}:{peer[1]}", f"more than {MAX_PENDING_HANDSHAKES} connections waiting for "
+                             "their hello", None, sock)  # fmt: skip
+                continue
             threading.Thread(target=self._handshake, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True,
                              name="jd-pool-handshake").start()  # fmt: skip
 
     def _refuse(self, peer: str, reason: str, channel: Channel | None, sock: socket.socket) -> None:
         self.refused.append({"t": time.time(), "peer": peer, "reason": reason})
-        _log.warning("jupyter-dist pool: refused a connection from %s: %s", peer, reason)
-        self._note(f"refused a connection from {peer}: {reason}")
+        self.refused_total += 1
+        if self.refused_total <= MAX_REFUSED_KEPT or self.refused_total % 1000 == 0:  # a flood cannot fill the disk
+            _log.warning("jupyter-dist pool: refused a connection from %s: %s", peer, reason)
+            self._note(f"refused a connection from {peer}: {reason} ({self.refused_total} refused so far)")
         if channel is not None:
             channel.close()
         else:
@@ -445,9 +469,21 @@ class Pool:
                 pass
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
-        channel = None
         try:
-            sock.settimeout(10.0)
+            self._handshake_within(sock, peer)
+        finally:
+            self._handshakes.release()
+
+    def _handshake_within(self, sock: socket.socket, peer: str) -> None:
+        channel = None
+        # the whole hello must arrive within HANDSHAKE_TIMEOUT: a peer trickling one byte at a time (slowloris) would
+        # otherwise hold its thread forever, as each recv() restarts the socket timeout
+        expired = threading.Event()
+        deadline = threading.Timer(HANDSHAKE_TIMEOUT, _shutdown, args=(sock, expired))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             nonce = os.urandom(NONCE_SIZE)
             sock.sendall(nonce)
@@ -457,8 +493,12 @@ class Pool:
             self._refuse(peer, str(exc), channel, sock)
             return
         except (ChannelClosed, OSError, ValueError) as exc:
-            self._refuse(peer, f"no signed hello ({type(exc).__name__}: {exc})", channel, sock)
+            late = expired.is_set()
+            why = f"no complete hello within {HANDSHAKE_TIMEOUT:g} s" if late else f"{type(exc).__name__}: {exc}"
+            self._refuse(peer, f"no signed hello ({why})", channel, sock)
             return
+        finally:
+            deadline.cancel()
         rank, pid = header.get("rank"), header.get("pid")
         with self._lock:
             if header.get("op") != "hello" or not isinstance(rank, int) or not isinstance(pid, int):
@@ -996,8 +1036,8 @@ class Pool:
             lines.append(f"  control: {self.address} (HMAC-SHA256 signed, loopback only)")
         if self.reason:
             lines.append(f"  broken: {self.reason}")
-        if self.refused:
-            lines.append(f"  refused connections: {len(self.refused)} (see logs/pool.log)")
+        if self.refused_total:
+            lines.append(f"  refused connections: {self.refused_total} (see logs/pool.log)")
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:

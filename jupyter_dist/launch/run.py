@@ -6,6 +6,9 @@ A background thread watches the torchrun agents, so the kernel never blocks. Sto
 A run on a cluster back-end (a :class:`~.base.RemoteLauncher`: SLURM, SkyPilot) is watched by job id instead: the
 thread polls the scheduler, and the job's output stream is routed into the run directory (logs, telemetry records,
 exit codes) by a :class:`~.stream.LogRouter`, so records, metrics, logs and the dashboard work the same way.
+
+Planned split: the watching (the ``_watch*`` methods, early-exit and hang handling, ``kill_tree``/``kill_strays``)
+moves to a watcher module beside the handle; the handle keeps status, logs, metrics and display.
 """
 
 from __future__ import annotations
@@ -83,6 +86,62 @@ def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
             pass
     psutil.wait_procs(alive, timeout=2.0)
     return killed
+
+
+EARLY_EXIT_GRACE = 60.0
+"""Seconds of silence (nothing printed) from the other ranks, after one rank left with ``os._exit(0)``, before the run
+is stopped: they are most likely waiting for it in a collective (a rank that prints goes on)."""
+
+
+def kill_strays(run_dir: str | os.PathLike[str], *, grace: float = 2.0) -> list[int]:
+    """End the processes a finished run left behind; returns their PIDs.
+
+    Every process of this user (but this one and its ancestors) whose environment carries the run's ``JD_RUN_DIR``:
+    e.g. a child a rank forked (even one that called setsid) and did not wait for. SIGTERM, then SIGKILL after
+    ``grace`` s.
+    """
+    target = os.fspath(run_dir)
+    mine = {os.getpid()} | {p.pid for p in psutil.Process().parents()}
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid in mine:
+            continue
+        try:
+            if proc.environ().get("JD_RUN_DIR") == target and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    for proc in found:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(found, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=2.0)
+    return [p.pid for p in found]
+
+
+def _tail_lines(path: Path, n: int, *, block: int = 1 << 16) -> str:
+    """The last ``n`` lines of a (possibly huge) log, reading only its end."""
+    if n == 0:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            data, pos = b"", end
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(block, pos)
+                pos -= step
+                fh.seek(pos)
+                data = fh.read(step) + data
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-n:])
 
 
 class Run:
@@ -198,15 +257,21 @@ class Run:
         if not 0 <= rank < self.world_size:
             raise JupyterDistError(f"rank {rank} is not in this run (ranks 0..{self.world_size - 1})")
         path = self._rd.rank_log(rank)
-        text = path.read_text(errors="replace") if path.exists() else ""
         if tail is not None:
-            text = "\n".join(text.splitlines()[-tail:])
-        return text
+            if tail < 0:
+                raise JupyterDistError(f"tail must be >= 0 lines, got {tail}")
+            return _tail_lines(path, tail)
+        try:
+            return path.read_text(errors="replace")
+        except OSError:  # no log (yet), or the run directory was deleted
+            return ""
 
     def launcher_log(self) -> str:
         """What torchrun itself printed."""
-        path = self._rd.logs / "launcher.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        try:
+            return (self._rd.logs / "launcher.log").read_text(errors="replace")
+        except OSError:
+            return ""
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Telemetry records (all, or of one kind)."""
@@ -280,6 +345,63 @@ class Run:
         return False
 
     def _watch(self) -> None:
+        try:
+            self._watch_local()
+        except Exception as exc:  # never die silently (a run that never ends would hang wait()): fail with why
+            self._meta["error"] = f"the run's watcher failed: {type(exc).__name__}: {exc}"
+            if self._stop_reason is None:
+                self._stop_reason = FAILED
+            kill_tree(self._pids(), grace=2.0)
+        finally:
+            self._finalize()
+
+    def _early_exit(self) -> dict[str, Any] | None:
+        """A rank that left with ``os._exit(0)`` (the bootstrap marks it ``early``) while its peers still run."""
+        for r in range(self.world_size):
+            try:
+                rec = json.loads(self._rd.exit_file(r).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(rec, dict) and rec.get("early") and rec.get("code") == 0:
+                return {"rank": r, **rec}
+        return None
+
+    def _output_size(self, *, skip: int) -> int:
+        """Bytes the ranks but ``skip`` have written to their logs so far (a sign of life)."""
+        total = 0
+        for r in range(self.world_size):
+            if r != skip:
+                try:
+                    total += self._rd.rank_log(r).stat().st_size
+                except OSError:
+                    pass
+        return total
+
+    def _early_reason(self, rec: dict[str, Any], waiting: list[int], stopped: bool) -> str:
+        where = f" at {rec['where']}" if rec.get("where") else ""
+        text = (f"rank {rec['rank']} ended with os._exit({rec.get('code')}){where} before the script finished (no "
+                "process-group teardown)")  # fmt: skip
+        if stopped:
+            return (f"{text} while rank(s) {', '.join(map(str, waiting)) or '-'} still ran; they printed nothing for "
+                    f"{EARLY_EXIT_GRACE:g} s (waiting for it in a collective?), so the run was stopped")  # fmt: skip
+        return f"{text}; the other ranks lost their peer"
+
+    def _on_early_exit(self, rec: dict[str, Any]) -> None:
+        """Stop a run one of whose ranks skipped its normal end: its peers would wait for it in the next collective."""
+        self._stop_reason = FAILED
+        waiting = [r for r, c in self.exit_codes.items() if c is None]
+        reason = self._early_reason(rec, waiting, stopped=True)
+        diagnosis = {"kind": "early_exit", "rank": rec["rank"], "code": rec.get("code"), "waiting": waiting,
+                     "where": rec.get("where"), "reason": reason, "t": time.time()}  # fmt: skip
+        self._meta["diagnosis"] = diagnosis
+        self._meta["reason"] = reason
+        try:
+            (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
+        except OSError:
+            pass
+        kill_tree(self._pids())
+
+    def _watch_local(self) -> None:
         started = float(self._meta.get("started", time.time()))
         hang_timeout = self._meta.get("hang_timeout")
         tracker = reader = None
@@ -288,7 +410,8 @@ class Run:
             from ..telemetry.reader import TelemetryReader
 
             tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
-        next_check = 0.0
+        next_check = next_early = quiet_since = 0.0
+        last_output = -1
         while self._alive():
             if tracker is not None and reader is not None and self._stop_reason is None and time.time() >= next_check:
                 next_check = time.time() + 1.0
@@ -303,8 +426,16 @@ class Run:
                 # one simulated node failed: end the others rather than wait for their rendezvous timeout
                 self._stop_reason = FAILED
                 kill_tree(self._pids())
+            if self._stop_reason is None and time.time() >= next_early:
+                next_early = time.time() + 1.0
+                early = self._early_exit()
+                if early is not None:  # stop once the other ranks have been silent for the grace (not while
+                    output = self._output_size(skip=int(early["rank"]))  # they print: they may be saving)
+                    if output != last_output:
+                        last_output, quiet_since = output, time.time()
+                    if time.time() - max(quiet_since, float(early.get("t", 0.0))) > EARLY_EXIT_GRACE:
+                        self._on_early_exit(early)
             time.sleep(0.2)
-        self._finalize()
 
     def _watch_remote(self) -> None:
         """Poll the scheduler until the job is final; its output goes through the router meanwhile."""
@@ -417,24 +548,42 @@ class Run:
         with self._lock:
             if self.done:
                 return
-            codes = [p.poll() for p in self._procs]
-            rank_codes = self.exit_codes
-            if self._stop_reason in (STOPPED, TIMED_OUT, HUNG):
-                status = self._stop_reason
-            elif remote_state in REMOTE_FINAL:
-                status = str(remote_state)
-            elif self._procs:
-                status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
-            else:  # reattached: judge from what the ranks recorded
-                status = SUCCEEDED if rank_codes and all(c == 0 for c in rank_codes.values()) else FAILED
-            self._meta.update(status=status, ended=time.time(), agent_exit_codes=codes,
-                              exit_codes={str(k): v for k, v in rank_codes.items()})  # fmt: skip
-            if isinstance(self._launcher, RemoteLauncher):
-                self._meta["launcher"] = self._launcher.to_dict()
-            if status == TIMED_OUT:
-                self._meta["timeout_report"] = {str(r): self.logs(r, tail=5) for r in range(self.world_size)}
+            try:
+                self._settle(remote_state)
+            finally:  # whatever happened above, the run is over: wait() and the dashboard must return
+                self._done.set()
+
+    def _settle(self, remote_state: str | None) -> None:
+        """Final status, exit codes and leftovers into ``run.json`` (kept in memory when it cannot be written)."""
+        if not self.remote:
+            strays = kill_strays(self.dir)
+            if strays:
+                self._meta["strays_killed"] = strays
+        codes = [p.poll() for p in self._procs]
+        rank_codes = self.exit_codes
+        if not self._meta.get("reason") and self._stop_reason != STOPPED and any(c for c in codes):
+            early = self._early_exit()  # a peer noticed the rank that left early and failed: say who began it
+            if early is not None:
+                self._meta["reason"] = self._early_reason(early, [], stopped=False)
+        if self._stop_reason in (STOPPED, TIMED_OUT, HUNG, FAILED):  # FAILED: a node or an early exit; the agents
+            status = self._stop_reason  # may still exit 0 on our SIGTERM
+        elif remote_state in REMOTE_FINAL:
+            status = str(remote_state)
+        elif self._procs:
+            status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
+        else:  # reattached: judge from what the ranks recorded
+            status = SUCCEEDED if rank_codes and all(c == 0 for c in rank_codes.values()) else FAILED
+        self._meta.update(status=status, ended=time.time(), agent_exit_codes=codes,
+                          exit_codes={str(k): v for k, v in rank_codes.items()})  # fmt: skip
+        if isinstance(self._launcher, RemoteLauncher):
+            self._meta["launcher"] = self._launcher.to_dict()
+        if status == TIMED_OUT:
+            self._meta["timeout_report"] = {str(r): self.logs(r, tail=5) for r in range(self.world_size)}
+        try:
             self._rd.write_meta(self._meta)
-            self._done.set()
+        except OSError as exc:  # deleted or read-only run directory: the status lives on in this handle
+            why = "was deleted" if not self.dir.is_dir() else f"is not writable ({exc.strerror or exc})"
+            self._meta["meta_error"] = f"run.json not updated: the run directory {why}"
 
     # ---- display --------------------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -443,6 +592,13 @@ class Run:
                  f"  dir: {self.dir}"]  # fmt: skip
         if isinstance(self._launcher, RemoteLauncher):
             lines.insert(1, f"  {self._launcher.describe()}")
+        if self._meta.get("meta_error"):
+            lines.append(f"  {self._meta['meta_error']}")
+        if self._meta.get("reason"):
+            lines.append(f"  why: {self._meta['reason']}")
+        if self._meta.get("strays_killed"):
+            lines.append(f"  ended {len(self._meta['strays_killed'])} process(es) the ranks left behind: "
+                         f"pids {self._meta['strays_killed']}")  # fmt: skip
         if self.done:
             lines.append(f"  exit codes: {self.exit_codes}")
             bad = self.failed_rank()
@@ -540,9 +696,9 @@ class Run:
 def open_run(path: str | Path) -> Run:
     """Reopen a run from its directory (after a kernel restart): a live run is watched again."""
     rd = RunDir(Path(path).expanduser().resolve())
-    if not rd.run_json.exists():
+    if not rd.run_json.is_file():
         raise JupyterDistError(f"{rd.path} is not a jupyter-dist run directory (no run.json)")
-    meta = rd.read_meta()
+    meta = rd.read_meta()  # a damaged run.json is a JupyterDistError saying so
     plan = None
     if meta.get("plan"):
         from ..plan.plan import Plan

@@ -14,9 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import JupyterDistError
 from ..render.common import SECRET_NAMES
 
 __all__ = ["RunDir", "new_run_dir", "scrub_env"]
+
+MAX_NAME = 64
+"""Longest run name kept in a directory name (the rest is cut; file names are limited to 255 bytes)."""
+MAX_META_BYTES = 64 << 20
+"""Largest ``run.json`` read (a real one is a few KiB; a bigger one is garbage and is refused, not loaded)."""
 
 _SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL")
 
@@ -81,8 +87,20 @@ class RunDir:
         os.replace(tmp, self.run_json)
 
     def read_meta(self) -> dict[str, Any]:
-        """Read ``run.json``."""
-        result: dict[str, Any] = json.loads(self.run_json.read_text(encoding="utf-8"))
+        """Read ``run.json``; a missing, unreadable or damaged one is a :class:`JupyterDistError` saying so."""
+        try:
+            with open(self.run_json, "rb") as fh:
+                raw = fh.read(MAX_META_BYTES + 1)
+        except OSError as exc:
+            raise JupyterDistError(f"cannot read {self.run_json}: {exc.strerror or exc}") from None
+        if len(raw) > MAX_META_BYTES:
+            raise JupyterDistError(f"{self.run_json} is larger than {MAX_META_BYTES >> 20} MiB: not a run.json")
+        try:
+            result = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise JupyterDistError(f"{self.run_json} is damaged (not a JSON object); the run cannot be read") from None
+        if not isinstance(result, dict):
+            raise JupyterDistError(f"{self.run_json} is damaged (not a JSON object); the run cannot be read")
         return result
 
     def exit_codes(self, world_size: int) -> dict[int, int | None]:
@@ -97,12 +115,31 @@ class RunDir:
 
 
 def new_run_dir(root: str | os.PathLike[str], name: str) -> RunDir:
-    """A fresh ``<root>/<name>-<YYYYmmdd-HHMMSS>[-n]`` directory."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "run"
+    """A fresh ``<root>/<name>-<YYYYmmdd-HHMMSS>[-n]`` directory, never one another run (or kernel) has.
+
+    The name keeps letters, digits, ``_``, ``.`` and ``-`` (anything else, path separators and NUL included, becomes
+    ``-``; no leading dot, so never ``..``) and at most :data:`MAX_NAME` characters. The folder is claimed with an
+    exclusive ``mkdir``, so two runs started at once with the same name get distinct directories.
+    """
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:MAX_NAME].strip("-.") or "run"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(root).expanduser().resolve() / f"{safe}-{stamp}"
+    try:
+        base = Path(root).expanduser().resolve() / f"{safe}-{stamp}"
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise JupyterDistError(f"cannot use {os.fspath(root)!r} as the runs folder: {why}") from None
     path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return RunDir(path).create()
+    while True:
+        try:
+            path.mkdir()  # exclusive: fails if another run claimed this name first
+            break
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+        except OSError as exc:
+            raise JupyterDistError(f"cannot create a run directory in {base.parent}: {exc.strerror or exc}") from None
+    try:
+        return RunDir(path).create()
+    except OSError as exc:
+        raise JupyterDistError(f"cannot create a run directory in {base.parent}: {exc.strerror or exc}") from None

@@ -21,6 +21,67 @@ from .units import close_match_hint, parse_count
 __all__ = ["ModelSpec", "PRESETS", "get_preset", "preset_names"]
 
 
+MAX_HF_CONFIG_BYTES = 4 << 20
+"""Largest ``config.json`` read (real ones are a few KiB); a bigger file is refused before it is loaded."""
+MAX_DIM = 2**31 - 1
+"""Largest value of a model dimension (layers, hidden, heads, vocab, ...): an int32, far beyond any real model."""
+MAX_PARAMS = 10**15
+"""Largest parameter count (a quadrillion: a thousand times the largest models trained)."""
+
+
+def _short(value: Any) -> str:
+    """``repr`` of a bad value, cut to one readable line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _read_hf_config(path: str) -> Any:
+    """Parse a ``config.json`` defensively.
+
+    A regular file only (not a FIFO, ``/dev/zero`` or a folder), at most :data:`MAX_HF_CONFIG_BYTES`, UTF-8, no
+    pathological nesting or numbers.
+    """
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise PlanInputError(
+            f"Hugging Face config not found: {path}; give a config.json, the folder holding it, or a dict"
+        ) from None
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise PlanInputError(f"cannot read Hugging Face config {path!r}: {why}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise PlanInputError(f"{path} is not a regular file (a folder, device, pipe or socket); give a config.json")
+    if st.st_size > MAX_HF_CONFIG_BYTES:
+        raise PlanInputError(
+            f"{path} has {st.st_size:,} bytes; a Hugging Face config.json is at most {MAX_HF_CONFIG_BYTES >> 20} MiB"
+        )
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a file swapped for a FIFO never blocks
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(MAX_HF_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise PlanInputError(f"cannot read Hugging Face config {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_HF_CONFIG_BYTES:
+        raise PlanInputError(f"{path} is larger than {MAX_HF_CONFIG_BYTES >> 20} MiB; not a Hugging Face config.json")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanInputError(f"{path} is not valid JSON: it is not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanInputError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except RecursionError:
+        raise PlanInputError(f"{path} is not a Hugging Face config: its JSON is nested too deeply") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise PlanInputError(
+            f"{path} is not a Hugging Face config: it holds a number with thousands of digits"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """Shape of a decoder-only transformer (dense or mixture-of-experts)."""
@@ -74,11 +135,16 @@ class ModelSpec:
         for f in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanInputError(f"model {f} must be a positive integer, got {value!r}")
+                raise PlanInputError(f"model {f} must be a positive integer, got {_short(value)}")
+            if value > MAX_DIM:
+                raise PlanInputError(f"model {f} must be at most {MAX_DIM}, got {_short(value)}")
         for f in ("kv_heads", "head_dim", "ffn", "max_positions", "params_override", "largest_module_override"):
             value = getattr(self, f)
+            top = MAX_DIM if f in ("kv_heads", "head_dim", "ffn", "max_positions") else MAX_PARAMS
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PlanInputError(f"model {f} must be a non-negative integer, got {value!r}")
+                raise PlanInputError(f"model {f} must be a non-negative integer, got {_short(value)}")
+            if value > top:
+                raise PlanInputError(f"model {f} must be at most {top}, got {_short(value)}")
         if self.norm not in ("rmsnorm", "layernorm"):
             raise PlanInputError(f"model norm must be 'rmsnorm' or 'layernorm', got {self.norm!r}")
         if not self.head_dim and self.hidden % self.heads:
@@ -254,19 +320,7 @@ class ModelSpec:
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    data = json.load(fh)
-            except FileNotFoundError:
-                raise PlanInputError(
-                    f"Hugging Face config not found: {path}; give a config.json, the folder holding it, or a dict"
-                ) from None
-            except json.JSONDecodeError as exc:
-                raise PlanInputError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-            except UnicodeDecodeError:
-                raise PlanInputError(f"{path} is not valid JSON: it is not UTF-8 text") from None
-            except OSError as exc:
-                raise PlanInputError(f"cannot read Hugging Face config {path}: {exc.strerror or exc}") from None
+            data = _read_hf_config(path)
         elif isinstance(config, Mapping):
             data = dict(config)
         else:
@@ -339,6 +393,14 @@ def _hf_int(data: Mapping[str, Any], field: str, *keys: str, default: int | None
     return int(raw)
 
 
+def _hf_rate(data: dict[str, Any], key: str) -> float:
+    """A dropout rate from a config (0 when absent); a clear error when it is not a number."""
+    value = data.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanInputError(f"Hugging Face config {key} must be a number between 0 and 1, got {_short(value)}")
+    return float(value)
+
+
 def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
     if isinstance(data.get("text_config"), dict):  # multimodal wrappers keep the language model here
         data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
@@ -366,7 +428,7 @@ def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
         out_bias = attn_bias
         mlp_bias = bool(data.get("mlp_bias", False))
     dropout_keys = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout", "hidden_dropout", "dropout")
-    dropout = any(float(data.get(k) or 0) > 0 for k in dropout_keys)
+    dropout = any(_hf_rate(data, k) > 0 for k in dropout_keys)
     tied = bool(data.get("tie_word_embeddings", gpt2_like))
     head_dim = _hf_int(data, "head_dim", "head_dim", default=0)
     if head_dim and head_dim * heads == hidden:
