@@ -121,14 +121,16 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads  # whole-model counts (read by the planner)
+        self.rope_theta = cfg.rope_theta
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Attend to the current and earlier positions."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend to the current and earlier positions (rotary angles from the whole sequence this module sees)."""
         b, s, _ = x.shape
+        cos, sin = rope(s, self.head_dim, self.rope_theta, x.device)
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -164,9 +166,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block."""
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+        x = x + self.attention(self.attention_norm(x))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -183,19 +185,26 @@ class Transformer(nn.Module):
             raise TypeError("Transformer takes a TransformerConfig or keyword dimensions, not both")
         self.config = cfg = cfg if cfg is not None else TransformerConfig(**kwargs)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # a dict keyed by the layer's global index: a pipeline stage that keeps layers 2-3 still names them
+        # "layers.2", so checkpoints and state dicts mean the same thing under any pipeline split
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of the next token at every position."""
-        cos, sin = rope(tokens.shape[1], self.config.head_dim, self.config.rope_theta, tokens.device)
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        """Logits of the next token at every position.
+
+        A pipeline stage holds some of the parts (the first the embedding, the last the norm and head, the
+        others only blocks): missing parts are ``None`` and the stage maps hidden states to hidden states.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -208,9 +217,10 @@ class Transformer(nn.Module):
         """
         if seed is not None:
             torch.manual_seed(seed)
-        nn.init.normal_(self.tok_embeddings.weight)
         depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
             for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1,
                         layer.feed_forward.w3):  # fmt: skip
                 nn.init.normal_(lin.weight, std=0.02)
@@ -218,8 +228,10 @@ class Transformer(nn.Module):
                 nn.init.normal_(lin.weight, std=depth_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        nn.init.normal_(self.output.weight, std=self.config.dim**-0.5)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=self.config.dim**-0.5)
 
     def tp_dims(self) -> dict[str, int]:
         """The sizes a tensor-parallel degree must divide: heads, kv heads, MLP width, vocabulary."""
@@ -260,7 +272,7 @@ class Transformer(nn.Module):
                 "layers.*.attention_norm": SequenceParallel(use_local_output=True),
                 "layers.*.ffn_norm": SequenceParallel(use_local_output=True),
                 "layers.*.attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 ),
                 "layers.*.feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)

@@ -63,15 +63,17 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
 
 def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
     """Guess layers / hidden / heads / ffn / vocab from the module tree (documented heuristics)."""
-    # layers: the ModuleList (or Sequential) of one child type that holds the most parameters (the transformer
-    # blocks). Not the longest one: a MoE block's list of experts can be longer than the list of blocks (64 experts,
-    # 27 layers), and so can a block's list of attention heads.
+    # layers: the ModuleList, ModuleDict (keyed by layer index, as pipeline-friendly models are) or Sequential of one
+    # child type that holds the most parameters (the transformer blocks). Not the longest one: a MoE block's list of
+    # experts can be longer than the list of blocks (64 experts, 27 layers), and so can a block's list of heads.
     layers, block, most = 1, None, 0
     for m in mod.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) and len({type(c) for c in m}) == 1:
+        children = list(m.values()) if isinstance(m, nn.ModuleDict) else list(m) if isinstance(
+            m, (nn.ModuleList, nn.Sequential)) else []  # fmt: skip
+        if children and len({type(c) for c in children}) == 1:
             n = sum(int(p.numel()) for p in m.parameters())
             if n > most:
-                layers, block, most = len(m), m[0], n
+                layers, block, most = len(children), children[0], n
     embeddings = [m for m in mod.modules() if isinstance(m, nn.Embedding)]
     # the token embedding: the one an output projection maps back to (else the largest); a learned position table
     # can have more rows than a small vocabulary (65 characters, 256 positions)
