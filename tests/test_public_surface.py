@@ -133,8 +133,7 @@ def test_a_plan_on_fewer_processes_is_a_rehearsal_that_keeps_every_model_paralle
 
 def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
     refusals = {
-        "fsdp2+tp4+pp2+sp": "pipeline parallelism (pp2) cannot run yet; it is planned in issue 19 — run the fsdp2+tp "
-                            "candidate or pass --pp 1",
+        "zero1+tp4+pp2+sp": "cannot run yet",
         "fsdp2+cp2": "context parallelism (cp2) cannot run yet",
         "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
         "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
@@ -144,13 +143,14 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         assert msg in (runnable_problem(parse_candidate(name)) or "")
         with pytest.raises(ParallelismError, match=re.escape(msg)):
             resolve_launch(name, None, 8)
-    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3"):
+    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3", "fsdp2+tp4+pp2+sp",
+                 "fsdp2+pp2"):  # fmt: skip
         assert runnable_problem(parse_candidate(name)) is None, name
-    # the table is the one switch: flipping pp on makes fsdp2+pp2 runnable
+    # the table is the one switch: flipping pp off makes fsdp2+pp2 refused
     saved = RUNNABLE["pp"]
     try:
-        RUNNABLE["pp"] = (frozenset({"fsdp2"}), saved[1])
-        assert runnable_problem(parse_candidate("fsdp2+pp2")) is None
+        RUNNABLE["pp"] = (frozenset(), saved[1])
+        assert "pipeline parallelism" in (runnable_problem(parse_candidate("fsdp2+pp2")) or "")
     finally:
         RUNNABLE["pp"] = saved
     # explicit degrees override the name's, on purpose; --sp alone needs a tp
@@ -239,8 +239,10 @@ def test_dist_train_plan_on_fewer_processes_carries_tp_and_sp_and_says_so(ip: An
     assert dry.env["JD_TP"] == "4" and "dp from 8 to 2" in dry.to_text()
     dry = ip.run_cell_magic("dist_train", "--strategy fsdp2 --tp 2 --sp --nproc 4 --heartbeat 0.5 --dry-run", "pass")
     assert dry.env["JD_TP"] == "2" and dry.env["JD_SP"] == "1" and dry.env["JD_HEARTBEAT_S"] == "0.5"
-    with pytest.raises(UsageError, match="pipeline parallelism \\(pp2\\) cannot run yet"):
-        ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --nproc 4 --dry-run", "pass")
+    with pytest.raises(UsageError, match="tensor parallelism with zero1 \\(tp2\\) cannot run yet"):
+        ip.run_cell_magic("dist_train", "--strategy zero1+tp2+pp2+sp --nproc 4 --dry-run", "pass")
+    dry = ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --nproc 4 --dry-run", "pass")
+    assert dry.env["JD_PP"] == "2" and "pp=2" in dry.to_text()
     dry = ip.run_cell_magic("dist_train", "--strategy fsdp2+tp2+pp2+sp --pp 1 --nproc 4 --dry-run", "pass")
     assert "JD_PP" not in dry.env and dry.env["JD_TP"] == "2"
     with pytest.raises(UsageError, match="argument --tp: want an integer in 1..1024, got '0'"):

@@ -55,6 +55,10 @@ def launch_contract(
     fields = {**choice.worker_fields(), **(worker or {})}
     if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
         fields["ac"] = plan.training.checkpointing.value
+    if plan is not None and "microbatches" not in fields:  # the plan's gradient accumulation: jd.train_step's
+        planned = next((c for c in plan.candidates if c.name == choice.candidate.name), None)  # micro-batches
+        if planned is not None and planned.grad_accum > 1:
+            fields["microbatches"] = planned.grad_accum
     try:
         env = WorkerEnv.for_launch(world_size=world, precision=precision, **fields)
     except WorkerError as exc:

@@ -31,9 +31,8 @@ MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
 RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
     "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
            "tensor parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --tp 1"),
-    "pp": (frozenset(),
-           "pipeline parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
-           "pass --pp 1"),
+    "pp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
+           "pipeline parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --pp 1"),
     "cp": (frozenset(),
            "context parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
            "pass --cp 1"),

@@ -64,6 +64,7 @@ __all__ = [
     "autocast",
     "backward",
     "step",
+    "train_step",
     "log",
     "save",
     "resume",
@@ -152,6 +153,28 @@ def step(optimizer: Any = None) -> None:
     ``optimizer`` defaults to the one returned by :func:`wrap`.
     """
     get_runtime().step(optimizer)
+
+
+def train_step(inputs: Any, targets: Any, loss_fn: Any) -> Any:
+    """One optimizer step on a batch, whatever the plan: the recommended training loop.
+
+    ``loss_fn(outputs, targets)`` is the mean loss of a micro-batch, e.g. ``lambda out, y:
+    F.cross_entropy(out.flatten(0, 1), y.flatten())``. Returns the batch's mean loss (a detached tensor, the same on
+    every rank of a pipeline: pass it to :func:`log`).
+
+    Under pipeline parallelism the pipeline schedule (GPipe, 1F1B or interleaved 1F1B, ``JD_PP_SCHEDULE``) runs the
+    forward and backward of every stage over the plan's micro-batches (``JD_MICROBATCHES``): the first stage takes
+    ``inputs``, the last ``targets`` (other ranks may pass the same tensors or ``None``). Otherwise the batch is
+    split into the plan's micro-batches (gradient accumulation, one gradient reduction per step), with DeepSpeed's
+    engine doing its own accumulation. Then the optimizer steps and the gradients are cleared.
+
+    Example::
+
+        loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], lambda out, y: F.cross_entropy(out.flatten(0, 1),
+                                                                                         y.flatten()))
+        jd.log(step, loss=loss, tokens=tokens.numel())
+    """
+    return get_runtime().train_step(inputs, targets, loss_fn)
 
 
 def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:

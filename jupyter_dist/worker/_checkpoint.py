@@ -122,12 +122,24 @@ class _Split:
             "put the model it trains in the same dict, e.g. {'model': model, 'optimizer': optimizer}"
         )
 
-    def dcp_state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    def dcp_state(self, *, flat: bool = True) -> dict[str, Any]:
+        """Model and optimizer state dicts for DCP.
 
+        Optimizer states are flattened to one key per parameter name and hyperparameter (``state.<fqn>.exp_avg``,
+        ``param_groups.<fqn>.lr``), as torchtitan saves them: the nested form keeps ``param_groups`` as a list whose
+        ``params`` differ between pipeline stages, and DCP keeps one rank's copy of such a key, so a resumed stage
+        got another stage's groups. ``flat=False`` reads checkpoints written before this change.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=flat)
         out: dict[str, Any] = {k: get_model_state_dict(m) for k, m in self.modules.items()}
         for key, opt in self.optimizers.items():
-            out[key] = get_optimizer_state_dict(self.owner[key], opt)
+            out[key] = get_optimizer_state_dict(self.owner[key], opt, options=opts)
         return out
 
 
@@ -390,7 +402,11 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
     mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
     blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
     if split.modules or split.optimizers:
-        template = split.dcp_state()
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
+        legacy = any(".param_groups.0." in k for k in saved)  # nested optimizer states (before flattening)
+        template = split.dcp_state(flat=not legacy)
         with _single_process_ok():
             state_dict_loader.load(template, checkpoint_id=os.path.join(path, "dcp"), no_dist=_no_dist())
         for key, module in split.modules.items():

@@ -11,7 +11,10 @@ from ..errors import JupyterDistError
 from ..plan.strategies import get_strategy
 from ..plan.training import Precision
 
-__all__ = ["ENV_VARS", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+__all__ = ["ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+"""Values of ``JD_PP_SCHEDULE``: GPipe (all forwards, then all backwards), 1F1B and interleaved 1F1B."""
 
 PRECISIONS = tuple(p.value for p in Precision)
 """Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
@@ -91,6 +94,13 @@ class WorkerEnv:
     """``JD_EP``: expert-parallel degree (borrows ranks from the data-parallel x context-parallel dims)."""
     sp: bool = False
     """``JD_SP=1``: sequence parallelism with tensor parallelism (norms and residuals split along the sequence)."""
+    pp_schedule: str = "1f1b"
+    """``JD_PP_SCHEDULE``: the pipeline schedule, ``gpipe``, ``1f1b`` or ``interleaved-1f1b``."""
+    pp_virtual: int = 0
+    """``JD_PP_VIRTUAL``: pipeline stages per rank (``interleaved-1f1b`` needs >= 2; 0: 2 for it, else 1)."""
+    microbatches: int = 0
+    """``JD_MICROBATCHES``: micro-batches per optimizer step in :func:`jupyter_dist.worker.train_step` (the plan's
+    gradient accumulation; 0: the number of pipeline stages under pipeline parallelism, else 1)."""
     ac: str = "none"
     """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
     recomputed) or ``full`` (each block is recomputed in backward)."""
@@ -111,6 +121,12 @@ class WorkerEnv:
             raise WorkerError(f"JD_CHECKPOINT_EVERY={self.checkpoint_every} must be >= 0 (0: no periodic saves)")
         if self.keep is not None and self.keep < 1:
             raise WorkerError(f"JD_KEEP={self.keep} must be >= 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise WorkerError(f"JD_PP_SCHEDULE={self.pp_schedule!r} is not valid; valid: {', '.join(PP_SCHEDULES)}")
+        if self.pp_virtual < 0 or self.microbatches < 0:
+            raise WorkerError("JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0 (0: automatic)")
+        if self.pp_schedule == "interleaved-1f1b" and self.pp_virtual == 1:
+            raise WorkerError("JD_PP_SCHEDULE=interleaved-1f1b needs JD_PP_VIRTUAL >= 2 stages per rank")
         if self.ac not in ("none", "selective", "full"):
             raise WorkerError(f"JD_AC={self.ac!r} is not valid; valid: none, selective, full")
         for dim in ("tp", "pp", "cp", "ep", "dp_replicate"):
@@ -172,6 +188,9 @@ class WorkerEnv:
             sp=env.get("JD_SP", "") == "1",
             dp_replicate=_int(env, "JD_DP_REPLICATE", 1),
             ac=(env.get("JD_AC", "").strip().lower() or "none"),
+            pp_schedule=(env.get("JD_PP_SCHEDULE", "").strip().lower() or "1f1b"),
+            pp_virtual=_int(env, "JD_PP_VIRTUAL", 0),
+            microbatches=_int(env, "JD_MICROBATCHES", 0),
         )
 
     @classmethod
@@ -200,6 +219,13 @@ class WorkerEnv:
         return max(1, self.world_size // (self.pp * self.dp_replicate * self.cp * self.tp))
 
     @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds (virtual stages of the interleaved schedule)."""
+        if self.pp_virtual:
+            return self.pp_virtual
+        return 2 if self.pp_schedule == "interleaved-1f1b" else 1
+
+    @property
     def model_parallel(self) -> bool:
         """Any of tp, pp, cp, ep above 1."""
         return max(self.tp, self.pp, self.cp, self.ep) > 1
@@ -216,6 +242,7 @@ ENV_VARS: dict[str, str] = {
     "async_save": "JD_ASYNC_SAVE", "keep": "JD_KEEP", "telemetry_interval_s": "JD_TELEMETRY_INTERVAL_S",
     "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
+    "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 

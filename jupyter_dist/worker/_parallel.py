@@ -523,18 +523,20 @@ def load_pretrained(model: torch.nn.Module, path: str) -> int:
 # ------------------------------------------------------------------------------------------------------ together
 def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
                 tp_plan: Mapping[str, Any] | None = None, pretrained: str | None = None,
-                family: str = "fsdp2") -> tuple[Any, Any, Mesh | None]:  # fmt: skip
-    """Mesh, tensor parallelism, activation checkpointing, FSDP2 over the data-parallel dims, materialisation.
+                family: str = "fsdp2") -> tuple[Any, Any, Mesh | None, Any]:  # fmt: skip
+    """Mesh, pipeline stages, tensor parallelism, activation checkpointing, FSDP2 over the data-parallel dims,
+    materialisation.
 
-    ``family`` is ``"fsdp2"`` (shard model states over the data-parallel dims) or ``"none"`` (tensor parallelism
-    alone; the data-parallel size must then be 1). Returns the model, the optimizer rebuilt over the new parameters
-    (``None`` stays ``None``), and the mesh.
+    ``family`` is ``"fsdp2"`` (shard model states over the data-parallel dims) or ``"none"`` (model parallelism
+    alone; the data-parallel size must then be 1). Returns the model (under pipeline parallelism: this rank's part
+    of it, which keeps the whole model's parameter names and refuses to be called), the optimizer rebuilt over the
+    new parameters (``None`` stays ``None``), the mesh, and the :class:`~._pipeline.Pipeline` (or ``None``).
     """
     import torch
 
     from ._strategy import _mixed, _param_names, find_blocks, rebuild_optimizer
 
-    for dim, issue in (("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+    for dim, issue in (("cp", "context"), ("ep", "expert")):
         if getattr(env, dim) > 1:
             raise WorkerError(
                 f"jd.wrap: {issue} parallelism ({dim}{getattr(env, dim)}) cannot run yet in this version; run a "
@@ -553,22 +555,32 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             load_pretrained(model, pretrained)
         if optimizer is not None:
             optimizer = rebuild_optimizer(optimizer, old_names, model)
-        return model, optimizer, None
+        return model, optimizer, None, None
     mesh = build_mesh(env, device.type)
     if family == "none" and mesh.dp_size > 1:
         raise WorkerError(
-            f"jd.wrap: {mesh.dp_size} data-parallel replicas with JD_STRATEGY=none; use fsdp2 with tensor parallelism "
-            f"(e.g. fsdp2+tp{env.tp}) or launch {env.tp} processes"
+            f"jd.wrap: {mesh.dp_size} data-parallel replicas with JD_STRATEGY=none; use fsdp2 with model parallelism "
+            f"(e.g. fsdp2+tp{env.tp}) or launch {env.world_size // mesh.dp_size} processes"
         )
     on_meta = any(p.is_meta for p in model.parameters())
+    old_names = _param_names(model)
+    plan = source = None
+    if env.tp > 1:  # resolved and checked on the whole model, before a pipeline split removes parts of it
+        plan, source = resolve_tp_plan(model, tp_plan, sequence_parallel=env.sp, tp=env.tp)
+        check_tp_divisible(model, plan, env.tp)
+    stage_plan = None
+    if env.pp > 1:
+        from ._pipeline import prune
+
+        pp_rank = mesh["pp"].get_local_rank()
+        stage_plan = prune(model, pp=env.pp, pp_rank=pp_rank, virtual=env.stages_per_rank)
     if env.precision == "bf16-true" and not on_meta:
         model = model.to(torch.bfloat16)
     if not on_meta:
         model = model.to(device)
-    old_names = _param_names(model)
-    if env.tp > 1:
-        plan, source = resolve_tp_plan(model, tp_plan, sequence_parallel=env.sp, tp=env.tp)
-        check_tp_divisible(model, plan, env.tp)
+    if plan is not None:
+        if stage_plan is not None:  # the parts this rank dropped are not to be parallelised
+            plan = {k: v for k, v in plan.items() if _modules_matching(model, k)}
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
     blocks = find_blocks(model)
@@ -576,6 +588,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         wrapped = apply_activation_checkpointing(blocks, env.ac)
         replace_blocks(model, blocks, wrapped)
         blocks = wrapped
+    views = stage_plan.views(model) if stage_plan is not None else []
     if family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -584,7 +597,10 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         dp_mesh = mesh.dp_mesh
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)
+            fully_shard(view, mesh=dp_mesh, mp_policy=mp)
+        if not views:
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     if on_meta:
         materialize(model, device)
         if env.precision == "bf16-true":
@@ -593,5 +609,21 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         n = load_pretrained(model, pretrained)
         _log.info("jd.wrap: loaded %d tensors from %s, each rank reading its own slices", n, pretrained)
     if optimizer is not None:
-        optimizer = rebuild_optimizer(optimizer, old_names, model)
-    return model, optimizer, mesh
+        optimizer = rebuild_optimizer(optimizer, old_names, model, pruned=stage_plan is not None)
+    pipeline = None
+    if views:
+        from ._pipeline import Pipeline
+
+        pipeline = Pipeline(env, views, mesh["pp"].get_group(), device)
+        _refuse_direct_calls(model, env.pp)
+    return model, optimizer, mesh, pipeline
+
+
+def _refuse_direct_calls(model: torch.nn.Module, pp: int) -> None:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise WorkerError(
+            f"under pipeline parallelism (pp{pp}) the model runs stage by stage over micro-batches: use "
+            "loss = jd.train_step(inputs, targets, loss_fn) instead of calling the model"
+        )
+
+    model.forward = forward  # type: ignore[method-assign]

@@ -73,6 +73,8 @@ class Runtime:
         """The optimizer returned by the last :meth:`wrap`."""
         self.mesh: Any = None
         """The :class:`~jupyter_dist.worker._parallel.Mesh` built by :meth:`wrap` under model parallelism, else None."""
+        self.pipeline: Any = None
+        """The :class:`~jupyter_dist.worker._pipeline.Pipeline` under pipeline parallelism, else None."""
         self._lock = threading.RLock()
         self._initialized = False
         self._owns_pg = False
@@ -269,7 +271,7 @@ class Runtime:
 
             if family != "none" or self.env.model_parallel:
                 require_process_group(self.env.strategy if family != "none" else f"none with JD_TP={self.env.tp}")
-            model, optimizer, self.mesh = parallelize(
+            model, optimizer, self.mesh, self.pipeline = parallelize(
                 self.env, model, optimizer, device=self.device, tp_plan=tp_plan,
                 pretrained=None if pretrained is None else os.fspath(pretrained), family=family,
             )  # fmt: skip
@@ -325,6 +327,49 @@ class Runtime:
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Any) -> Any:
+        """One optimizer step on a batch; see :func:`jupyter_dist.worker.train_step`."""
+        import torch
+
+        if self.model is None:
+            raise WorkerError("jd.train_step: call jd.wrap(model, optimizer) first")
+        emitter = self.emitter
+        if self.pipeline is not None:
+            emitter.set_phase("forward")
+            loss = self.pipeline.step(inputs, targets, loss_fn)
+            self.step(None)
+            return loss
+        if self.is_engine:  # DeepSpeed accumulates itself: a backward and a step per micro-batch
+            n = int(self.model.gradient_accumulation_steps())
+        else:
+            n = self.env.microbatches or 1
+        if inputs.shape[0] % n:
+            raise WorkerError(
+                f"jd.train_step: a batch of {inputs.shape[0]} does not split into {n} micro-batches (the plan's "
+                "gradient accumulation); use a multiple"
+            )
+        total = torch.zeros((), device=inputs.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            last = i == n - 1
+            sync = contextlib.nullcontext()
+            if not last and hasattr(self.model, "no_sync") and not self.is_engine:  # DDP: all-reduce once
+                sync = self.model.no_sync()
+            if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter once
+                self.model.set_requires_gradient_sync(last)
+            emitter.set_phase("forward")
+            with sync:
+                with self.autocast():
+                    loss = loss_fn(self.model(x), y)
+                total += loss.detach().float()
+                self.backward(loss if self.is_engine else loss / n)
+            if self.is_engine:
+                self.model.step()
+        if not self.is_engine:
+            self.step(None)
+        else:
+            emitter.set_phase("forward")
+        return total / n
 
     # ------------------------------------------------------------------ telemetry
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:

@@ -64,12 +64,13 @@ def _clean(name: str) -> str:
 
 
 def rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: torch.nn.Module
+    optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: torch.nn.Module, *, pruned: bool = False
 ) -> torch.optim.Optimizer:
     """A new optimizer of the same class and param groups over ``model``'s (replaced) parameters, matched by name.
 
     Wrappers that swap parameter objects (FSDP2 turns them into DTensors, FSDP1 into flat-parameter views) would
-    otherwise leave the optimizer updating tensors the model no longer uses.
+    otherwise leave the optimizer updating tensors the model no longer uses. ``pruned``: the model dropped parts
+    that live on other ranks (pipeline stages); their parameters leave the optimizer (and so do emptied groups).
     """
     if optimizer.state:
         raise WorkerError(
@@ -82,13 +83,16 @@ def rebuild_optimizer(
         params = []
         for p in group["params"]:
             name = old_names.get(id(p))
+            if pruned and name is not None and _clean(name) not in new_by_name:
+                continue  # held by another pipeline stage
             if name is None or _clean(name) not in new_by_name:
                 raise WorkerError(
                     f"jd.wrap: the optimizer holds a parameter (shape {tuple(p.shape)}) that is not a parameter of "
                     "the model; create the optimizer over model.parameters() or after jd.wrap"
                 )
             params.append(new_by_name[_clean(name)])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        if params or not pruned:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     cls = type(optimizer)
     defaults = dict(optimizer.defaults)
     sig = inspect.signature(cls.__init__)

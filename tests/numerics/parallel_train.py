@@ -29,7 +29,9 @@ VOCAB = 128
 def ref_model() -> torch.nn.Module:
     from jupyter_dist.models import Transformer
 
-    return Transformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    return Transformer(
+        vocab_size=VOCAB, dim=64, n_layers=int(os.environ.get("EQ_LAYERS", "2")), n_heads=4, n_kv_heads=2
+    )
 
 
 def llama_model() -> torch.nn.Module:
@@ -105,6 +107,12 @@ def main() -> None:
         assert got is not None, "nothing to resume"
         first = got[1] + 1
     save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
+    step_form = os.environ.get("EQ_STEP_FORM") == "1" or int(os.environ.get("JD_PP", "1")) > 1
+
+    def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = out.logits if hasattr(out, "logits") else out
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
     losses = []
     for step in range(first, steps):
         tokens = batch(step, n, seq)
@@ -114,13 +122,17 @@ def main() -> None:
             local = tokens.chunk(jd.world_size)[jd.rank]
         else:
             local = tokens.chunk(jd.dp_size)[jd.dp_rank]
-        logits = logits_of(model, local[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), local[:, 1:].reshape(-1))
-        loss.backward()
-        grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
+        if step_form:  # the form that runs under every plan (pipelines included)
+            value = jd.train_step(local[:, :-1], local[:, 1:], loss_fn).clone()
+            grad_bytes = 0
+        else:
+            logits = logits_of(model, local[:, :-1])
+            loss = loss_fn(logits, local[:, 1:])
+            loss.backward()
+            grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = loss.detach().clone()
         if dist.is_initialized():
             dist.all_reduce(value)
             value /= dist.get_world_size()  # tensor-parallel ranks hold the same loss: the mean over dp
@@ -137,6 +149,12 @@ def main() -> None:
         with open(f"{out_path}.rank{jd.rank}.json", "w") as f:
             json.dump(measured, f)
     params = {clean(k): full(p) for k, p in model.named_parameters()}
+    if int(os.environ.get("JD_PP", "1")) > 1:  # each rank holds its stages' parameters: rank 0 collects them all
+        torch.save(params, f"{out_path}.params{jd.rank}")
+        dist.barrier()
+        if jd.rank == 0:
+            for r in range(jd.world_size):
+                params.update(torch.load(f"{out_path}.params{r}"))
     first_logits = None
     if os.environ.get("EQ_LOGITS") == "1":
         with torch.no_grad():

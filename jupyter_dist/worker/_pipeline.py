@@ -1,0 +1,216 @@
+"""Pipeline parallelism inside a worker, with ``torch.distributed.pipelining``.
+
+The model is cut at block boundaries into ``pp x virtual`` stages (balanced by cost: the first stage also runs the
+embedding, the last the norm and head; :func:`jupyter_dist.plan.pipeline.stage_bounds`). Each rank keeps only its
+stages' parts: the rest of the model is dropped before anything is allocated. A stage is a *shallow view* of that
+pruned model -- the same class, sharing the same submodules, with the parts it does not run set to ``None`` and only
+its blocks in the block dict -- so the model's own ``forward`` runs it, and the pruned model keeps the whole model's
+parameter names for checkpoints (resume under another pipeline split, or none). The stages go to ``PipelineStage``
+on the mesh's ``pp`` dimension and a GPipe, 1F1B or interleaved-1F1B schedule runs them over micro-batches
+(:func:`jupyter_dist.worker.train_step`).
+
+A model can be pipelined when its blocks sit in an ``nn.ModuleDict`` keyed by their index and its ``forward`` skips
+parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does); other models get one line saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ._env import WorkerEnv, WorkerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["Pipeline", "StagePlan", "prune", "PIPELINE_NEEDS"]
+
+_log = logging.getLogger("jupyter_dist.worker")
+
+PIPELINE_NEEDS = (
+    "jd.wrap: pipeline parallelism (pp{pp}) needs a model whose blocks sit in an nn.ModuleDict keyed by index and "
+    "whose forward skips parts set to None, like jupyter_dist.models.Transformer; {kind} {why}"
+)
+
+
+def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any]:
+    """The attribute name and the ``ModuleDict`` of the model's blocks (a direct child)."""
+    import torch.nn as nn
+
+    from ._strategy import find_blocks
+
+    blocks = find_blocks(model)
+    for name, child in model.named_children():
+        if blocks and isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
+            return name, child
+    why = "keeps its blocks in a ModuleList" if blocks else "has no repeated blocks"
+    raise WorkerError(PIPELINE_NEEDS.format(pp=pp, kind=type(model).__name__, why=why))
+
+
+def _edge_parts(model: torch.nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Top-level children before the blocks (run by the first stage) and after them (run by the last)."""
+    names = [n for n, _ in model.named_children()]
+    i = names.index(container)
+    return names[:i], names[i + 1 :]
+
+
+def _extras(model: torch.nn.Module, container: str, first: list[str], last: list[str]) -> tuple[float, float]:
+    """What the embedding and the head cost, in blocks (matmul FLOPs ~ parameters; a lookup costs ~nothing)."""
+    import torch.nn as nn
+
+    blocks = list(getattr(model, container).values())
+    per_block = max(1, sum(p.numel() for p in blocks[0].parameters()))
+
+    def flops_params(names: list[str]) -> int:
+        total = 0
+        for n in names:
+            mod = getattr(model, n)
+            if mod is None or isinstance(mod, nn.Embedding):
+                continue
+            total += sum(p.numel() for p in mod.parameters())
+        return total
+
+    return flops_params(first) / per_block, flops_params(last) / per_block
+
+
+def _view(root: torch.nn.Module, container: str, keys: list[str], run_first: bool, run_last: bool,
+          first: list[str], last: list[str]) -> torch.nn.Module:  # fmt: skip
+    """A module of ``root``'s class sharing its submodules, running only ``keys`` (and the edges it owns)."""
+    import torch.nn as nn
+
+    view = root.__class__.__new__(root.__class__)
+    view.__dict__.update(root.__dict__)
+    for key, value in root.__dict__.items():  # own module tables and hook tables; the submodules stay shared
+        if isinstance(value, dict):
+            view.__dict__[key] = type(value)(value) if "hook" not in key else type(value)()
+    full = getattr(root, container)
+    view._modules[container] = nn.ModuleDict({k: full[k] for k in keys})
+    for n in first:
+        if not run_first:
+            view._modules[n] = None
+    for n in last:
+        if not run_last:
+            view._modules[n] = None
+    view.__dict__.pop("forward", None)  # the class's forward, not the root's refusal
+    return view
+
+
+class StagePlan:
+    """Which stages and layers this rank keeps (from :func:`prune`)."""
+
+    def __init__(self, container: str, first: list[str], last: list[str], bounds: list[tuple[int, int]],
+                 mine: list[int]) -> None:  # fmt: skip
+        self.container, self.first, self.last, self.bounds, self.mine = container, first, last, bounds, mine
+
+    def views(self, model: torch.nn.Module) -> list[tuple[int, Any]]:
+        """``[(stage index, stage view)]`` of the pruned ``model`` (after its blocks were wrapped or sharded)."""
+        n = len(self.bounds)
+        return [
+            (i, _view(model, self.container, [str(j) for j in range(*self.bounds[i])], i == 0, i == n - 1,
+                      self.first, self.last))
+            for i in self.mine
+        ]  # fmt: skip
+
+
+def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> StagePlan:
+    """Drop, in place, every part of ``model`` this rank's stages do not run.
+
+    Stage ``i`` of ``pp * virtual`` is held by pp rank ``i % pp`` (the looped placement interleaved 1F1B expects).
+    """
+    from ..plan.pipeline import stage_bounds
+
+    container, blocks = _block_container(model, pp)
+    first, last = _edge_parts(model, container)
+    keys = list(blocks.keys())
+    if keys != [str(i) for i in range(len(keys))]:
+        raise WorkerError(PIPELINE_NEEDS.format(pp=pp, kind=type(model).__name__, why=f"names its blocks {keys[:3]}"))
+    n_stages = pp * virtual
+    extra_first, extra_last = _extras(model, container, first, last)
+    bounds = stage_bounds(len(keys), n_stages, first_extra=extra_first, last_extra=extra_last)
+    mine = [i for i in range(n_stages) if i % pp == pp_rank]
+    kept = {k for i in mine for k in keys[bounds[i][0] : bounds[i][1]]}
+    for k in keys:
+        if k not in kept:
+            del blocks[k]  # dropped before anything is allocated: a rank holds only its stages
+    if 0 not in mine:
+        for n in first:
+            setattr(model, n, None)
+    if n_stages - 1 not in mine:
+        for n in last:
+            setattr(model, n, None)
+    _log.info("jd.wrap: pipeline stages %s of %d on this rank, layers %s", mine, n_stages,
+              [bounds[i] for i in mine])  # fmt: skip
+    return StagePlan(container, first, last, bounds, mine)
+
+
+class Pipeline:
+    """This rank's pipeline stages and the schedule that runs them (built on the first :meth:`step`)."""
+
+    def __init__(self, env: WorkerEnv, stages: list[tuple[int, Any]], pp_group: Any, device: torch.device) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.env = env
+        self.n_stages = env.pp * env.stages_per_rank
+        self.stages = [
+            PipelineStage(view, index, self.n_stages, device, group=pp_group) for index, view in stages
+        ]  # fmt: skip
+        self.pp_group = pp_group
+        self.microbatches = env.microbatches or self.n_stages
+        self._schedule: Any = None
+        self._loss_fn: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        """This rank runs the first stage (it takes the inputs)."""
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        """This rank runs the last stage (it takes the targets and computes the loss)."""
+        return any(s.is_last for s in self.stages)
+
+    def schedule(self, loss_fn: Any) -> Any:
+        """The schedule for ``loss_fn`` (rebuilt if another loss function is given)."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        if self._schedule is None or loss_fn is not self._loss_fn:
+            kind = self.env.pp_schedule
+            if kind == "interleaved-1f1b":
+                self._schedule = ScheduleInterleaved1F1B(self.stages, self.microbatches, loss_fn=loss_fn)
+            else:
+                if len(self.stages) != 1:
+                    raise WorkerError(f"JD_PP_SCHEDULE={kind} runs one stage per rank; set JD_PP_VIRTUAL=1")
+                if kind == "1f1b" and self.microbatches < self.n_stages:
+                    raise WorkerError(
+                        f"1F1B needs at least as many micro-batches as stages: {self.microbatches} < "
+                        f"{self.n_stages}; raise the gradient accumulation (JD_MICROBATCHES) or use gpipe"
+                    )
+                cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+                self._schedule = cls(self.stages[0], self.microbatches, loss_fn=loss_fn)
+            self._loss_fn = loss_fn
+        return self._schedule
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
+        """Forward and backward of one batch over the micro-batches; the mean loss, on every rank of the pipeline."""
+        import torch
+        import torch.distributed as dist
+
+        for batch in (inputs, targets):  # every rank checks what it was given, before any stage communicates
+            if batch is not None and batch.shape[0] % self.microbatches:
+                raise WorkerError(
+                    f"jd.train_step: a batch of {batch.shape[0]} does not split into {self.microbatches} "
+                    "micro-batches (the plan's gradient accumulation); use a multiple"
+                )
+        if (self.is_first and inputs is None) or (self.is_last and targets is None):
+            raise WorkerError("jd.train_step: the first pipeline stage needs the inputs and the last the targets")
+        schedule = self.schedule(loss_fn)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        schedule.step(*args, target=targets if self.is_last else None, losses=losses)
+        device = self.stages[0].device
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=device)
+        # the loss lives on the last stage: send it to the others of this pipeline (one scalar) for jd.log
+        last_global = dist.get_global_rank(self.pp_group, self.env.pp - 1 if self.env.stages_per_rank == 1 else
+                                           (self.n_stages - 1) % self.env.pp)  # fmt: skip
+        dist.broadcast(loss, src=last_global, group=self.pp_group)
+        return loss

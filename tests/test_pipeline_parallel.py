@@ -1,0 +1,119 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``, alone and composed with FSDP2 and TP, proven by equal
+math: losses and gathered parameters of a parallel run equal one process's on the same global batches.
+
+Also the pure stage split (``plan/pipeline.py``) and the one-step form ``jd.train_step`` that runs under every plan.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_tensor_parallel import RTOL, assert_equal_math, run
+from test_worker import clean_env, run_bounded
+
+from jupyter_dist.errors import ParallelismError
+from jupyter_dist.plan.pipeline import stage_bounds, stage_costs
+
+torch = pytest.importorskip("torch")
+
+
+# ------------------------------------------------------------------------------------------- the split (pure)
+def test_stages_are_contiguous_cover_every_layer_and_balance_the_edges() -> None:
+    assert stage_bounds(8, 2) == [(0, 4), (4, 8)]
+    assert stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # a head worth 3 blocks: the last stage gets fewer blocks
+    bounds = stage_bounds(16, 4, last_extra=3.0)
+    assert bounds[0][0] == 0 and bounds[-1][1] == 16
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert bounds[-1][1] - bounds[-1][0] < bounds[0][1] - bounds[0][0]
+    costs = stage_costs(bounds, last_extra=3.0)
+    assert max(costs) == 5.0  # 19 units over 4 stages: no split does better than 5
+    # the even split when nothing is extra, whatever the layer count
+    assert [e - s for s, e in stage_bounds(10, 4)] in ([3, 3, 2, 2], [2, 3, 3, 2], [3, 2, 2, 3], [2, 2, 3, 3],
+                                                       [3, 2, 3, 2], [2, 3, 2, 3])  # fmt: skip
+
+
+def test_bad_splits_get_one_line() -> None:
+    with pytest.raises(ParallelismError, match="4 pipeline stages need at least 4 layers, the model has 2"):
+        stage_bounds(2, 4)
+    with pytest.raises(ParallelismError, match="positive integer"):
+        stage_bounds(4, 0)
+
+
+# ----------------------------------------------------------------------------------------- equal math (slow)
+CONFIGS = {
+    # name: (processes, JD_* degrees)
+    "pp2-gpipe": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "gpipe", "JD_MICROBATCHES": "4"}),
+    "pp2-1f1b": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "1f1b", "JD_MICROBATCHES": "4"}),
+    "pp2-interleaved": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "interleaved-1f1b", "JD_MICROBATCHES": "4"}),
+    "pp2xdp2": (4, {"JD_PP": "2", "JD_MICROBATCHES": "2"}),
+    "tp2xpp2-sp": (4, {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_MICROBATCHES": "4"}),
+    "dp2xtp2xpp2-sp-ac": (8, {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_AC": "full", "JD_MICROBATCHES": "2"}),
+}
+EXPECTED_MESH = {
+    "pp2-gpipe": "pp=2 x dp_shard=1", "pp2-1f1b": "pp=2 x dp_shard=1", "pp2-interleaved": "pp=2 x dp_shard=1",
+    "pp2xdp2": "pp=2 x dp_shard=2", "tp2xpp2-sp": "pp=2 x dp_shard=1 x tp=2",
+    "dp2xtp2xpp2-sp-ac": "pp=2 x dp_shard=2 x tp=2",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    d = tmp_path_factory.mktemp("single4")
+    return {opt: run(d / f"{opt}.pt", "ref", None, EQ_OPT=opt, EQ_LAYERS="4") for opt in ("sgd", "adamw")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_pipelined_run_equals_single_process(config: str, single4: dict, tmp_path: Path) -> None:
+    nproc, degrees = CONFIGS[config]
+    got = run(tmp_path / "out.pt", "ref", nproc, timeout=300, JD_STRATEGY="fsdp2", EQ_OPT="sgd", EQ_LAYERS="4",
+              **degrees)  # fmt: skip
+    assert got["mesh"] == EXPECTED_MESH[config]
+    assert_equal_math(single4["sgd"], got)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_pp2_dp2_resumes_without_pipeline_and_under_tp2_pp2(tmp_path: Path) -> None:
+    """DCP checkpoints of a pipelined model keep the whole model's names: saved at step 4 under pp2 x dp2, resumed
+    under dp4 and under tp2 x pp2, the next 5 losses equal the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt), "EQ_LAYERS": "4"}
+    full = run(tmp_path / "full.pt", "ref", 4, JD_PP="2", JD_MICROBATCHES="2", EQ_SAVE_AT="4", **common)
+    for name, degrees in {"dp4": {}, "tp2xpp2": {"JD_PP": "2", "JD_TP": "2", "JD_MICROBATCHES": "4"}}.items():
+        resumed = run(tmp_path / f"{name}.pt", "ref", 4, EQ_RESUME="1", **degrees, **common)
+        assert resumed["first"] == 5, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
+                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+
+
+SCRIPT_ERRORS = """
+import torch
+import jupyter_dist.worker as jd
+from jupyter_dist.models import Transformer
+from jupyter_dist.worker import WorkerError
+
+model, opt = jd.wrap(Transformer(vocab_size=64, dim=32, n_layers=4, n_heads=2))
+try:
+    model(torch.zeros(2, 4, dtype=torch.long))
+except WorkerError as e:
+    print("CASE call:", e, flush=True)
+try:
+    jd.train_step(torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long), lambda o, y: o.sum())
+except WorkerError as e:
+    print("CASE batch:", e, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) -> None:
+    script = tmp_path / "pp_errors.py"
+    script.write_text(SCRIPT_ERRORS)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_PP="2", JD_MICROBATCHES="2"), 180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "CASE call: under pipeline parallelism (pp2) the model runs stage by stage" in proc.stdout
+    assert "use loss = jd.train_step(inputs, targets, loss_fn)" in proc.stdout
+    assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in proc.stdout
