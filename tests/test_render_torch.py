@@ -37,6 +37,8 @@ CANDIDATES = [
     ("ddp", 1, 4), ("fsdp-no-shard", 1, 4), ("fsdp-shard-grad-op", 1, 4), ("fsdp-full-shard", 1, 4),
     ("fsdp-hybrid-shard", 2, 2), ("fsdp2", 1, 4), ("fsdp2-hybrid", 2, 2), ("zero1", 1, 4), ("zero2", 1, 4),
     ("zero3", 1, 4), ("zero2-offload", 1, 4), ("zero3-offload-params", 1, 4),
+    # tensor parallelism with FSDP2: tp2 inside a node of 4 (dp 2), and HSDP on 2 nodes (mesh 2 x 2 x 2)
+    ("fsdp2+tp2", 1, 4), ("fsdp2+tp2+sp", 1, 4), ("fsdp2-hybrid+tp2", 2, 4), ("fsdp2-hybrid+tp2+sp", 2, 4),
 ]  # fmt: skip
 MATRIX = [
     (cand, nodes, gpus, precision, ckpt)
@@ -63,6 +65,12 @@ def _plan(
     shape = TrainingShape(micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, precision=precision,
                           checkpointing=checkpointing, optimizer=optimizer)  # fmt: skip
     return make_plan("gpt2", hw, shape, **dims)
+
+
+def _dims(cand: str) -> dict[str, Any]:
+    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``) from its name."""
+    m = re.search(r"\+tp(\d+)", cand)
+    return {"tp": int(m.group(1)), "sp": cand.endswith("+sp")} if m else {}
 
 
 def _with_settings(plan: Plan, name: str, **settings: Any) -> Plan:
@@ -141,7 +149,7 @@ def ruff_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
     folder = tmp_path_factory.mktemp("scripts")
     for cand, nodes, gpus, precision, ckpt in MATRIX:
-        p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value)
+        p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value, **_dims(cand))
         (folder / f"{_name(cand, precision, ckpt)}.py").write_text(
             render_train_script(p, RenderOptions(candidate=cand))
         )
@@ -166,7 +174,7 @@ def ruff_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
 def test_every_flavour_renders_compiles_and_passes_ruff(
     cand: str, nodes: int, gpus: int, precision: Precision, ckpt: Checkpointing, ruff_findings: dict[str, list[str]]
 ) -> None:
-    p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value)
+    p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value, **_dims(cand))
     source = render_train_script(p, RenderOptions(candidate=cand))
     compile(source, f"{cand}.py", "exec")
     assert ruff_findings.get(_name(cand, precision, ckpt), []) == []
@@ -216,6 +224,25 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
         assert s.has_call("no_sync")
     if family == "fsdp2":
         assert s.has_call("set_requires_gradient_sync")
+
+    # tensor parallelism: the plan's degree, the demo model's layout, data by data-parallel rank
+    tp = lay.dims.tp
+    assert s.constants.get("TP", 1) == tp
+    assert s.has_call("parallelize_module") == (tp > 1) == ("def tp_plan(" in source)
+    assert "jupyter_dist" not in source  # self-contained: the script is what a user takes to a cluster
+    (sampler,) = s.calls("DistributedSampler")
+    if tp > 1:
+        assert s.constants["SEQUENCE_PARALLEL"] is lay.dims.sp
+        (parallelize,) = s.calls("parallelize_module")
+        assert [ast.unparse(a) for a in parallelize.args[1:]] == ["mesh['tp']", "tp_plan(SEQUENCE_PARALLEL)"]
+        (mesh,) = s.calls("init_device_mesh")
+        names = ("dp_replicate", "dp_shard", "tp") if lay.strategy.hybrid else ("dp_shard", "tp")
+        assert s.value(s.keyword(mesh, "mesh_dim_names")) == names
+        assert ast.unparse(s.keyword(sampler, "num_replicas")) == "dp_size"
+        assert ast.unparse(s.keyword(sampler, "rank")) == "dp_rank"
+        assert "dp_rank, dp_size = rank // TP, world_size // TP" in source
+    else:
+        assert ast.unparse(s.keyword(sampler, "num_replicas")) == "world_size"
 
 
 @pytest.mark.parametrize("cand", ["ddp", "fsdp-full-shard", "fsdp2"])
@@ -311,17 +338,38 @@ def test_8bit_adamw_without_bitsandbytes_exits_with_the_install_hint(tmp_path: P
 # ---------------------------------------------------------------------------------------------------------------
 # Error paths
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dim", ["tp", "pp", "cp"])
-def test_model_parallel_candidates_are_refused_with_a_pointer_to_torchtitan(dim: str) -> None:
+@pytest.mark.parametrize(("dim", "what"), [("pp", "pipeline"), ("cp", "context")])
+def test_pipeline_and_context_parallel_candidates_are_refused_naming_what_can_run(dim: str, what: str) -> None:
     p = _plan(2, 4, **{dim: 2})
     cand = next(c.name for c in p.candidates if getattr(c.dims, dim) == 2)
-    with pytest.raises(RenderError, match=rf"uses {dim} 2.*covers data-parallel strategies.*torchtitan"):
+    with pytest.raises(RenderError, match=rf"^candidate {re.escape(cand)}: {what} parallelism \({dim} 2\) is not "
+                       r"generated yet; fsdp2\+tpN and fsdp2-hybrid\+tpN candidates are, and the data-parallel ones "
+                       r"\(ddp, fsdp, fsdp2, deepspeed\); for pp/cp/ep use torchtitan"):  # fmt: skip
         render_train_script(p, RenderOptions(candidate=cand))
+
+
+def test_a_pipeline_refusal_names_the_plans_own_tp_candidates_which_compile() -> None:
+    """Llama-2-70B on 4 x 8 H100: the planner offers tp and tp x pp candidates; the refusal lists the former."""
+    p = make_plan("llama-2-70b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4), TrainingShape(seq_len=4096))
+    pp_cand = next(c.name for c in p.candidates if c.dims.pp > 1)
+    with pytest.raises(RenderError, match=r"is not generated yet; .* candidates are \(this plan has: ") as err:
+        render_train_script(p, RenderOptions(candidate=pp_cand))
+    listed = re.search(r"this plan has: ([^)]*)\)", str(err.value)).group(1).split(", ")  # type: ignore[union-attr]
+    assert listed and all(re.fullmatch(r"fsdp2(-hybrid)?\+tp\d+(\+sp)?", name) for name in listed)
+    assert Script(render_train_script(p, RenderOptions(candidate=listed[0]))).constants["TP"] > 1
+
+
+def test_zero1_with_tensor_parallelism_is_refused_naming_the_fsdp2_candidates() -> None:
+    p = _plan(1, 4, tp=2, sp=True)
+    with pytest.raises(RenderError, match=r"^candidate zero1\+tp2\+sp: tensor parallelism is generated with FSDP2 "
+                       r"only: fsdp2\+tpN or fsdp2-hybrid\+tpN, with or without \+sp \(this plan has: fsdp2\+tp2\+sp\); "
+                       r"zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
+        render_train_script(p, RenderOptions(candidate="zero1+tp2+sp"))
 
 
 def test_expert_parallel_candidates_are_refused_too() -> None:
     p = make_plan("mixtral-8x7b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2), ep=2)
-    with pytest.raises(RenderError, match=r"candidate fsdp2\+ep2 uses ep 2: code generation covers data-parallel"):
+    with pytest.raises(RenderError, match=r"candidate fsdp2\+ep2: expert parallelism \(ep 2\) is not generated yet"):
         render_train_script(p, RenderOptions(candidate="fsdp2+ep2"))
 
 

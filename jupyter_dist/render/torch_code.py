@@ -1067,9 +1067,9 @@ def _check_supported(lay: Layout) -> None:
             )
     if dims.tp > 1 and not _generates_tp(lay.strategy.name, dims):
         raise RenderError(
-            f"candidate {name}: tensor parallelism is generated with FSDP2 only (fsdp2+tpN, fsdp2-hybrid+tpN, with "
-            f"or without +sp){have}; {lay.strategy.name} with tp {dims.tp} needs Megatron-DeepSpeed, or compile a "
-            "data-parallel candidate (RenderOptions(candidate=...))"
+            f"candidate {name}: tensor parallelism is generated with FSDP2 only: fsdp2+tpN or fsdp2-hybrid+tpN, with "
+            f"or without +sp{have}; {lay.strategy.name} with tp {dims.tp} needs Megatron-DeepSpeed, or compile one of "
+            "those or a data-parallel candidate (RenderOptions(candidate=...))"
         )
     group = int(lay.settings.get("shard_group_size", lay.gpus_per_node))
     if dims.tp > 1 and lay.strategy.hybrid and (group < 1 or lay.world_size % (group * dims.tp)):
