@@ -8,6 +8,7 @@ import ast
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from jupyter_dist.plan.planner import plan as make_plan
 from jupyter_dist.plan.training import Checkpointing, Precision, TrainingShape
 from jupyter_dist.render.commands import Command, deepspeed_command, torchrun_command
 from jupyter_dist.render.common import RenderError, RenderOptions, layout_of
+from jupyter_dist.render.skypilot import render_skypilot_task
+from jupyter_dist.render.slurm import render_sbatch
 from jupyter_dist.render.torch_code import FSDP1_SHARDING, render_train_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,6 +287,31 @@ def test_hybrid_sharding_uses_the_plans_group_size_on_a_2d_mesh(cand: str) -> No
     else:
         for call in s.calls("fully_shard"):
             assert ast.unparse(s.keyword(call, "mesh")) == "mesh"
+
+
+@pytest.mark.parametrize("cand", ["fsdp2+tp2+sp", "fsdp2+tp4", "fsdp2-hybrid+tp2", "fsdp2-hybrid+tp2+sp"])
+def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) -> None:
+    """torchrun, SLURM and SkyPilot start nodes x GPUs processes; the script's mesh on that many is the plan's."""
+    p = _plan(2, 4, **_dims(cand))
+    opts = RenderOptions(candidate=cand)
+    lay = layout_of(p, opts)
+    s = Script(render_train_script(p, opts))
+    argv = torchrun_command(p, opts).argv
+    world = int(argv[argv.index("--nproc-per-node") + 1]) * int(argv[argv.index("--nnodes") + 1])
+    sbatch = render_sbatch(p, opts)
+    per_node = re.search(r"#SBATCH --gpus-per-node=(\d+)", sbatch)
+    nodes = re.search(r"#SBATCH --nodes=(\d+)", sbatch)
+    assert per_node and nodes and int(per_node.group(1)) * int(nodes.group(1)) == world
+    task = render_skypilot_task(p, opts)
+    assert task["num_nodes"] * sum(task["resources"]["accelerators"].values()) == world == lay.world_size == 8
+    # build_mesh()'s sizes, evaluated with the script's own constants on that world size
+    build = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_mesh")
+    expr = next(n.value for n in ast.walk(build) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sizes")
+    sizes = eval(compile(ast.Expression(expr), "sizes", "eval"), {**s.constants, "world_size": world})
+    assert math.prod(sizes) == world
+    assert sizes[-1] == lay.dims.tp and math.prod(sizes[:-1]) == lay.dims.dp  # tp innermost; dp_size = world // TP
+    if lay.strategy.hybrid:
+        assert sizes[1] == lay.settings["shard_group_size"] and sizes[0] * sizes[1] == lay.dims.dp
 
 
 def test_deepspeed_script_takes_its_config_from_the_launcher() -> None:
@@ -598,3 +626,60 @@ def test_deepspeed_script_trains_and_resumes_zero2_bf16_with_either_launcher(
                         extra_env=ds_env)  # fmt: skip
     assert "note:" not in a  # the config agrees with the plan
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-4"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: 4 CPU processes (gloo), the same math as data parallelism on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _tp_plan(nodes: int, gpus: int, precision: str = "fp32", checkpointing: str = "none", **dims: Any) -> Plan:
+    return _plan(nodes, gpus, micro_batch=2, grad_accum=2, seq_len=32, precision=precision,
+                 checkpointing=checkpointing, **dims)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The data-parallel reference: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 2 x accumulation 2."""
+    out = _train(tmp_path_factory.mktemp("dp"), _tp_plan(1, 2), "fsdp2", 5)
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "nodes", "gpus", "mesh"),
+    [("fsdp2+tp2+sp", 1, 4, "dp_shard=2 x tp=2"), ("fsdp2-hybrid+tp2", 2, 2, "dp_replicate=2 x dp_shard=1 x tp=2")],
+)
+def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
+    tmp_path: Path, dp_losses: list[float], cand: str, nodes: int, gpus: int, mesh: str
+) -> None:
+    """Equal math: dp 2 x tp 2 (tp ranks load the same batch) trains like dp 2 alone, fp32, to 1e-5 relative.
+
+    Both scripts seed the weights the same way and draw each data-parallel replica's samples with the same
+    DistributedSampler (num_replicas = dp size, rank = dp rank), so any wrong layout, gradient reduction or data split
+    shows in the losses. The HSDP plan is made for 2 nodes x 2 GPUs; here its 4 processes run on one machine.
+    """
+    p = _tp_plan(nodes, gpus, **_dims(cand))
+    opts = RenderOptions(candidate=cand)
+    assert layout_of(p, opts).global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch
+    if nodes == 1:
+        out = _train(tmp_path, p, cand, 5)
+    else:  # one machine standing in for the plan's two nodes
+        script = tmp_path / "train.py"
+        script.write_text(render_train_script(p, RenderOptions(candidate=cand, lr=0.01)))
+        args = [*TINY, "--steps", "5", "--checkpoint-dir", str(tmp_path / "ckpt")]
+        cmd = Command(argv=["torchrun", "--standalone", "--nproc-per-node", "4", str(script), *args])
+        rc, out = _run(cmd, tmp_path)
+        assert rc == 0, out[-6000:]
+    assert f"fsdp2{'-hybrid' * (nodes > 1)} on 4 ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tmp_path: Path) -> None:
+    """fsdp2+tp2+sp with the plan's bf16-mixed and full activation checkpointing saves through DCP and resumes."""
+    a, _ = _train_twice(tmp_path, _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True), "fsdp2+tp2+sp")
+    assert "mesh dp_shard=2 x tp=2" in a
+    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank
