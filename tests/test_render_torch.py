@@ -378,7 +378,8 @@ def test_pipeline_and_context_parallel_candidates_are_refused_naming_what_can_ru
 
 def test_a_pipeline_refusal_names_the_plans_own_tp_candidates_which_compile() -> None:
     """Llama-2-70B on 4 x 8 H100: the planner offers tp and tp x pp candidates; the refusal lists the former."""
-    p = make_plan("llama-2-70b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4), TrainingShape(seq_len=4096))
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4)
+    p = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096))
     pp_cand = next(c.name for c in p.candidates if c.dims.pp > 1)
     with pytest.raises(RenderError, match=r"is not generated yet; .* candidates are \(this plan has: ") as err:
         render_train_script(p, RenderOptions(candidate=pp_cand))
@@ -390,8 +391,8 @@ def test_a_pipeline_refusal_names_the_plans_own_tp_candidates_which_compile() ->
 def test_zero1_with_tensor_parallelism_is_refused_naming_the_fsdp2_candidates() -> None:
     p = _plan(1, 4, tp=2, sp=True)
     with pytest.raises(RenderError, match=r"^candidate zero1\+tp2\+sp: tensor parallelism is generated with FSDP2 "
-                       r"only: fsdp2\+tpN or fsdp2-hybrid\+tpN, with or without \+sp \(this plan has: fsdp2\+tp2\+sp\); "
-                       r"zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
+                       r"only: fsdp2\+tpN or fsdp2-hybrid\+tpN, with or without \+sp "
+                       r"\(this plan has: fsdp2\+tp2\+sp\); zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
         render_train_script(p, RenderOptions(candidate="zero1+tp2+sp"))
 
 

@@ -1045,7 +1045,8 @@ class _Script:
                     "dp_rank, dp_size = rank // TP, world_size // TP",
                 ),
                 "dp_size": "dp_size", "dp_rank": "dp_rank",
-                "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape, strict=True)))',
+                "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in '
+                                 "zip(mesh.mesh_dim_names, mesh.shape, strict=True)))",
             }  # fmt: skip
         return _fill(_MAIN_TORCH, micro_step=micro, clip=_lines(*clip), optimizer_step=step, scaler=scaler,
                      scaler_arg=scaler_arg, teardown=teardown, **data)  # fmt: skip
