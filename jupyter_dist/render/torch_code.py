@@ -1,4 +1,4 @@
-"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 or DeepSpeed ZeRO).
+"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2, FSDP2 + tensor parallelism, ZeRO).
 
 :func:`render_train_script` writes one readable file for the plan's chosen candidate: process-group set-up from
 torchrun's environment, the strategy with the plan's numbers (micro-batch, accumulation, bucket and shard-group
@@ -6,6 +6,14 @@ sizes), precision, activation checkpointing, gradient accumulation without redun
 optimizer, and checkpoint save/resume. Its model and dataset are a small demo transformer and synthetic tokens in a
 ``build_model()`` / ``build_dataset()`` pair, marked as the parts a user replaces. The generated code passes ruff and
 runs as is (on CPU with gloo for a quick check, e.g. ``--steps 5 --model-dim 32 --seq-len 32``).
+
+Tensor parallelism (``fsdp2+tpN``, ``fsdp2+tpN+sp``, ``fsdp2-hybrid+tpN(+sp)``) is written as the worker applies it
+(:mod:`jupyter_dist.worker._parallel`), in plain PyTorch so the script stays self-contained: one ``init_device_mesh``
+of ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, tp innermost; the demo model's Megatron layout as a
+``tp_plan(sequence_parallel)`` of ``parallelize_module`` styles next to ``BLOCK_CLASS`` (the part a user adapts to
+their model); activation checkpointing; ``fully_shard`` over the data-parallel sub-mesh; data loaded by data-parallel
+rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints. Pipeline, context and expert
+parallelism, and ZeRO with tp, are refused with a line naming what can be generated.
 
 The script is assembled from the templates below: a line that holds only ``<<name>>`` is replaced by a block
 (indented like the marker, dropped when empty); ``<<name>>`` inside a line by a value. Pure and stdlib only: this
@@ -24,7 +32,7 @@ from .common import Layout, RenderError, RenderOptions, layout_of
 __all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
-"""Strategy families the code generator covers (data parallelism, with or without sharding)."""
+"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp)."""
 
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
@@ -1108,13 +1116,15 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
     Returns
     -------
     str
-        Python source using DDP, FSDP (FSDP1), FSDP2 or DeepSpeed, per the candidate's strategy family.
+        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor parallelism for ``fsdp2(-hybrid)+tpN``) or
+        DeepSpeed, per the candidate's strategy family.
 
     Raises
     ------
     RenderError
-        When the candidate uses tensor, pipeline, context or expert parallelism (only data-parallel strategies are
-        generated), or when :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
+        When the candidate uses pipeline, context or expert parallelism, or tensor parallelism with anything but
+        FSDP2/HSDP (the message names the plan's candidates that can be generated), or when
+        :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
     lay = layout_of(plan, opts)
