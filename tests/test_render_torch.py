@@ -8,6 +8,7 @@ import ast
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from jupyter_dist.plan.planner import plan as make_plan
 from jupyter_dist.plan.training import Checkpointing, Precision, TrainingShape
 from jupyter_dist.render.commands import Command, deepspeed_command, torchrun_command
 from jupyter_dist.render.common import RenderError, RenderOptions, layout_of
+from jupyter_dist.render.skypilot import render_skypilot_task
+from jupyter_dist.render.slurm import render_sbatch
 from jupyter_dist.render.torch_code import FSDP1_SHARDING, render_train_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +40,8 @@ CANDIDATES = [
     ("ddp", 1, 4), ("fsdp-no-shard", 1, 4), ("fsdp-shard-grad-op", 1, 4), ("fsdp-full-shard", 1, 4),
     ("fsdp-hybrid-shard", 2, 2), ("fsdp2", 1, 4), ("fsdp2-hybrid", 2, 2), ("zero1", 1, 4), ("zero2", 1, 4),
     ("zero3", 1, 4), ("zero2-offload", 1, 4), ("zero3-offload-params", 1, 4),
+    # tensor parallelism with FSDP2: tp2 inside a node of 4 (dp 2), and HSDP on 2 nodes (mesh 2 x 2 x 2)
+    ("fsdp2+tp2", 1, 4), ("fsdp2+tp2+sp", 1, 4), ("fsdp2-hybrid+tp2", 2, 4), ("fsdp2-hybrid+tp2+sp", 2, 4),
 ]  # fmt: skip
 MATRIX = [
     (cand, nodes, gpus, precision, ckpt)
@@ -63,6 +68,12 @@ def _plan(
     shape = TrainingShape(micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, precision=precision,
                           checkpointing=checkpointing, optimizer=optimizer)  # fmt: skip
     return make_plan("gpt2", hw, shape, **dims)
+
+
+def _dims(cand: str) -> dict[str, Any]:
+    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``) from its name."""
+    m = re.search(r"\+tp(\d+)", cand)
+    return {"tp": int(m.group(1)), "sp": cand.endswith("+sp")} if m else {}
 
 
 def _with_settings(plan: Plan, name: str, **settings: Any) -> Plan:
@@ -141,7 +152,7 @@ def ruff_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
         pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
     folder = tmp_path_factory.mktemp("scripts")
     for cand, nodes, gpus, precision, ckpt in MATRIX:
-        p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value)
+        p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value, **_dims(cand))
         (folder / f"{_name(cand, precision, ckpt)}.py").write_text(
             render_train_script(p, RenderOptions(candidate=cand))
         )
@@ -166,7 +177,7 @@ def ruff_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
 def test_every_flavour_renders_compiles_and_passes_ruff(
     cand: str, nodes: int, gpus: int, precision: Precision, ckpt: Checkpointing, ruff_findings: dict[str, list[str]]
 ) -> None:
-    p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value)
+    p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value, **_dims(cand))
     source = render_train_script(p, RenderOptions(candidate=cand))
     compile(source, f"{cand}.py", "exec")
     assert ruff_findings.get(_name(cand, precision, ckpt), []) == []
@@ -217,6 +228,25 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
     if family == "fsdp2":
         assert s.has_call("set_requires_gradient_sync")
 
+    # tensor parallelism: the plan's degree, the demo model's layout, data by data-parallel rank
+    tp = lay.dims.tp
+    assert s.constants.get("TP", 1) == tp
+    assert s.has_call("parallelize_module") == (tp > 1) == ("def tp_plan(" in source)
+    assert "jupyter_dist" not in source  # self-contained: the script is what a user takes to a cluster
+    (sampler,) = s.calls("DistributedSampler")
+    if tp > 1:
+        assert s.constants["SEQUENCE_PARALLEL"] is lay.dims.sp
+        (parallelize,) = s.calls("parallelize_module")
+        assert [ast.unparse(a) for a in parallelize.args[1:]] == ["mesh['tp']", "tp_plan(SEQUENCE_PARALLEL)"]
+        (mesh,) = s.calls("init_device_mesh")
+        names = ("dp_replicate", "dp_shard", "tp") if lay.strategy.hybrid else ("dp_shard", "tp")
+        assert s.value(s.keyword(mesh, "mesh_dim_names")) == names
+        assert ast.unparse(s.keyword(sampler, "num_replicas")) == "dp_size"
+        assert ast.unparse(s.keyword(sampler, "rank")) == "dp_rank"
+        assert "dp_rank, dp_size = rank // TP, world_size // TP" in source
+    else:
+        assert ast.unparse(s.keyword(sampler, "num_replicas")) == "world_size"
+
 
 @pytest.mark.parametrize("cand", ["ddp", "fsdp-full-shard", "fsdp2"])
 def test_the_numbers_in_the_script_are_the_layouts(cand: str) -> None:
@@ -257,6 +287,31 @@ def test_hybrid_sharding_uses_the_plans_group_size_on_a_2d_mesh(cand: str) -> No
     else:
         for call in s.calls("fully_shard"):
             assert ast.unparse(s.keyword(call, "mesh")) == "mesh"
+
+
+@pytest.mark.parametrize("cand", ["fsdp2+tp2+sp", "fsdp2+tp4", "fsdp2-hybrid+tp2", "fsdp2-hybrid+tp2+sp"])
+def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) -> None:
+    """torchrun, SLURM and SkyPilot start nodes x GPUs processes; the script's mesh on that many is the plan's."""
+    p = _plan(2, 4, **_dims(cand))
+    opts = RenderOptions(candidate=cand)
+    lay = layout_of(p, opts)
+    s = Script(render_train_script(p, opts))
+    argv = torchrun_command(p, opts).argv
+    world = int(argv[argv.index("--nproc-per-node") + 1]) * int(argv[argv.index("--nnodes") + 1])
+    sbatch = render_sbatch(p, opts)
+    per_node = re.search(r"#SBATCH --gpus-per-node=(\d+)", sbatch)
+    nodes = re.search(r"#SBATCH --nodes=(\d+)", sbatch)
+    assert per_node and nodes and int(per_node.group(1)) * int(nodes.group(1)) == world
+    task = render_skypilot_task(p, opts)
+    assert task["num_nodes"] * sum(task["resources"]["accelerators"].values()) == world == lay.world_size == 8
+    # build_mesh()'s sizes, evaluated with the script's own constants on that world size
+    build = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_mesh")
+    expr = next(n.value for n in ast.walk(build) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sizes")
+    sizes = eval(compile(ast.Expression(expr), "sizes", "eval"), {**s.constants, "world_size": world})
+    assert math.prod(sizes) == world
+    assert sizes[-1] == lay.dims.tp and math.prod(sizes[:-1]) == lay.dims.dp  # tp innermost; dp_size = world // TP
+    if lay.strategy.hybrid:
+        assert sizes[1] == lay.settings["shard_group_size"] and sizes[0] * sizes[1] == lay.dims.dp
 
 
 def test_deepspeed_script_takes_its_config_from_the_launcher() -> None:
@@ -311,17 +366,39 @@ def test_8bit_adamw_without_bitsandbytes_exits_with_the_install_hint(tmp_path: P
 # ---------------------------------------------------------------------------------------------------------------
 # Error paths
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dim", ["tp", "pp", "cp"])
-def test_model_parallel_candidates_are_refused_with_a_pointer_to_torchtitan(dim: str) -> None:
+@pytest.mark.parametrize(("dim", "what"), [("pp", "pipeline"), ("cp", "context")])
+def test_pipeline_and_context_parallel_candidates_are_refused_naming_what_can_run(dim: str, what: str) -> None:
     p = _plan(2, 4, **{dim: 2})
     cand = next(c.name for c in p.candidates if getattr(c.dims, dim) == 2)
-    with pytest.raises(RenderError, match=rf"uses {dim} 2.*covers data-parallel strategies.*torchtitan"):
+    with pytest.raises(RenderError, match=rf"^candidate {re.escape(cand)}: {what} parallelism \({dim} 2\) is not "
+                       r"generated yet; fsdp2\+tpN and fsdp2-hybrid\+tpN candidates are, and the data-parallel ones "
+                       r"\(ddp, fsdp, fsdp2, deepspeed\); for pp/cp/ep use torchtitan"):  # fmt: skip
         render_train_script(p, RenderOptions(candidate=cand))
+
+
+def test_a_pipeline_refusal_names_the_plans_own_tp_candidates_which_compile() -> None:
+    """Llama-2-70B on 4 x 8 H100: the planner offers tp and tp x pp candidates; the refusal lists the former."""
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4)
+    p = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096))
+    pp_cand = next(c.name for c in p.candidates if c.dims.pp > 1)
+    with pytest.raises(RenderError, match=r"is not generated yet; .* candidates are \(this plan has: ") as err:
+        render_train_script(p, RenderOptions(candidate=pp_cand))
+    listed = re.search(r"this plan has: ([^)]*)\)", str(err.value)).group(1).split(", ")  # type: ignore[union-attr]
+    assert listed and all(re.fullmatch(r"fsdp2(-hybrid)?\+tp\d+(\+sp)?", name) for name in listed)
+    assert Script(render_train_script(p, RenderOptions(candidate=listed[0]))).constants["TP"] > 1
+
+
+def test_zero1_with_tensor_parallelism_is_refused_naming_the_fsdp2_candidates() -> None:
+    p = _plan(1, 4, tp=2, sp=True)
+    with pytest.raises(RenderError, match=r"^candidate zero1\+tp2\+sp: tensor parallelism is generated with FSDP2 "
+                       r"only: fsdp2\+tpN or fsdp2-hybrid\+tpN, with or without \+sp "
+                       r"\(this plan has: fsdp2\+tp2\+sp\); zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
+        render_train_script(p, RenderOptions(candidate="zero1+tp2+sp"))
 
 
 def test_expert_parallel_candidates_are_refused_too() -> None:
     p = make_plan("mixtral-8x7b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2), ep=2)
-    with pytest.raises(RenderError, match=r"candidate fsdp2\+ep2 uses ep 2: code generation covers data-parallel"):
+    with pytest.raises(RenderError, match=r"candidate fsdp2\+ep2: expert parallelism \(ep 2\) is not generated yet"):
         render_train_script(p, RenderOptions(candidate="fsdp2+ep2"))
 
 
@@ -550,3 +627,60 @@ def test_deepspeed_script_trains_and_resumes_zero2_bf16_with_either_launcher(
                         extra_env=ds_env)  # fmt: skip
     assert "note:" not in a  # the config agrees with the plan
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-4"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: 4 CPU processes (gloo), the same math as data parallelism on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _tp_plan(nodes: int, gpus: int, precision: str = "fp32", checkpointing: str = "none", **dims: Any) -> Plan:
+    return _plan(nodes, gpus, micro_batch=2, grad_accum=2, seq_len=32, precision=precision,
+                 checkpointing=checkpointing, **dims)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The data-parallel reference: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 2 x accumulation 2."""
+    out = _train(tmp_path_factory.mktemp("dp"), _tp_plan(1, 2), "fsdp2", 5)
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "nodes", "gpus", "mesh"),
+    [("fsdp2+tp2+sp", 1, 4, "dp_shard=2 x tp=2"), ("fsdp2-hybrid+tp2", 2, 2, "dp_replicate=2 x dp_shard=1 x tp=2")],
+)
+def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
+    tmp_path: Path, dp_losses: list[float], cand: str, nodes: int, gpus: int, mesh: str
+) -> None:
+    """Equal math: dp 2 x tp 2 (tp ranks load the same batch) trains like dp 2 alone, fp32, to 1e-5 relative.
+
+    Both scripts seed the weights the same way and draw each data-parallel replica's samples with the same
+    DistributedSampler (num_replicas = dp size, rank = dp rank), so any wrong layout, gradient reduction or data split
+    shows in the losses. The HSDP plan is made for 2 nodes x 2 GPUs; here its 4 processes run on one machine.
+    """
+    p = _tp_plan(nodes, gpus, **_dims(cand))
+    opts = RenderOptions(candidate=cand)
+    assert layout_of(p, opts).global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch
+    if nodes == 1:
+        out = _train(tmp_path, p, cand, 5)
+    else:  # one machine standing in for the plan's two nodes
+        script = tmp_path / "train.py"
+        script.write_text(render_train_script(p, RenderOptions(candidate=cand, lr=0.01)))
+        args = [*TINY, "--steps", "5", "--checkpoint-dir", str(tmp_path / "ckpt")]
+        cmd = Command(argv=["torchrun", "--standalone", "--nproc-per-node", "4", str(script), *args])
+        rc, out = _run(cmd, tmp_path)
+        assert rc == 0, out[-6000:]
+    assert f"fsdp2{'-hybrid' * (nodes > 1)} on 4 ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tmp_path: Path) -> None:
+    """fsdp2+tp2+sp with the plan's bf16-mixed and full activation checkpointing saves through DCP and resumes."""
+    a, _ = _train_twice(tmp_path, _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True), "fsdp2+tp2+sp")
+    assert "mesh dp_shard=2 x tp=2" in a
+    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank

@@ -1,4 +1,4 @@
-"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 or DeepSpeed ZeRO).
+"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2, FSDP2 + tensor parallelism, ZeRO).
 
 :func:`render_train_script` writes one readable file for the plan's chosen candidate: process-group set-up from
 torchrun's environment, the strategy with the plan's numbers (micro-batch, accumulation, bucket and shard-group
@@ -6,6 +6,14 @@ sizes), precision, activation checkpointing, gradient accumulation without redun
 optimizer, and checkpoint save/resume. Its model and dataset are a small demo transformer and synthetic tokens in a
 ``build_model()`` / ``build_dataset()`` pair, marked as the parts a user replaces. The generated code passes ruff and
 runs as is (on CPU with gloo for a quick check, e.g. ``--steps 5 --model-dim 32 --seq-len 32``).
+
+Tensor parallelism (``fsdp2+tpN``, ``fsdp2+tpN+sp``, ``fsdp2-hybrid+tpN(+sp)``) is written as the worker applies it
+(:mod:`jupyter_dist.worker._parallel`), in plain PyTorch so the script stays self-contained: one ``init_device_mesh``
+of ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, tp innermost; the demo model's Megatron layout as a
+``tp_plan(sequence_parallel)`` of ``parallelize_module`` styles next to ``BLOCK_CLASS`` (the part a user adapts to
+their model); activation checkpointing; ``fully_shard`` over the data-parallel sub-mesh; data loaded by data-parallel
+rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints. Pipeline, context and expert
+parallelism, and ZeRO with tp, are refused with a line naming what can be generated.
 
 The script is assembled from the templates below: a line that holds only ``<<name>>`` is replaced by a block
 (indented like the marker, dropped when empty); ``<<name>>`` inside a line by a value. Pure and stdlib only: this
@@ -18,6 +26,7 @@ change to the generated code reads as a change to code (issue 17; docs/architect
 
 from __future__ import annotations
 
+from ..plan.parallel import ParallelDims
 from ..plan.plan import Plan
 from ..plan.strategies import FSDP1_SHARDING
 from ..plan.training import TORCH_DTYPES, Checkpointing, OptimizerKind, Precision, precision_names
@@ -27,7 +36,7 @@ from .common import Layout, RenderError, RenderOptions, layout_of
 __all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
-"""Strategy families the code generator covers (data parallelism, with or without sharding)."""
+"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp)."""
 
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
@@ -46,22 +55,31 @@ _MODEL = '''
 # BLOCK_CLASS at its repeated layer (the unit that is sharded and recomputed) and ATTENTION_CLASS at its attention.
 # ==============================================================================================================
 class Attention(nn.Module):
-    """Causal multi-head self-attention (PyTorch's fused scaled_dot_product_attention)."""
+    """Causal multi-head self-attention (PyTorch's fused scaled_dot_product_attention).
+
+    The head count is read from the projections' width (``-1`` below), so the same code runs whole or with the
+    heads split across tensor-parallel ranks.
+    """
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"--model-dim {dim} must be a multiple of --heads {heads}")
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.head_dim = dim // heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend to the current and the earlier positions."""
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        batch, seq = x.shape[0], x.shape[1]
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+        return self.out_proj(y.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
@@ -102,6 +120,9 @@ class DemoTransformer(nn.Module):
 
 BLOCK_CLASS = Block  # the repeated layer: FSDP's unit of sharding, full activation checkpointing's unit
 ATTENTION_CLASS = Attention  # what selective activation checkpointing recomputes
+'''
+
+_MODEL_REST = '''
 
 
 def build_model(args: argparse.Namespace) -> nn.Module:
@@ -254,6 +275,97 @@ mesh = init_device_mesh(
 )
 '''
 
+_TP_PLAN = '''
+def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """REPLACE with your model's layout: module name (``*`` for any one name) -> how tensor parallelism splits it.
+
+    Megatron-LM's layout (Shoeybi et al. 2019): the attention's q/k/v projections and the MLP's first linear are split
+    by output features (column-wise: each tp rank computes some of the heads, some of the MLP width), the attention's
+    output projection and the MLP's second linear by input features (row-wise: partial sums, added up across the tp
+    ranks), the token embedding by vocabulary rows and the head by vocabulary columns. The tp degree must divide the
+    heads, the MLP width and the vocabulary. With sequence parallelism (Korthikanti et al. 2022) the residual stream
+    between the blocks and the norms are split along the sequence (dim 1) instead of replicated: gathered before the
+    attention and the MLP, reduce-scattered after them.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between the blocks
+    plan: dict[str, ParallelStyle] = {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "blocks.*.attn.q_proj": ColwiseParallel(),
+        "blocks.*.attn.k_proj": ColwiseParallel(),
+        "blocks.*.attn.v_proj": ColwiseParallel(),
+        "blocks.*.attn.out_proj": RowwiseParallel(output_layouts=stream),
+        "blocks.*.mlp.0": ColwiseParallel(),  # the MLP's first linear (its bias is split with it)
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=stream),  # its second (the bias stays whole)
+        "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),  # whole logits on every tp rank
+    }
+    if sequence_parallel:
+        gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+        plan.update({
+            # the position table stays whole: the stream is split once it is added, at the first block's input
+            "blocks.0": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+            ),
+            "blocks.*.attn_norm": SequenceParallel(use_local_output=True),
+            "blocks.*.mlp_norm": SequenceParallel(use_local_output=True),
+            "norm": SequenceParallel(use_local_output=True),
+            "blocks.*.attn": PrepareModuleInput(**gather),  # all-gather the sequence (reduce-scatter in backward)
+            "blocks.*.mlp": PrepareModuleInput(**gather),
+        })
+    return plan
+'''
+
+_BUILD_MESH = '''
+def build_mesh(device: torch.device) -> DeviceMesh:
+    """The device mesh <<shape>>, tensor parallelism innermost.
+
+    The TP ranks of one model replica are neighbours (inside a node: their per-layer collectives stay on NVLink);
+    <<what>>
+    """
+    world_size = dist.get_world_size()
+    if world_size % <<unit>>:
+        raise SystemExit(f"{world_size} processes: not a multiple of <<unit_what>>")
+    sizes = (<<sizes>>)
+    return init_device_mesh(device.type, sizes, mesh_dim_names=(<<names>>))
+'''
+
+_PARALLELIZE_FSDP2_TP = '''
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims (torchtitan's order)."""
+    <<precision_model>>
+    # split each layer's weights over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank agrees)
+    parallelize_module(model, mesh["tp"], tp_plan(SEQUENCE_PARALLEL))
+    <<activation_checkpointing>>
+    <<precision>>
+    dp_mesh = mesh[<<dp_dims>>]  # <<dp_what>>
+    for module in model.modules():
+        if isinstance(module, BLOCK_CLASS):
+            fully_shard(module, mesh=dp_mesh<<policy>>)
+    fully_shard(model, mesh=dp_mesh<<policy>>)  # also moves the shards to the mesh's device
+    return model
+'''
+
+_CLIP_MESHES = '''
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm``; return the norm of all gradients over every rank's shards.
+
+    With tensor parallelism the gradients are DTensors on two meshes ((dp, tp) for the split layers, dp for the ones
+    kept whole), which torch.nn.utils.clip_grad_norm_ cannot mix: each mesh's gradients are reduced and scaled apart.
+    """
+    groups: dict[object, list[nn.Parameter]] = {}  # the parameters by the mesh their gradients live on
+    for param in model.parameters():
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(param)
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+'''
+
 _OPTIMIZERS = {
     OptimizerKind.ADAMW: '''
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -354,14 +466,15 @@ def main(argv: list[str] | None = None) -> None:
     device = setup_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = parallelize(build_model(args), device)
+    <<build>>
     optimizer = build_optimizer(model, args)
     <<scaler>>
     checkpoint_dir = Path(args.checkpoint_dir)
     start_step = load_checkpoint(model, optimizer<<scaler_arg>>, checkpoint_dir)
 
     dataset = build_dataset(args)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)
+    <<dp_ranks>>
+    sampler = DistributedSampler(dataset, num_replicas=<<dp_size>>, rank=<<dp_rank>>, seed=args.seed, drop_last=True)
     loader = DataLoader(
         dataset, batch_size=args.micro_batch, sampler=sampler, num_workers=args.num_workers, drop_last=True,
         pin_memory=device.type == "cuda",
@@ -370,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"{STRATEGY} on {world_size} ranks ({device.type}), {PRECISION}, steps {start_step + 1}..{args.steps}",
               flush=True)
+        <<describe_mesh>>
 
     model.train()
     for step in range(start_step + 1, args.steps + 1):
@@ -387,9 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.log_every == 0 or step == args.steps:
             dist.all_reduce(loss_sum)  # the sum of the ranks' mean losses
             if rank == 0:
-                tokens = args.micro_batch * args.grad_accum * args.seq_len * world_size
+                tokens = args.micro_batch * args.grad_accum * args.seq_len * <<dp_size>>
                 print(
-                    f"step {step}/{args.steps} loss {loss_sum.item() / world_size:.4f} "
+                    f"step {step}/{args.steps} loss {loss_sum.item() / world_size:.6f} "
                     f"grad-norm {grad_norm.item():.3f} tokens/s {tokens / (time.perf_counter() - started):,.0f}",
                     flush=True,
                 )
@@ -451,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
                 grad_norm = engine.get_global_grad_norm()
                 norm = "n/a" if grad_norm is None else f"{float(grad_norm):.3f}"
                 print(
-                    f"step {step}/{args.steps} loss {loss_sum.item() / world_size:.4f} "
+                    f"step {step}/{args.steps} loss {loss_sum.item() / world_size:.6f} "
                     f"grad-norm {norm} tokens/s {tokens / (time.perf_counter() - started):,.0f}",
                     flush=True,
                 )
@@ -597,6 +711,16 @@ class _Script:
     def compute_dtype(self) -> str:
         return _DTYPES[self.precision.compute_dtype]
 
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1: data parallelism only)."""
+        return self.lay.dims.tp
+
+    @property
+    def group(self) -> int:
+        """Ranks that share one sharded replica in a hybrid (HSDP) strategy."""
+        return int(self.lay.settings.get("shard_group_size", self.lay.gpus_per_node))
+
     # ---- sections ------------------------------------------------------------------------------------------
     def docstring(self) -> str:
         lay, plan, opts = self.lay, self.lay.plan, self.opts
@@ -612,7 +736,9 @@ class _Script:
             )
         else:
             launch = torchrun_command(plan, opts, layout=lay).shell(with_env=False)
-            quick = f"torchrun --standalone --nproc-per-node 2 {opts.script}"
+            # processes of one model replica (tp x the shard group when hybrid); the quick check runs two replicas
+            unit = self.tp * (self.group if self.lay.strategy.hybrid else 1)
+            quick = f"torchrun --standalone --nproc-per-node {unit * 2 if unit <= 2 else unit} {opts.script}"
             note = ""
         quick += " --steps 20 --model-dim 64 --layers 2 --seq-len 64 --vocab-size 256 --num-workers 0"
         summary = (
@@ -632,7 +758,7 @@ class _Script:
         lines += [""]
         lines += _wrap(
             "REPLACE build_model() and build_dataset() (a small demo transformer and synthetic tokens) with your own "
-            "model and data; the rest follows the plan. A quick check on two CPU processes (gloo):",
+            "model and data; the rest follows the plan. A quick check on CPU processes (gloo):",
             116,
         )
         lines += [""] + _wrap(_doc_safe(quick), 116, indent="    ", cont="    ", sep=" \\")
@@ -653,8 +779,12 @@ class _Script:
             bucket = lay.settings.get("bucket_cap_mb", 25)
             rows.append(("BUCKET_CAP_MB", repr(bucket), "size of the gradient all-reduce buckets"))
         if lay.strategy.hybrid:
-            group = int(lay.settings.get("shard_group_size", lay.gpus_per_node))
-            rows.append(("SHARD_GROUP_SIZE", str(group), "ranks that share one sharded replica (inside a node)"))
+            rows.append(("SHARD_GROUP_SIZE", str(self.group), "ranks that share one sharded replica (inside a node)"))
+        if self.tp > 1:
+            rows += [
+                ("TP", str(self.tp), "tensor-parallel degree: ranks that split every layer (the innermost mesh dim)"),
+                ("SEQUENCE_PARALLEL", str(lay.dims.sp), "split the norms and the residual stream along the sequence"),
+            ]
         rows += [
             ("LR", repr(opts.lr), "learning rate (constant)"),
             ("WEIGHT_DECAY", repr(opts.weight_decay), "decoupled weight decay"),
@@ -750,6 +880,8 @@ class _Script:
                 _PARALLELIZE_FSDP, sharding=FSDP1_SHARDING[self.lay.strategy.name], precision=precision, mesh=mesh,
                 mixed_precision=mixed, device_mesh=device_mesh, activation_checkpointing=ac,
             )  # fmt: skip
+        if self.family == "fsdp2" and self.tp > 1:
+            return self._parallelize_tp(ac)
         if self.family == "fsdp2":
             self.use_from("torch.distributed.device_mesh", "init_device_mesh")
             self.use_from("torch.distributed.fsdp", "fully_shard")
@@ -771,6 +903,66 @@ class _Script:
             return _fill(_PARALLELIZE_FSDP2, mesh=mesh, precision=precision, policy=policy,
                          activation_checkpointing=ac)  # fmt: skip
         raise RenderError(f"no parallelize section for strategy family {self.family!r}")  # pragma: no cover
+
+    def _fsdp2_precision(self) -> tuple[str, str, str]:
+        """(what to do to the whole model first, the mixed-precision policy's lines, the fully_shard argument)."""
+        if self.precision is Precision.BF16_TRUE:
+            return "model = model.to(torch.bfloat16)  # bf16-true: no fp32 master copy", "", ""
+        if self.mixed:
+            self.use_from("torch.distributed.fsdp", "MixedPrecisionPolicy")
+            policy = _lines(
+                self._precision_comment(),
+                f"mp_policy = MixedPrecisionPolicy(param_dtype={self.compute_dtype}, reduce_dtype=torch.float32)",
+            )
+            return "", policy, ", mp_policy=mp_policy"
+        return "", "", ""
+
+    def tp_plan(self) -> str:
+        """The demo model's tensor-parallel layout (tensor-parallel scripts only)."""
+        if self.tp == 1:
+            return ""
+        self.use_from("torch.distributed.tensor", "Replicate", "Shard")
+        self.use_from("torch.distributed.tensor.parallel", "ColwiseParallel", "ParallelStyle", "PrepareModuleInput",
+                      "RowwiseParallel", "SequenceParallel")  # fmt: skip
+        return _fill(_TP_PLAN)
+
+    def build_mesh(self) -> str:
+        """``build_mesh()``: (dp_shard, tp), or (dp_replicate, dp_shard, tp) for HSDP (tensor-parallel scripts)."""
+        if self.tp == 1:
+            return ""
+        self.use_from("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
+        if self.lay.strategy.hybrid:
+            return _fill(
+                _BUILD_MESH, shape="(dp_replicate, dp_shard, tp)", unit="(SHARD_GROUP_SIZE * TP)",
+                unit_what="SHARD_GROUP_SIZE x TP = {SHARD_GROUP_SIZE * TP}",
+                what="each group of SHARD_GROUP_SIZE replicas shards the model states (dp_shard), the groups hold "
+                     "copies (dp_replicate).",
+                sizes="world_size // (SHARD_GROUP_SIZE * TP), SHARD_GROUP_SIZE, TP",
+                names='"dp_replicate", "dp_shard", "tp"',
+            )  # fmt: skip
+        return _fill(
+            _BUILD_MESH, shape="(dp_shard, tp)", unit="TP", unit_what="TP = {TP}",
+            what="the model states are sharded across the replicas (dp_shard).",
+            sizes="world_size // TP, TP", names='"dp_shard", "tp"',
+        )  # fmt: skip
+
+    def _parallelize_tp(self, ac: str) -> str:
+        self.use_from("torch.distributed.fsdp", "fully_shard")
+        self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
+        model_first, precision, policy = self._fsdp2_precision()
+        if self.lay.strategy.hybrid:
+            dims, what = '"dp_replicate", "dp_shard"', "HSDP: shard along dp_shard, replicate along dp_replicate"
+        else:
+            dims, what = '"dp_shard"', "FSDP2 shards the model states across the data-parallel replicas"
+        return _fill(_PARALLELIZE_FSDP2_TP, precision_model=model_first, activation_checkpointing=ac,
+                     precision=precision, policy=policy, dp_dims=dims, dp_what=what)  # fmt: skip
+
+    def clip_helper(self) -> str:
+        """``clip_grad_norm()`` over DTensor gradients on several meshes (tensor-parallel scripts)."""
+        if self.tp == 1:
+            return ""
+        self.use_from("torch.distributed.tensor", "DTensor")
+        return _fill(_CLIP_MESHES)
 
     def optimizer(self) -> str:
         return _fill(_OPTIMIZERS[self.lay.optimizer])
@@ -829,9 +1021,11 @@ class _Script:
             clip.insert(0, "scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones")
         if fam == "fsdp":
             clip.append("grad_norm = model.clip_grad_norm_(max_norm)  # FSDP's own: the norm over all shards")
+        elif self.tp > 1:
+            clip.append("grad_norm = clip_grad_norm(model, max_norm)")
         else:
             clip.append("grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
-        if fam == "fsdp2":
+        if fam == "fsdp2" and self.tp == 1:
             self.use_from("torch.distributed.tensor", "DTensor")
             clip += ["if isinstance(grad_norm, DTensor):", "    grad_norm = grad_norm.full_tensor()"]
         if self.fp16:
@@ -852,22 +1046,50 @@ class _Script:
                 "# group down (releasing the GIL), not the reducer's destructor at exit, which can deadlock on gloo",
                 "del model, optimizer",
             )
+        data: dict[str, str] = {"build": "model = parallelize(build_model(args), device)", "dp_ranks": "",
+                                "dp_size": "world_size", "dp_rank": "rank", "describe_mesh": ""}  # fmt: skip
+        if self.tp > 1:
+            data = {
+                "build": _lines("mesh = build_mesh(device)", "model = parallelize(build_model(args), mesh)"),
+                "dp_ranks": _lines(
+                    "# data parallelism by replica, not by rank: tp is the mesh's innermost dimension, so ranks",
+                    "# k*TP .. k*TP+TP-1 hold one model replica together and must all load replica k's batch",
+                    "dp_rank, dp_size = rank // TP, world_size // TP",
+                ),
+                "dp_size": "dp_size", "dp_rank": "dp_rank",
+                "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in '
+                                 "zip(mesh.mesh_dim_names, mesh.shape, strict=True)))",
+            }  # fmt: skip
         return _fill(_MAIN_TORCH, micro_step=micro, clip=_lines(*clip), optimizer_step=step, scaler=scaler,
-                     scaler_arg=scaler_arg, teardown=teardown)  # fmt: skip
+                     scaler_arg=scaler_arg, teardown=teardown, **data)  # fmt: skip
+
+
+_NOT_GENERATED = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
 
 
 def _check_supported(lay: Layout) -> None:
-    dims = lay.dims
-    model_parallel = [f"{name} {value}" for name, value in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp),
-                                                             ("ep", dims.ep)) if value > 1]  # fmt: skip
-    if model_parallel:
+    dims, name = lay.dims, lay.candidate.name
+    tp_names = [c.name for c in lay.plan.candidates if _generates_tp(c.strategy, c.dims)]
+    have = f" (this plan has: {', '.join(tp_names)})" if tp_names else ""
+    for dim, what in _NOT_GENERATED:
+        if getattr(dims, dim) > 1:
+            raise RenderError(
+                f"candidate {name}: {what} parallelism ({dim} {getattr(dims, dim)}) is not generated yet; fsdp2+tpN "
+                f"and fsdp2-hybrid+tpN candidates are{have}, and the data-parallel ones ({', '.join(FAMILIES)}); "
+                "for pp/cp/ep use torchtitan or Megatron-DeepSpeed"
+            )
+    if dims.tp > 1 and not _generates_tp(lay.strategy.name, dims):
         raise RenderError(
-            f"candidate {lay.candidate.name} uses {' and '.join(model_parallel)}: code generation covers "
-            f"data-parallel strategies ({', '.join(FAMILIES)}); for tp/pp/cp/ep use torchtitan (FSDP2 with "
-            "tensor/pipeline/context parallelism) or Megatron-DeepSpeed, or compile a data-parallel candidate "
-            "(RenderOptions(candidate=...))"
+            f"candidate {name}: tensor parallelism is generated with FSDP2 only: fsdp2+tpN or fsdp2-hybrid+tpN, with "
+            f"or without +sp{have}; {lay.strategy.name} with tp {dims.tp} needs Megatron-DeepSpeed, or compile one of "
+            "those or a data-parallel candidate (RenderOptions(candidate=...))"
         )
     group = int(lay.settings.get("shard_group_size", lay.gpus_per_node))
+    if dims.tp > 1 and lay.strategy.hybrid and (group < 1 or lay.world_size % (group * dims.tp)):
+        raise RenderError(
+            f"candidate {name}: the mesh (dp_replicate, dp_shard {group}, tp {dims.tp}) does not cover the "
+            f"{lay.world_size} processes ({lay.nodes} nodes x {lay.gpus_per_node}): shard group x tp must divide them"
+        )
     if lay.strategy.family == "fsdp" and lay.strategy.hybrid and group == 1:
         # measured with torch 2.13 on gloo: on a (2, 1) mesh FSDP1's HYBRID_SHARD gradients differ from every other
         # strategy's (wrong grad norm and loss curve), while on a (2, 2) mesh they agree exactly
@@ -878,6 +1100,11 @@ def _check_supported(lay: Layout) -> None:
         )
     if lay.strategy.family not in FAMILIES:  # pragma: no cover - every strategy belongs to one of them
         raise RenderError(f"strategy family {lay.strategy.family!r} has no code generator; valid: {FAMILIES}")
+
+
+def _generates_tp(strategy: str, dims: ParallelDims) -> bool:
+    """Whether the generator writes this combination with tensor parallelism (FSDP2 or HSDP, tp only)."""
+    return dims.tp > 1 and strategy in ("fsdp2", "fsdp2-hybrid") and dims.pp == dims.cp == dims.ep == 1
 
 
 def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
@@ -893,22 +1120,25 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
     Returns
     -------
     str
-        Python source using DDP, FSDP (FSDP1), FSDP2 or DeepSpeed, per the candidate's strategy family.
+        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor parallelism for ``fsdp2(-hybrid)+tpN``) or
+        DeepSpeed, per the candidate's strategy family.
 
     Raises
     ------
     RenderError
-        When the candidate uses tensor, pipeline, context or expert parallelism (only data-parallel strategies are
-        generated), or when :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
+        When the candidate uses pipeline, context or expert parallelism, or tensor parallelism with anything but
+        FSDP2/HSDP (the message names the plan's candidates that can be generated), or when
+        :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
     lay = layout_of(plan, opts)
     _check_supported(lay)
     s = _Script(lay, opts)
     # the sections first: they record the imports they use
-    sections = [s.constants(), _fill(_MODEL), s.arguments(), s.setup(), s.checkpoint_helper()]
+    sections = [s.constants(), _fill(_MODEL), s.tp_plan(), _fill(_MODEL_REST), s.arguments(), s.setup(),
+                s.checkpoint_helper(), s.build_mesh()]  # fmt: skip
     if not s.ds:
-        sections.append(s.parallelize())
+        sections += [s.parallelize(), s.clip_helper()]
     sections += [s.optimizer(), _fill(_MICRO_BATCHES), s.checkpoint_io(), s.main()]
     sections.append('if __name__ == "__main__":\n    main()')
     body = "\n\n\n".join(x for x in sections if x)
