@@ -524,9 +524,10 @@ def load_pretrained(model: torch.nn.Module, path: str) -> int:
 def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
                 tp_plan: Mapping[str, Any] | None = None, pretrained: str | None = None,
                 family: str = "fsdp2") -> tuple[Any, Any, Mesh | None, Any]:  # fmt: skip
-    """Mesh, pipeline stages, tensor parallelism, activation checkpointing, FSDP2 over the data-parallel dims,
-    materialisation.
+    """Apply the plan's model parallelism to ``model``; the order of torchtitan's ``parallelize_llama``.
 
+    Mesh, pipeline stages, tensor parallelism, activation checkpointing, FSDP2 over the data-parallel dims,
+    materialisation.
     ``family`` is ``"fsdp2"`` (shard model states over the data-parallel dims) or ``"none"`` (model parallelism
     alone; the data-parallel size must then be 1). Returns the model (under pipeline parallelism: this rank's part
     of it, which keeps the whole model's parameter names and refuses to be called), the optimizer rebuilt over the

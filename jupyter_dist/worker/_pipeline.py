@@ -144,7 +144,7 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
 
 
 class Pipeline:
-    """This rank's pipeline stages and the schedule that runs them (built on the first :meth:`step`)."""
+    """The pipeline stages of a rank and the schedule that runs them (built on the first :meth:`step`)."""
 
     def __init__(self, env: WorkerEnv, stages: list[tuple[int, Any]], pp_group: Any, device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -161,12 +161,12 @@ class Pipeline:
 
     @property
     def is_first(self) -> bool:
-        """This rank runs the first stage (it takes the inputs)."""
+        """Whether this rank runs the first stage (it takes the inputs)."""
         return any(s.is_first for s in self.stages)
 
     @property
     def is_last(self) -> bool:
-        """This rank runs the last stage (it takes the targets and computes the loss)."""
+        """Whether this rank runs the last stage (it takes the targets and computes the loss)."""
         return any(s.is_last for s in self.stages)
 
     def schedule(self, loss_fn: Any) -> Any:
