@@ -7,6 +7,10 @@ layout with ``parallelize_module`` on the ``tp`` dimension; wrap the repeated bl
 then ``fully_shard`` the blocks and the root over the data-parallel dimensions (a 2-D ``(dp_replicate, dp_shard)``
 mesh is HSDP). A model built on the meta device is sharded first and only its local shards are materialised.
 
+One piece: the mesh, the layout sources and the order of application are one recipe that a reader follows top to
+bottom; pipeline stages live in ``_pipeline.py``. Planned split: the Hugging Face translation (``_torch_style``,
+``_hf_plan``, ``_hf_sequence_parallel``) into its own module when expert and context parallelism add theirs.
+
 Where the layout comes from, in order: ``tp_plan=`` given to ``jd.wrap``; a Hugging Face model's own plan
 (``config.base_model_tp_plan`` and the head's ``_tp_plan``, strings such as ``"colwise"`` translated to PyTorch's
 ``ParallelStyle`` objects); a model's ``tp_plan(sequence_parallel=...)`` method (the project's reference
