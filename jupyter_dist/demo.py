@@ -38,6 +38,10 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, opt = jd.wrap(model, opt)  # the plan's strategy, on gloo (CPU) or NCCL (GPUs)
 
 
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def batch(step: int) -> torch.Tensor:
     """Each sequence counts up from a random start (mod VOCAB): structure to learn; every rank draws its own."""
     g = torch.Generator().manual_seed(step * jd.world_size + jd.rank)
@@ -47,10 +51,7 @@ def batch(step: int) -> torch.Tensor:
 
 for step in range(STEPS):
     tokens = batch(step).to(jd.device)
-    logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-    jd.backward(loss)
-    jd.step(opt)
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], loss_fn)  # forward, backward, step: under any plan
     jd.log(step, loss=loss, tokens=BATCH * SEQ)
 if jd.is_main:
     print(f"final loss {loss.item():.3f} (random guessing: {math.log(VOCAB):.3f})")'''
@@ -79,7 +80,8 @@ QUICKSTART_CELLS: tuple[tuple[str, str], ...] = (
      "tokens/s predicted\")"),
     ("markdown", "## 3. Run it\n\n`%%dist_train` runs the cell as the training script on fresh `torchrun` "
      "processes with the plan's strategy. Inside the cell `jd` is the worker API: `jd.wrap` applies the strategy, "
-     "`jd.log` feeds the live panels under the cell (loss, throughput, memory, heartbeats, communication). "
+     "`jd.train_step` runs forward, backward and the optimizer step the way the plan needs (a pipeline schedule, "
+     "gradient accumulation), `jd.log` feeds the live panels under the cell (loss, throughput, memory, heartbeats, communication). "
      "`--ship TinyLM` sends the class from this notebook to the ranks. `--wait` blocks until the run ends "
      "(leave it out to keep working while it trains: the cell returns at once and the panels keep updating)."),
     ("code", _TRAIN),

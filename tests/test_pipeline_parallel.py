@@ -117,3 +117,28 @@ def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) 
     assert "CASE call: under pipeline parallelism (pp2) the model runs stage by stage" in proc.stdout
     assert "use loss = jd.train_step(inputs, targets, loss_fn)" in proc.stdout
     assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------- one cell, every plan (slow)
+@pytest.mark.slow
+def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> None:  # noqa: ANN001
+    """The wizard's default cell (``jd.train_step``) runs as is under data parallelism, DeepSpeed, tensor and pipeline
+    parallelism; on every rank it exits 0 and the loss falls."""
+    pytest.importorskip("deepspeed")
+    import re
+
+    from conftest import descendants_gone
+
+    from jupyter_dist.launch.examples import DEMO_CELL
+
+    cell = DEMO_CELL.format(steps=30)
+    for strategy in ("ddp", "fsdp2", "zero2", "fsdp2+tp2+sp", "fsdp2+pp2"):
+        name = "cell_" + re.sub(r"\W", "_", strategy)
+        run = ip.run_cell_magic("dist_train", f"--strategy {strategy} --nproc 2 --name {name} --timeout 300 "
+                                "--no-dashboard", cell)  # fmt: skip
+        assert run.wait(300) == "succeeded", (strategy, run.logs())
+        assert run.exit_codes == {0: 0, 1: 0}, strategy
+        losses = [r["loss"] for r in run.records("step") if r["rank"] == 0]
+        assert losses and losses[-1] < losses[0], (strategy, losses)
+        assert "final loss" in run.logs(0), strategy
+        assert descendants_gone(run)

@@ -67,15 +67,19 @@ def batch(step: int) -> torch.Tensor:
     return (start + torch.arange(SEQ + 1)) % VOCAB
 
 
-model = Transformer(vocab_size=VOCAB, dim=DIM, n_layers=2, n_heads=4)
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a micro-batch."""
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+model = Transformer(vocab_size=VOCAB, dim=DIM, n_layers=4, n_heads=4)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, opt = jd.wrap(model, opt)  # the plan's strategy: DDP, FSDP2, ZeRO, or FSDP2 + tensor/sequence parallelism
+model, opt = jd.wrap(model, opt)  # the plan's strategy: DDP, FSDP2, ZeRO, or FSDP2 + tensor/pipeline parallelism
 for step in range(STEPS):
     tokens = batch(step).to(jd.device)
-    logits = model(tokens[:, :-1])
-    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-    jd.backward(loss)
-    jd.step(opt)
+    # forward, backward and the optimizer step, whatever the plan: a pipeline schedule over micro-batches under
+    # pipeline parallelism, gradient accumulation over the plan's micro-batches otherwise
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], loss_fn)
     jd.log(step, loss=loss, tokens=BATCH * SEQ)
 if jd.is_main:
     print(f"final loss {{loss.item():.3f}} (random guessing: {{math.log(VOCAB):.3f}})")
