@@ -61,6 +61,8 @@ __all__ = [
     "mesh",
     "init",
     "wrap",
+    "cp_shard",
+    "cp_unshard",
     "autocast",
     "backward",
     "step",
@@ -134,6 +136,26 @@ def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
     ``JD_PRECISION=bf16-true`` casts the model to bfloat16 first (except for DeepSpeed, whose JSON decides).
     """
     return get_runtime().wrap(model, optimizer, tp_plan=tp_plan, pretrained=pretrained)
+
+
+def cp_shard(*tensors: Any, seq_dim: int = 1) -> Any:
+    """This rank's chunks of the sequence under context parallelism (``JD_CP`` > 1); the tensors unchanged without.
+
+    ``tokens, targets = jd.cp_shard(batch[:, :-1], batch[:, 1:])``: every rank of one cp group loads the same batch
+    (:data:`dp_rank` counts data-parallel ranks only) and keeps its part of the sequence (dim ``seq_dim``), in
+    PyTorch's head-tail load-balanced order -- rank ``r`` of ``cp`` holds chunks ``r`` and ``2cp-1-r`` of ``2 x cp``,
+    so the causal work is even. The sequence length must be a multiple of ``2 x cp``. The wrapped model receives the
+    positions of those tokens by itself (for the rotary angles). Each rank's loss is then the mean over its tokens,
+    and the gradients average over ``dp x cp`` like data-parallel ones. One tensor in, one out; several, a tuple.
+    """
+    out = get_runtime().cp_shard(tensors, seq_dim)
+    return out[0] if len(out) == 1 else out
+
+
+def cp_unshard(*tensors: Any, seq_dim: int = 1) -> Any:
+    """The inverse of :func:`cp_shard`: the whole sequences, in order, on every rank of the cp group (e.g. logits)."""
+    out = get_runtime().cp_shard(tensors, seq_dim, inverse=True)
+    return out[0] if len(out) == 1 else out
 
 
 def autocast() -> contextlib.AbstractContextManager[Any]:

@@ -148,6 +148,20 @@ class Runtime:
         e = self.env
         return (self.rank // (e.cp * e.tp)) % self.dp_size
 
+    def cp_shard(self, tensors: tuple[Any, ...], seq_dim: int = 1, *, inverse: bool = False) -> tuple[Any, ...]:
+        """This rank's load-balanced sequence chunks of ``tensors`` under context parallelism (``inverse``: the
+        whole sequences back); the tensors unchanged without it."""
+        if self.env.cp <= 1:
+            return tensors
+        what = "jd.cp_unshard" if inverse else "jd.cp_shard"
+        if not tensors:
+            raise WorkerError(f"{what}: give at least one tensor, e.g. {what}(tokens, targets)")
+        if self.mesh is None or "cp" not in (self.mesh.mesh.mesh_dim_names or ()):
+            raise WorkerError(f"{what}: call jd.wrap(model, optimizer) first: it builds the mesh with the cp dimension")
+        from ._context import shard, unshard
+
+        return (unshard if inverse else shard)(self.mesh["cp"], tuple(tensors), seq_dim)
+
     def _needs_mesh(self, model: Any, tp_plan: Any, pretrained: Any) -> bool:
         if self.env.family == "fsdp2" or self.env.model_parallel or tp_plan is not None or pretrained is not None:
             return True
