@@ -274,6 +274,10 @@ class Runtime:
             from ._parallel import parallelize
 
             family = self.env.family
+            if self.env.cp > 1 and family != "fsdp2":
+                from ._context import check_context_parallel
+
+                check_context_parallel(self.env, model, family)
             if family not in ("none", "fsdp2"):
                 raise WorkerError(
                     f"jd.wrap: JD_STRATEGY={self.env.strategy} does not compose with tensor parallelism or sharded "
