@@ -304,8 +304,8 @@ class Transformer(nn.Module):
                 "norm": SequenceParallel(use_local_output=True),
                 "layers.*.attention_norm": SequenceParallel(use_local_output=True),
                 "layers.*.ffn_norm": SequenceParallel(use_local_output=True),
-                "layers.*.attention": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                "layers.*.attention": PrepareModuleInput(  # (hidden states, positions): positions pass as they are
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
                 ),
                 "layers.*.feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
