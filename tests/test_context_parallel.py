@@ -73,7 +73,7 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(tmp_path: Path) -> None:
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4)
     p = plan(spec, hw, TrainingShape(micro_batch=4, seq_len=16, precision="fp32"), strategy="fsdp2", cp=2)
     cand = p.candidate("fsdp2+cp2")
-    assert cand.dims.dp_shard_degree == 4
+    assert cand.dims.shard_size == 4
     want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
     whole = sum(t.numel() * 4 for t in Transformer(vocab_size=128, dim=64, n_layers=2, n_heads=4,
                                                     n_kv_heads=2).parameters())  # fmt: skip

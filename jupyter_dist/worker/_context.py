@@ -20,7 +20,7 @@ same merge, same load balancing; nothing of the algorithm is reimplemented here.
 
 Model states are sharded by FSDP2 over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``): cp ranks hold different
 tokens of the same batch, so their gradients average like data-parallel ones, and the planner counts them the same
-way (``ParallelDims.dp_shard_degree = dp x cp``).
+way (``ParallelDims.shard_size = dp x cp``).
 """
 
 from __future__ import annotations
