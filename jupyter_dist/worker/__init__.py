@@ -139,7 +139,7 @@ def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
 
 
 def cp_shard(*tensors: Any, seq_dim: int = 1) -> Any:
-    """This rank's chunks of the sequence under context parallelism (``JD_CP`` > 1); the tensors unchanged without.
+    """Keep this rank's chunks of the sequence under context parallelism (``JD_CP`` > 1); unchanged without it.
 
     ``tokens, targets = jd.cp_shard(batch[:, :-1], batch[:, 1:])``: every rank of one cp group loads the same batch
     (:data:`dp_rank` counts data-parallel ranks only) and keeps its part of the sequence (dim ``seq_dim``), in
@@ -194,7 +194,11 @@ def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:
 
 
 def save(
-    state: dict[str, Any], step: int, *, root: str | os.PathLike[str] | None = None, keep: int | None = None,
+    state: dict[str, Any],
+    step: int,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    keep: int | None = None,
     async_: bool = False,
 ) -> str | None:
     """Checkpoint ``state`` at ``step`` into ``<run dir>/checkpoints/step-<step>/``; every rank must call it.

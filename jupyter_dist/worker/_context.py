@@ -46,8 +46,10 @@ SEQ_DIM = 2
 
 
 def head_tail_order(seq_len: int, cp: int) -> list[list[int]]:
-    """The positions each cp rank holds under head-tail load balancing: rank ``r`` gets chunks ``r`` and
-    ``2cp-1-r`` of ``2 x cp`` equal chunks (PyTorch's ``_HeadTailLoadBalancer``); pure, for checks and docs."""
+    """The positions each cp rank holds under head-tail load balancing (PyTorch's ``_HeadTailLoadBalancer``).
+
+    Rank ``r`` gets chunks ``r`` and ``2cp-1-r`` of ``2 x cp`` equal chunks; pure, for checks and docs.
+    """
     if cp < 1 or seq_len % (2 * cp):
         raise WorkerError(
             f"context parallelism: the sequence length {seq_len} is not a multiple of 2 x cp ({2 * cp}); pad or cut "
@@ -148,8 +150,10 @@ def enable_dispatcher(device_type: str) -> None:
 
 
 def apply_context_parallel(model: torch.nn.Module, mesh: Mesh, device_type: str) -> int:
-    """Hook every attention core with ``_ContextParallel`` on the cp mesh and make the model's forward receive
-    this rank's positions; returns the number of cores hooked."""
+    """Hook every attention core with ``_ContextParallel`` on the cp mesh; the model's forward gets positions.
+
+    Returns the number of cores hooked.
+    """
     from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel
 
     cp_mesh = mesh["cp"]
@@ -177,8 +181,10 @@ def apply_context_parallel(model: torch.nn.Module, mesh: Mesh, device_type: str)
 
 
 def fsdp_mesh(mesh: Mesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over under context parallelism: ``dp_shard x cp`` flattened (``dp_shard_cp``), with
-    ``dp_replicate`` in front for HSDP."""
+    """The mesh FSDP2 shards over under context parallelism.
+
+    ``dp_shard x cp`` flattened (``dp_shard_cp``), with ``dp_replicate`` in front for HSDP.
+    """
     names = mesh.mesh.mesh_dim_names or ()
     flat = mesh.mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
     if "dp_replicate" in names:
@@ -194,7 +200,7 @@ def _balancer(seq_len: int, cp: int, device: Any) -> Any:
 
 
 def shard(cp_mesh: DeviceMesh, tensors: tuple[torch.Tensor, ...], seq_dim: int) -> tuple[torch.Tensor, ...]:
-    """This rank's load-balanced chunks of each tensor along ``seq_dim`` (the whole sequence on every cp rank in)."""
+    """Keep this rank's load-balanced chunks of each tensor along ``seq_dim`` (whole sequences in)."""
     from torch.distributed.tensor.experimental._context_parallel._attention import _context_parallel_shard
 
     seq_len = int(tensors[0].shape[seq_dim])

@@ -149,8 +149,10 @@ class Runtime:
         return (self.rank // (e.cp * e.tp)) % self.dp_size
 
     def cp_shard(self, tensors: tuple[Any, ...], seq_dim: int = 1, *, inverse: bool = False) -> tuple[Any, ...]:
-        """This rank's load-balanced sequence chunks of ``tensors`` under context parallelism (``inverse``: the
-        whole sequences back); the tensors unchanged without it."""
+        """Keep this rank's load-balanced sequence chunks under context parallelism; unchanged without it.
+
+        ``inverse``: the whole sequences back.
+        """
         if self.env.cp <= 1:
             return tensors
         what = "jd.cp_unshard" if inverse else "jd.cp_shard"
