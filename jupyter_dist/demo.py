@@ -81,7 +81,8 @@ QUICKSTART_CELLS: tuple[tuple[str, str], ...] = (
     ("markdown", "## 3. Run it\n\n`%%dist_train` runs the cell as the training script on fresh `torchrun` "
      "processes with the plan's strategy. Inside the cell `jd` is the worker API: `jd.wrap` applies the strategy, "
      "`jd.train_step` runs forward, backward and the optimizer step the way the plan needs (a pipeline schedule, "
-     "gradient accumulation), `jd.log` feeds the live panels under the cell (loss, throughput, memory, heartbeats, communication). "
+     "gradient accumulation), `jd.log` feeds the live panels under the cell (loss, throughput, memory, heartbeats, "
+     "communication). "
      "`--ship TinyLM` sends the class from this notebook to the ranks. `--wait` blocks until the run ends "
      "(leave it out to keep working while it trains: the cell returns at once and the panels keep updating)."),
     ("code", _TRAIN),

@@ -134,7 +134,7 @@ def test_a_plan_on_fewer_processes_is_a_rehearsal_that_keeps_every_model_paralle
 def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
     refusals = {
         "zero1+tp4+pp2+sp": "cannot run yet",
-        "fsdp2+cp2": "context parallelism (cp2) cannot run yet",
+        "zero1+cp2": "context parallelism with zero1 (cp2) cannot run yet; run the fsdp2+cp2 candidate",
         "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
         "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
         "ddp+tp2": "tensor parallelism with ddp (tp2) cannot run yet; run the fsdp2+tp2 candidate",
@@ -143,8 +143,9 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         assert msg in (runnable_problem(parse_candidate(name)) or "")
         with pytest.raises(ParallelismError, match=re.escape(msg)):
             resolve_launch(name, None, 8)
-    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3", "fsdp2+tp4+pp2+sp",
-                 "fsdp2+pp2"):  # fmt: skip
+    runnable = ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3", "fsdp2+cp2",
+                "fsdp2+tp2+cp2+sp", "fsdp2+tp4+pp2+sp", "fsdp2+pp2")  # fmt: skip
+    for name in runnable:
         assert runnable_problem(parse_candidate(name)) is None, name
     # the table is the one switch: flipping pp off makes fsdp2+pp2 refused
     saved = RUNNABLE["pp"]

@@ -77,10 +77,17 @@ class TransformerConfig:
         return 16 * math.ceil(int(2 * 4 * self.dim / 3) / 16)
 
 
-def rope(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines and sines of the rotary angles, ``(seq_len, head_dim / 2)`` each, in fp32."""
+def rope(positions: int | torch.Tensor, head_dim: int, theta: float,
+         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Cosines and sines of the rotary angles, ``(seq, head_dim / 2)`` each, in fp32.
+
+    ``positions`` is the sequence length (positions ``0 .. n-1``) or the 1-D tensor of the positions this rank holds
+    (under context parallelism a rank holds non-contiguous chunks of the sequence).
+    """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=device)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -110,6 +117,19 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class CausalCore(nn.Module):
+    """The attention core, ``softmax(q k^T / sqrt(d) + causal) v`` through ``scaled_dot_product_attention``.
+
+    A module of its own (no parameters) so that context parallelism can hook exactly the call that needs the whole
+    sequence: PyTorch's ``_ContextParallel`` style turns its q, k, v into sequence-sharded DTensors and the SDPA
+    call into ring attention.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``(batch, heads, seq, head_dim)`` queries, keys and values."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings.
 
@@ -126,11 +146,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = CausalCore()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attend to the current and earlier positions (rotary angles from the whole sequence this module sees)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend to the current and earlier positions.
+
+        Rotary angles come from ``positions`` (the positions of ``x``'s tokens in the whole sequence, 1-D) when
+        given, else from ``0 .. seq-1``: under context parallelism a rank's tokens are not the sequence's first ones.
+        """
         b, s, _ = x.shape
-        cos, sin = rope(s, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rope(s if positions is None else positions, self.head_dim, self.rope_theta, x.device)
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -138,7 +163,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group of query heads
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -166,9 +191,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block."""
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block (``positions``: see :meth:`Attention.forward`)."""
+        x = x + self.attention(self.attention_norm(x), positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -193,15 +218,19 @@ class Transformer(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the next token at every position.
+
+        ``positions`` (1-D, one per token of ``tokens``' sequence) are the tokens' places in the whole sequence;
+        ``None`` means ``0 .. seq-1``. Under context parallelism ``jd.wrap`` passes the positions of this rank's
+        chunks (see :func:`jupyter_dist.worker.cp_shard`).
 
         A pipeline stage holds some of the parts (the first the embedding, the last the norm and head, the
         others only blocks): missing parts are ``None`` and the stage maps hidden states to hidden states.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -232,6 +261,10 @@ class Transformer(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None:
             nn.init.normal_(self.output.weight, std=self.config.dim**-0.5)
+
+    def cp_cores(self) -> list[nn.Module]:
+        """The modules context parallelism hooks: each block's attention core (inputs q, k, v, sequence on dim 2)."""
+        return [layer.attention.core for layer in self.layers.values()]
 
     def tp_dims(self) -> dict[str, int]:
         """The sizes a tensor-parallel degree must divide: heads, kv heads, MLP width, vocabulary."""
@@ -271,8 +304,8 @@ class Transformer(nn.Module):
                 "norm": SequenceParallel(use_local_output=True),
                 "layers.*.attention_norm": SequenceParallel(use_local_output=True),
                 "layers.*.ffn_norm": SequenceParallel(use_local_output=True),
-                "layers.*.attention": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                "layers.*.attention": PrepareModuleInput(  # (hidden states, positions): positions pass as they are
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
                 ),
                 "layers.*.feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)

@@ -33,9 +33,9 @@ RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
            "tensor parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --tp 1"),
     "pp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
            "pipeline parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --pp 1"),
-    "cp": (frozenset(),
-           "context parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
-           "pass --cp 1"),
+    "cp": (frozenset({"fsdp2", "fsdp2-hybrid"}),
+           "context parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate (model states are "
+           "sharded over dp x cp) or pass --cp 1"),
     "ep": (frozenset(),
            "expert parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
            "pass --ep 1"),

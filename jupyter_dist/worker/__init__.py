@@ -61,6 +61,8 @@ __all__ = [
     "mesh",
     "init",
     "wrap",
+    "cp_shard",
+    "cp_unshard",
     "autocast",
     "backward",
     "step",
@@ -137,6 +139,26 @@ def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
     return get_runtime().wrap(model, optimizer, tp_plan=tp_plan, pretrained=pretrained)
 
 
+def cp_shard(*tensors: Any, seq_dim: int = 1) -> Any:
+    """Keep this rank's chunks of the sequence under context parallelism (``JD_CP`` > 1); unchanged without it.
+
+    ``tokens, targets = jd.cp_shard(batch[:, :-1], batch[:, 1:])``: every rank of one cp group loads the same batch
+    (:data:`dp_rank` counts data-parallel ranks only) and keeps its part of the sequence (dim ``seq_dim``), in
+    PyTorch's head-tail load-balanced order -- rank ``r`` of ``cp`` holds chunks ``r`` and ``2cp-1-r`` of ``2 x cp``,
+    so the causal work is even. The sequence length must be a multiple of ``2 x cp``. The wrapped model receives the
+    positions of those tokens by itself (for the rotary angles). Each rank's loss is then the mean over its tokens,
+    and the gradients average over ``dp x cp`` like data-parallel ones. One tensor in, one out; several, a tuple.
+    """
+    out = get_runtime().cp_shard(tensors, seq_dim)
+    return out[0] if len(out) == 1 else out
+
+
+def cp_unshard(*tensors: Any, seq_dim: int = 1) -> Any:
+    """The inverse of :func:`cp_shard`: the whole sequences, in order, on every rank of the cp group (e.g. logits)."""
+    out = get_runtime().cp_shard(tensors, seq_dim, inverse=True)
+    return out[0] if len(out) == 1 else out
+
+
 def autocast() -> contextlib.AbstractContextManager[Any]:
     """``torch.autocast`` for ``JD_PRECISION=*-mixed`` with ``none``/``ddp``; a no-op where the strategy casts."""
     return get_runtime().autocast()
@@ -166,7 +188,9 @@ def train_step(inputs: Any, targets: Any, loss_fn: Any) -> Any:
     forward and backward of every stage over the plan's micro-batches (``JD_MICROBATCHES``): the first stage takes
     ``inputs``, the last ``targets`` (other ranks may pass the same tensors or ``None``). Otherwise the batch is
     split into the plan's micro-batches (gradient accumulation, one gradient reduction per step), with DeepSpeed's
-    engine doing its own accumulation. Then the optimizer steps and the gradients are cleared.
+    engine doing its own accumulation. Under context parallelism it keeps this rank's load-balanced chunks of the
+    sequence itself (pass whole sequences; do not call :func:`cp_shard` first) and returns the mean over the
+    context-parallel ranks. Then the optimizer steps and the gradients are cleared.
 
     Example::
 
@@ -195,7 +219,11 @@ def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:
 
 
 def save(
-    state: dict[str, Any], step: int, *, root: str | os.PathLike[str] | None = None, keep: int | None = None,
+    state: dict[str, Any],
+    step: int,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    keep: int | None = None,
     async_: bool = False,
 ) -> str | None:
     """Checkpoint ``state`` at ``step`` into ``<run dir>/checkpoints/step-<step>/``; every rank must call it.

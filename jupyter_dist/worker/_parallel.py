@@ -541,7 +541,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
     from ._strategy import _mixed, _param_names, find_blocks, rebuild_optimizer
 
-    for dim, issue in (("cp", "context"), ("ep", "expert")):
+    for dim, issue in (("ep", "expert"),):
         if getattr(env, dim) > 1:
             raise WorkerError(
                 f"jd.wrap: {issue} parallelism ({dim}{getattr(env, dim)}) cannot run yet in this version; run a "
@@ -569,6 +569,10 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         )
     on_meta = any(p.is_meta for p in model.parameters())
     old_names = _param_names(model)
+    if env.cp > 1:
+        from ._context import check_context_parallel
+
+        check_context_parallel(env, model, family)
     plan = source = None
     if env.tp > 1:  # resolved and checked on the whole model, before a pipeline split removes parts of it
         plan, source = resolve_tp_plan(model, tp_plan, sequence_parallel=env.sp, tp=env.tp)
@@ -588,6 +592,11 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             plan = {k: v for k, v in plan.items() if _modules_matching(model, k)}
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
+    if env.cp > 1:
+        from ._context import apply_context_parallel
+
+        n = apply_context_parallel(model, mesh, device.type)
+        _log.info("jd.wrap: context parallelism cp%d over %d attention cores (ring attention)", env.cp, n)
     blocks = find_blocks(model)
     if env.ac != "none" and blocks:
         wrapped = apply_activation_checkpointing(blocks, env.ac)
@@ -599,7 +608,12 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
         mixed = _mixed(env.precision)
         mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
-        dp_mesh = mesh.dp_mesh
+        if env.cp > 1:
+            from ._context import fsdp_mesh
+
+            dp_mesh = fsdp_mesh(mesh)  # cp ranks shard model states with the dp ranks
+        else:
+            dp_mesh = mesh.dp_mesh
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
         for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)

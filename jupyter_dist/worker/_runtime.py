@@ -1,6 +1,9 @@
 """The one per-process runtime behind ``jupyter_dist.worker``: process group, strategy, telemetry, hooks.
 
 Nothing here imports torch at module level; the first call that needs it does.
+
+Planned split: the training verbs (``wrap``, ``train_step``, ``backward``, ``step``, the data-parallel and
+context-parallel coordinates) into a module of their own beside the life cycle, telemetry and exit handling.
 """
 
 from __future__ import annotations
@@ -150,6 +153,22 @@ class Runtime:
         e = self.env
         return (self.rank // (e.cp * e.tp)) % self.dp_size
 
+    def cp_shard(self, tensors: tuple[Any, ...], seq_dim: int = 1, *, inverse: bool = False) -> tuple[Any, ...]:
+        """Keep this rank's load-balanced sequence chunks under context parallelism; unchanged without it.
+
+        ``inverse``: the whole sequences back.
+        """
+        if self.env.cp <= 1:
+            return tensors
+        what = "jd.cp_unshard" if inverse else "jd.cp_shard"
+        if not tensors:
+            raise WorkerError(f"{what}: give at least one tensor, e.g. {what}(tokens, targets)")
+        if self.mesh is None or "cp" not in (self.mesh.mesh.mesh_dim_names or ()):
+            raise WorkerError(f"{what}: call jd.wrap(model, optimizer) first: it builds the mesh with the cp dimension")
+        from ._context import shard, unshard
+
+        return (unshard if inverse else shard)(self.mesh["cp"], tuple(tensors), seq_dim)
+
     def _needs_mesh(self, model: Any, tp_plan: Any, pretrained: Any) -> bool:
         if self.env.family == "fsdp2" or self.env.model_parallel or tp_plan is not None or pretrained is not None:
             return True
@@ -262,6 +281,10 @@ class Runtime:
             from ._parallel import parallelize
 
             family = self.env.family
+            if self.env.cp > 1 and family != "fsdp2":
+                from ._context import check_context_parallel
+
+                check_context_parallel(self.env, model, family)
             if family not in ("none", "fsdp2"):
                 raise WorkerError(
                     f"jd.wrap: JD_STRATEGY={self.env.strategy} does not compose with tensor parallelism or sharded "
@@ -335,6 +358,10 @@ class Runtime:
         if self.model is None:
             raise WorkerError("jd.train_step: call jd.wrap(model, optimizer) first")
         emitter = self.emitter
+        if self.env.cp > 1 and self.pipeline is not None:
+            raise WorkerError("jd.train_step: pipeline x context parallelism is not supported yet; drop pp or cp")
+        if self.env.cp > 1:  # this rank's load-balanced chunks of the sequence
+            inputs, targets = self.cp_shard((inputs, targets))
         if self.pipeline is not None:
             emitter.set_phase("forward")
             loss = self.pipeline.step(inputs, targets, loss_fn)
@@ -369,7 +396,12 @@ class Runtime:
             self.step(None)
         else:
             emitter.set_phase("forward")
-        return total / n
+        loss = total / n
+        if self.env.cp > 1 and self.mesh is not None:  # each cp rank's loss is its chunk's: the batch's is the mean
+            import torch.distributed as dist
+
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh["cp"].get_group())
+        return loss
 
     # ------------------------------------------------------------------ telemetry
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:

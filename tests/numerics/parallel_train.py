@@ -8,6 +8,7 @@ to the equal-math tests = adding a builder to ``MODELS``.
 
 Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
+``EQ_BAD_POSITIONS=1`` (under cp: rotary angles from the local chunk, a mistake the equal-math check must catch),
 ``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder).
 """
 
@@ -122,12 +123,17 @@ def main() -> None:
             local = tokens.chunk(jd.world_size)[jd.rank]
         else:
             local = tokens.chunk(jd.dp_size)[jd.dp_rank]
-        if step_form:  # the form that runs under every plan (pipelines included)
+        if step_form:  # the form that runs under every plan (pipelines, context parallelism included)
             value = jd.train_step(local[:, :-1], local[:, 1:], loss_fn).clone()
             grad_bytes = 0
         else:
-            logits = logits_of(model, local[:, :-1])
-            loss = loss_fn(logits, local[:, 1:])
+            # context parallelism: this rank's chunks of the sequence (identity without it)
+            inputs, targets = jd.cp_shard(local[:, :-1], local[:, 1:])
+            if os.environ.get("EQ_BAD_POSITIONS") == "1":  # the classic CP mistake: rotary angles from the chunk
+                logits = model(inputs, positions=None)
+            else:
+                logits = logits_of(model, inputs)
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
             loss.backward()
             grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
             opt.step()
@@ -135,7 +141,8 @@ def main() -> None:
             value = loss.detach().clone()
         if dist.is_initialized():
             dist.all_reduce(value)
-            value /= dist.get_world_size()  # tensor-parallel ranks hold the same loss: the mean over dp
+            # tensor-parallel ranks hold the same loss; cp ranks the means over equal chunks: the mean over dp x cp
+            value /= dist.get_world_size()
         losses.append(value.item())
         if step == save_at:
             jd.save({"model": model, "optimizer": opt}, step, root=ckpt)

@@ -1,0 +1,234 @@
+"""Context parallelism inside a worker: the sequence split over the mesh's ``cp`` dimension, ring attention.
+
+PyTorch's own context-parallel attention does the work (``torch.distributed.tensor.experimental``, read in torch
+2.13's ``_context_parallel/``): the ``_ContextParallel`` style hooks each attention core so its q, k, v become
+DTensors sharded on the sequence (dim 2); ``F.scaled_dot_product_attention`` on them reaches DTensor's dispatcher,
+whose context-parallel handlers run ``_templated_ring_attention`` -- each rank attends its queries to every rank's
+keys/values (gathered once, all-gather rotation), merges the partial results with their log-sum-exps, and in
+backward sends the key/value gradients home (all-to-all). The sequence is laid out with the head-tail load balancer
+(``_HeadTailLoadBalancer``): cut into ``2 x cp`` chunks, rank ``r`` holds chunks ``r`` and ``2cp-1-r``, so every
+rank does the same causal work.
+
+On CPU, PyTorch 2.13 does not run it as shipped (``benchmarks/cp_cpu_probe.py`` prints the evidence): its handlers
+cover only the CUDA kernels (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
+``_cudnn_attention`` and their backwards), while SDPA on CPU calls ``_scaled_dot_product_flash_attention_for_cpu``,
+which has no DTensor sharding strategy ("does not have a sharding strategy registered"), and the math fallback mixes
+plain tensors into DTensor ops. The CPU kernel has the same contract as the CUDA flash kernel (returns the output and
+the log-sum-exp; its backward takes them back), so this module registers the CPU pair into the same dispatcher table,
+running through PyTorch's own ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` -- same ring,
+same merge, same load balancing; nothing of the algorithm is reimplemented here. On CUDA nothing is added.
+
+Model states are sharded by FSDP2 over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``): cp ranks hold different
+tokens of the same batch, so their gradients average like data-parallel ones, and the planner counts them the same
+way (``ParallelDims.shard_size = dp x cp``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from ._env import WorkerEnv, WorkerError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+__all__ = [
+    "SEQ_DIM", "check_context_parallel", "apply_context_parallel", "fsdp_mesh", "head_tail_order", "shard",
+    "unshard", "local_positions",
+]  # fmt: skip
+
+SEQ_DIM = 2
+"""The sequence dimension of q, k, v at the attention core (``batch, heads, seq, head_dim``)."""
+
+
+def head_tail_order(seq_len: int, cp: int) -> list[list[int]]:
+    """The positions each cp rank holds under head-tail load balancing (PyTorch's ``_HeadTailLoadBalancer``).
+
+    Rank ``r`` gets chunks ``r`` and ``2cp-1-r`` of ``2 x cp`` equal chunks; pure, for checks and docs.
+    """
+    if cp < 1 or seq_len % (2 * cp):
+        raise WorkerError(
+            f"context parallelism: the sequence length {seq_len} is not a multiple of 2 x cp ({2 * cp}); pad or cut "
+            f"the sequence to a multiple of {2 * cp}"
+        )
+    c = seq_len // (2 * cp)
+    return [list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c)) for r in range(cp)]
+
+
+def check_context_parallel(env: WorkerEnv, model: torch.nn.Module, family: str) -> None:
+    """One line for what context parallelism cannot run with: a strategy other than FSDP2, a model without cores."""
+    if family != "fsdp2":
+        raise WorkerError(
+            f"jd.wrap: context parallelism (cp{env.cp}) needs JD_STRATEGY=fsdp2 or fsdp2-hybrid (model states are "
+            f"sharded over dp x cp), not {env.strategy}; run the fsdp2+cp{env.cp} candidate"
+        )
+    if not callable(getattr(model, "cp_cores", None)):
+        raise WorkerError(
+            f"jd.wrap: context parallelism (cp{env.cp}) needs to know {type(model).__name__}'s attention cores: give "
+            "it a cp_cores() method returning the modules whose forward(q, k, v) calls "
+            "F.scaled_dot_product_attention(..., is_causal=True) and a forward(tokens, positions=None) "
+            "(as jupyter_dist.models.Transformer has), or run a candidate without cp"
+        )
+    params = inspect.signature(model.forward).parameters
+    if "positions" not in params:
+        raise WorkerError(
+            f"jd.wrap: context parallelism (cp{env.cp}) needs {type(model).__name__}.forward to take positions= (the "
+            "places of this rank's tokens in the sequence, for the rotary angles); jupyter_dist.models.Transformer "
+            "does"
+        )
+
+
+def _cp_handlers() -> dict[Any, Any]:
+    """DTensor custom-op handlers that route the CPU flash kernel pair through PyTorch's ring attention."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _templated_ring_attention,
+        _templated_ring_attention_backward,
+    )
+
+    aten = torch.ops.aten
+
+    def mesh_of(*tensors: Any) -> Any:
+        mesh = None
+        for t in tensors:
+            if not isinstance(t, DTensor) or t.placements != (Shard(SEQ_DIM),) or t.device_mesh.ndim != 1:
+                raise WorkerError(
+                    "context parallelism: the attention core got tensors that are not sequence-sharded on the cp mesh "
+                    f"({type(t).__name__}); call F.scaled_dot_product_attention only inside a cp_cores() module"
+                )
+            mesh = t.device_mesh
+        return mesh
+
+    def wrap(mesh: Any, *local: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(t, mesh, (Shard(SEQ_DIM),), run_check=False) for t in local)
+
+    def forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        q, k, v = args[:3]
+        dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+        is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        if kwargs.get("attn_mask") is not None:
+            raise WorkerError("context parallelism: attention with an attn_mask is not supported; use is_causal=True")
+        mesh = mesh_of(q, k, v)
+        out, lse = _templated_ring_attention(
+            mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, q.to_local(), k.to_local(),
+            v.to_local(), is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return wrap(mesh, out, lse)
+
+    def backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        grad_out, q, k, v, out, lse, dropout_p, is_causal = args[:8]
+        mesh = mesh_of(grad_out, q, k, v, out, lse)
+        grads = _templated_ring_attention_backward(
+            mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad_out.to_local(), grad_out_name="grad_out", query=q.to_local(), key=k.to_local(),
+            value=v.to_local(), out=out.to_local(), logsumexp=lse.to_local(), is_causal=is_causal,
+            dropout_p=dropout_p, scale=kwargs.get("scale"),
+        )  # fmt: skip
+        return wrap(mesh, *grads[:3])
+
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: backward,
+    }
+
+
+def enable_dispatcher(device_type: str) -> None:
+    """Turn on PyTorch's context-parallel SDPA dispatch (process-wide), plus the CPU kernels on CPU."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    cp_attention._enable_context_parallel_dispatcher()
+    cp_attention._cp_options.enable_load_balance = True  # head-tail order: what shard() lays out
+    if device_type == "cpu":
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        DTensor._op_dispatcher._custom_op_handlers = {**handlers, **_cp_handlers()}
+
+
+def apply_context_parallel(model: torch.nn.Module, mesh: Any, device_type: str) -> int:
+    """Hook every attention core with ``_ContextParallel`` on the cp mesh; the model's forward gets positions.
+
+    Returns the number of cores hooked.
+    """
+    from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel
+
+    cp_mesh = mesh["cp"]
+    cores = list(model.cp_cores())  # type: ignore[operator]
+    if not cores:
+        raise WorkerError(f"jd.wrap: {type(model).__name__}.cp_cores() returned no module; context parallelism has "
+                          "nothing to shard")  # fmt: skip
+    style = _ContextParallel(seq_dim=SEQ_DIM, attention_type=_ContextParallel.AttentionType.SDPA)
+    for core in cores:
+        style._apply(core, cp_mesh)
+    enable_dispatcher(device_type)
+    cache: dict[tuple[int, str], torch.Tensor] = {}
+
+    def positions_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if "positions" in kwargs or len(args) != 1 or args[0].dim() < 2:
+            return None
+        local = int(args[0].shape[1])
+        key = (local, str(args[0].device))
+        if key not in cache:
+            cache[key] = local_positions(cp_mesh, local * cp_mesh.size(), args[0].device)
+        return args, {**kwargs, "positions": cache[key]}
+
+    model.register_forward_pre_hook(positions_hook, with_kwargs=True)
+    return len(cores)
+
+
+def fsdp_mesh(mesh: Any) -> DeviceMesh:
+    """The mesh FSDP2 shards over under context parallelism.
+
+    ``dp_shard x cp`` flattened (``dp_shard_cp``), with ``dp_replicate`` in front for HSDP.
+    """
+    names = mesh.mesh.mesh_dim_names or ()
+    flat = mesh.mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    if "dp_replicate" in names:
+        return mesh.mesh[("dp_replicate", "dp_shard_cp")]
+    return flat
+
+
+def _balancer(seq_len: int, cp: int, device: Any) -> Any:
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    head_tail_order(seq_len, cp)  # the one-line error for a length that does not split
+    return _HeadTailLoadBalancer(seq_len, cp, device)
+
+
+def shard(cp_mesh: DeviceMesh, tensors: tuple[torch.Tensor, ...], seq_dim: int) -> tuple[torch.Tensor, ...]:
+    """Keep this rank's load-balanced chunks of each tensor along ``seq_dim`` (whole sequences in)."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _context_parallel_shard
+
+    seq_len = int(tensors[0].shape[seq_dim])
+    for t in tensors:
+        if t.dim() <= seq_dim or int(t.shape[seq_dim]) != seq_len:
+            raise WorkerError(
+                f"jd.cp_shard: every tensor needs the same sequence length on dim {seq_dim} ({seq_len}); got shape "
+                f"{tuple(t.shape)}"
+            )
+    balancer = _balancer(seq_len, cp_mesh.size(), tensors[0].device)
+    out = _context_parallel_shard(cp_mesh, list(tensors), [seq_dim] * len(tensors), load_balancer=balancer)
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def unshard(cp_mesh: DeviceMesh, tensors: tuple[torch.Tensor, ...], seq_dim: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`shard`: every rank gets the whole sequences back, in order."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import context_parallel_unshard
+
+    cp = cp_mesh.size()
+    seq_len = int(tensors[0].shape[seq_dim]) * cp
+    balancer = _balancer(seq_len, cp, tensors[0].device)
+    if seq_dim < 1:
+        raise WorkerError("jd.cp_unshard: the sequence dimension must follow a batch dimension (seq_dim >= 1)")
+    return tuple(context_parallel_unshard(cp_mesh, list(tensors), [seq_dim] * len(tensors), load_balancer=balancer))
+
+
+def local_positions(cp_mesh: DeviceMesh, seq_len: int, device: Any) -> torch.Tensor:
+    """The positions (1-D, in the whole sequence of ``seq_len``) of the tokens this cp rank holds."""
+    import torch
+
+    whole = torch.arange(seq_len, device=device).unsqueeze(0)
+    return shard(cp_mesh, (whole,), 1)[0].reshape(-1)

@@ -1,0 +1,145 @@
+"""Context parallelism (ring attention over the mesh's cp dimension) composed with FSDP2 and TP, by equal math.
+
+Each parallel run (real torchrun processes on gloo/CPU) trains the reference transformer on the same global batches
+as a single process; the ranks of one cp group load the same batch (``jd.dp_rank`` counts data-parallel ranks only)
+and keep their load-balanced chunks of the sequence (``jd.cp_shard``). Losses and final parameters gathered to one
+rank must equal the single-process run's (fp32, 1e-5 relative). The attention is PyTorch's own
+``_templated_ring_attention`` (with the CPU flash kernel routed into its dispatcher, see
+``jupyter_dist/worker/_context.py``); the checks that it can fail: rotary angles computed from the local chunk (the
+classic context-parallel mistake) run without an error and are caught.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_tensor_parallel import SCRIPT, assert_equal_math, run
+from test_worker import clean_env, run_bounded
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The single-process reference, with SGD and with AdamW."""
+    d = tmp_path_factory.mktemp("single")
+    return {opt: run(d / f"ref-{opt}.pt", "ref", None, EQ_OPT=opt) for opt in ("sgd", "adamw")}
+
+
+CONFIGS = {
+    # name: (processes, JD_* degrees, the mesh the run must report)
+    "cp2": (2, {"JD_CP": "2"}, "dp_shard=1 x cp=2"),
+    "cp4": (4, {"JD_CP": "4"}, "dp_shard=1 x cp=4"),
+    "dp2xcp2": (4, {"JD_CP": "2"}, "dp_shard=2 x cp=2"),
+    "cp2xtp2-sp": (4, {"JD_CP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=1 x cp=2 x tp=2"),
+    "hsdp2xcp2-ac": (4, {"JD_CP": "2", "JD_DP_REPLICATE": "2", "JD_AC": "full"}, "dp_replicate=2 x dp_shard=1 x cp=2"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_context_parallel_run_equals_single_process(config: str, single: dict, tmp_path: Path) -> None:
+    nproc, degrees, mesh = CONFIGS[config]
+    got = run(tmp_path / "out.pt", "ref", nproc, JD_STRATEGY="fsdp2", EQ_OPT="sgd", **degrees)
+    assert got["mesh"] == mesh
+    assert_equal_math(single["sgd"], got)
+
+
+def test_adamw_under_dp2_cp2_equals_single_process(single: dict, tmp_path: Path) -> None:
+    got = run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="adamw")
+    assert_equal_math(single["adamw"], got, elementwise=False)
+
+
+def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, tmp_path: Path) -> None:
+    """The check can fail: positions 0..chunk-1 on every rank (what the model computed before it took positions)
+    run without an error, but the math differs from the single process."""
+    got = run(tmp_path / "out.pt", "ref", 2, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="sgd", EQ_BAD_POSITIONS="1")
+    with pytest.raises(AssertionError):
+        assert_equal_math(single["sgd"], got)
+
+
+def test_per_rank_memory_equals_the_plan_to_the_byte(tmp_path: Path) -> None:
+    """Under dp2 x cp2, parameters, gradients and AdamW states are sharded over dp x cp = 4, as the planner's
+    fsdp2+cp2 candidate says, to the byte on every rank."""
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+
+    run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2")
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4)
+    p = plan(spec, hw, TrainingShape(micro_batch=4, seq_len=16, precision="fp32"), strategy="fsdp2", cp=2)
+    cand = p.candidate("fsdp2+cp2")
+    assert cand.dims.shard_size == 4
+    want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+    whole = sum(t.numel() * 4 for t in Transformer(vocab_size=128, dim=64, n_layers=2, n_heads=4,
+                                                    n_kv_heads=2).parameters())  # fmt: skip
+    assert want["params"] == whole // 4
+    for rank in range(4):
+        got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
+        assert got == want, (rank, got, want)
+
+
+def test_everything_around_the_attention_and_one_line_errors(tmp_path: Path) -> None:
+    """dp2 x cp2: dp_rank counts dp only, each rank's head-tail chunks and positions, cp_unshard(cp_shard(x)) == x,
+    and one line for each wrong input (before wrap, a model without attention cores, a length that does not split,
+    unequal lengths, nothing given)."""
+    script = SCRIPT.parent / "cp_checks.py"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
+    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_CP="2"), 240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    out = proc.stdout.splitlines()
+    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in out if ln.startswith("CASE ")}
+    assert "call jd.wrap(model, optimizer) first" in lines["before-wrap"]
+    assert "LlamaForCausalLM's attention cores" in lines["hf-model"] and "cp_cores()" in lines["hf-model"]
+    assert "sequence length 14 is not a multiple of 2 x cp (4)" in lines["odd-length"]
+    assert "same sequence length on dim 1 (8); got shape (2, 16)" in lines["lengths-differ"]
+    assert "give at least one tensor" in lines["nothing"]
+    checks = {ln for ln in out if ln.startswith("CHECK ")}
+    assert checks == {f"CHECK {c}: ok" for c in ("dp-rank", "chunks", "positions", "round-trip")}, checks
+
+
+def test_context_parallel_with_a_strategy_other_than_fsdp2_is_one_line(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+            str(tmp_path / "out.pt"), "ref"]  # fmt: skip
+    proc = run_bounded(argv, clean_env(JD_STRATEGY="ddp", JD_CP="2", EQ_STEPS="1"), 180, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "context parallelism (cp2) needs JD_STRATEGY=fsdp2 or fsdp2-hybrid" in proc.stdout, proc.stdout[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ no processes
+def test_head_tail_order_is_pytorchs_load_balancer() -> None:
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    from jupyter_dist.worker import WorkerError
+    from jupyter_dist.worker._context import head_tail_order
+
+    assert head_tail_order(8, 2) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    for seq, cp in ((16, 2), (16, 4), (24, 3), (64, 8)):
+        order = torch.tensor(sum(head_tail_order(seq, cp), []))
+        assert torch.equal(_HeadTailLoadBalancer(seq, cp, "cpu")._generate_indices()[0], order), (seq, cp)
+        causal_work = [sum(p + 1 for p in chunk) for chunk in head_tail_order(seq, cp)]
+        assert len(set(causal_work)) == 1  # every rank attends over the same number of (query, key) pairs
+    with pytest.raises(WorkerError, match=r"sequence length 10 is not a multiple of 2 x cp \(4\)"):
+        head_tail_order(10, 2)
+
+
+def test_reference_model_positions_default_to_the_sequence_and_change_the_math() -> None:
+    from jupyter_dist.models import Transformer
+
+    torch.manual_seed(0)
+    m = Transformer(vocab_size=32, dim=32, n_heads=4, n_layers=1)
+    tokens = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        for lin in (m.layers["0"].attention.wq, m.layers["0"].attention.wk):
+            lin.weight.mul_(30)  # sharp attention, so positions matter visibly
+        plain = m(tokens)
+        torch.testing.assert_close(m(tokens, positions=torch.arange(8)), plain, rtol=0, atol=0)
+        # rotary attention depends only on relative positions: shifting all positions keeps the logits
+        torch.testing.assert_close(m(tokens, positions=torch.arange(8) + 5), plain, rtol=1e-4, atol=1e-5)
+        # wrong positions (what a cp rank would use if the model numbered its own chunk) change the logits
+        assert not torch.allclose(m(tokens, positions=torch.arange(8).flip(0)), plain, atol=1e-3)
+    assert len(m.cp_cores()) == 1 and not list(m.cp_cores()[0].parameters())
