@@ -747,3 +747,35 @@ def test_deepspeed_zero2_through_wrap_on_cpu(tmp_path: Path) -> None:
     assert (run_dir / "checkpoints" / "step-4" / "deepspeed").is_dir()
     for rank in (0, 1):
         check_telemetry(run_dir, rank, list(range(10)))
+
+
+def test_a_checkpoint_with_nested_optimizer_states_still_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpoints written before optimizer states were flattened per parameter name load as before."""
+    torch = pytest.importorskip("torch")
+    from jupyter_dist.worker import _checkpoint
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        return m, torch.optim.AdamW(m.parameters(), lr=0.05)
+
+    model, opt = build()
+    rt = Runtime(tiny_env(tmp_path))
+    rt.backward(model(torch.randn(8, 3)).square().mean())
+    rt.step(opt)
+    nested = _checkpoint._Split.dcp_state
+    monkeypatch.setattr(_checkpoint._Split, "dcp_state", lambda self, flat=True: nested(self, flat=False))
+    rt.save({"model": model, "optimizer": opt}, 0)
+    monkeypatch.undo()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(tmp_path / "checkpoints" / "step-0" / "dcp")).read_metadata().state_dict_metadata
+    assert "optimizer.param_groups.0.lr" in keys  # the old, nested layout
+    model2, opt2 = build()
+    assert Runtime(tiny_env(tmp_path)).resume({"model": model2, "optimizer": opt2}) is not None
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])

@@ -405,7 +405,9 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
         from torch.distributed.checkpoint import FileSystemReader
 
         saved = FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
-        legacy = any(".param_groups.0." in k for k in saved)  # nested optimizer states (before flattening)
+        # nested optimizer states (written before flattening) have "<key>.param_groups.0.lr"; flattened ones
+        # "<key>.param_groups.<parameter name>.lr", and a parameter name never ends in a bare index
+        legacy = any(k.endswith(".param_groups.0.lr") for k in saved)
         template = split.dcp_state(flat=not legacy)
         with _single_process_ok():
             state_dict_loader.load(template, checkpoint_id=os.path.join(path, "dcp"), no_dist=_no_dist())
