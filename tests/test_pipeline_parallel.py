@@ -142,3 +142,28 @@ def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> N
         assert losses and losses[-1] < losses[0], (strategy, losses)
         assert "final loss" in run.logs(0), strategy
         assert descendants_gone(run)
+
+
+@pytest.mark.slow
+def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(tmp_path: Path) -> None:
+    """Under pp2 x dp2 with 1F1B over 4 micro-batches: the worst stage's parameters, gradients and AdamW states equal
+    the planner's per-GPU figures to the byte (the other stage holds less), and the first stage holds the planned
+    number of micro-batches in flight (min(pp, micro-batches) = 2; counted from forwards whose backward has not run)."""
+    import json
+
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+
+    run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_PP="2", JD_MICROBATCHES="4", JD_PP_SCHEDULE="1f1b",
+        EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2", EQ_LAYERS="4")  # fmt: skip
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4),
+             TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4), strategy="fsdp2", pp=2)  # fmt: skip
+    cand = p.candidate("fsdp2+pp2")
+    want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+    got = [json.loads((tmp_path / f"out.pt.rank{r}.json").read_text()) for r in range(4)]
+    worst = max(got, key=lambda g: g["params"])
+    assert {k: worst[k] for k in want} == want, (got, want)
+    assert all(g[k] <= want[k] for g in got for k in want)
+    first_stage = [g["in_flight"] for g in got if g["in_flight"]]  # ranks 0 and 1 (dp2) run stage 0
+    assert first_stage == [cand.memory.detail["activations_in_flight"]] * 2 == [2, 2]

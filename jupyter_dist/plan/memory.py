@@ -171,19 +171,33 @@ def zero_paper_model_states(params: int, stage: int, dp: int, k: int = 12) -> in
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
 
 
+def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
+    """Blocks per pipeline stage, split as the workers split them.
+
+    :func:`~.pipeline.stage_bounds`, with the head and final norm costing ``(vocab * hidden + norm) / block``
+    blocks on the last stage.
+    """
+    if pp <= 1:
+        return [model.layers]
+    from .pipeline import stage_bounds
+
+    head = (model.vocab * model.hidden + model.norm_params) / max(1, model.layer_params)
+    return [end - start for start, end in stage_bounds(model.layers, pp, last_extra=head)]
+
+
 def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, float]:
     """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline stage.
 
-    Blocks are split ``pp`` ways (the first stage also holds the input embedding, the last the output projection
-    and final norm); TP splits block and embedding matrices ``tp`` ways (Megatron-LM); EP splits experts ``ep``
-    ways. What TP does not split stays whole on every tensor-parallel rank: the norms' weights and biases (sequence
-    parallelism splits their activations, not their weights), the biases of the row-parallel projections
+    Blocks are split ``pp`` ways as :func:`pipeline_blocks` says (the first stage also holds the input embedding,
+    the last the output projection and final norm; the stage with the most parameters is the worst); TP splits
+    block and embedding matrices ``tp`` ways (Megatron-LM); EP splits experts ``ep`` ways. What TP does not split
+    stays whole on every tensor-parallel rank: the norms' weights and biases (sequence parallelism splits their
+    activations, not their weights), the biases of the row-parallel projections
     (attention output, MLP down projection) and a learned position table (Shoeybi et al. 2019; the same in
     PyTorch's ``ColwiseParallel``/``RowwiseParallel``, measured to the byte in tests/test_tensor_parallel.py).
     ``block`` is one block's share, the unit that ZeRO-3/FSDP gather at a time.
     """
     scale = model.params / model.params_from_dims if model.params_override else 1.0
-    blocks = math.ceil(model.layers / dims.pp)
     expert_per_block = model.experts * model.expert_params if model.is_moe else 0
     dense_per_block = model.layer_params - expert_per_block
     whole_per_block = 2 * model.norm_params + model.hidden * (model.out_bias + (model.mlp_bias and not model.is_moe))
@@ -192,10 +206,16 @@ def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, f
     first_whole = positions + (model.norm_params if dims.pp == 1 else 0)
     last = model.lm_head_params + model.norm_params + (model.embedding_params if model.tied_embeddings else 0)
     last_whole = model.norm_params + (positions if model.tied_embeddings else 0)
-    edge, edge_whole = max((first, first_whole), (last, last_whole)) if dims.pp > 1 else (first, first_whole)
-    split = blocks * (dense_per_block - whole_per_block) + edge - edge_whole
-    dense = split / dims.tp + blocks * whole_per_block + edge_whole
-    expert = blocks * expert_per_block / dims.ep
+    counts = pipeline_blocks(model, dims.pp)
+
+    def stage(i: int) -> tuple[float, float]:
+        blocks = counts[i]
+        edge = (first if i == 0 else 0) + (last if i == len(counts) - 1 and dims.pp > 1 else 0)
+        edge_whole = (first_whole if i == 0 else 0) + (last_whole if i == len(counts) - 1 and dims.pp > 1 else 0)
+        split = blocks * (dense_per_block - whole_per_block) + edge - edge_whole
+        return split / dims.tp + blocks * whole_per_block + edge_whole, blocks * expert_per_block / dims.ep
+
+    dense, expert = max((stage(i) for i in range(len(counts))), key=lambda de: de[0] + de[1])
     block = ((dense_per_block - whole_per_block) / dims.tp + whole_per_block + expert_per_block / dims.ep) * scale
     return dense * scale, expert * scale, block
 
@@ -266,7 +286,7 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h, v, t = model.hidden, model.vocab, dims.tp
-    blocks = math.ceil(model.layers / dims.pp)
+    counts = pipeline_blocks(model, dims.pp)
     per_layer = activation_bytes_per_layer(model, training, dims)
     in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
@@ -277,8 +297,8 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
     recompute_peak = 0.0
     if training.checkpointing is Checkpointing.FULL:
         recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
-    first = blocks * per_layer * in_flight + embed
-    last = blocks * per_layer + output
+    first = counts[0] * per_layer * in_flight + embed
+    last = counts[-1] * per_layer + output
     total = first + output if dims.pp == 1 else max(first, last)
     return {
         "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,

@@ -8,8 +8,6 @@ pipeline splitting both give the edge stages fewer blocks; here the split minimi
 
 from __future__ import annotations
 
-from functools import cache
-
 from ..errors import ParallelismError
 
 __all__ = ["stage_bounds", "stage_costs"]
@@ -35,29 +33,27 @@ def stage_bounds(
         if not value >= 0:
             raise ParallelismError(f"{name} must be >= 0, got {value!r}")
 
-    def cost(stage: int, start: int, end: int) -> float:
-        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == n_stages - 1 else 0.0)
-        return (end - start) + extra
+    if n_stages == 1:
+        return [(0, n_layers)]
+    extra = [first_extra] + [0.0] * (n_stages - 2) + [last_extra]
 
-    @cache
-    def best(stage: int, start: int) -> tuple[float, float, tuple[int, ...]]:
-        """(max cost, sum of squares, cut points) for stages ``stage..`` over layers ``start..``."""
-        left = n_stages - stage
-        if left == 1:
-            c = cost(stage, start, n_layers)
-            return c, c * c, ()
-        out: tuple[float, float, tuple[int, ...]] | None = None
-        for end in range(start + 1, n_layers - left + 2):
-            c = cost(stage, start, end)
-            rest_max, rest_sq, cuts = best(stage + 1, end)
-            cand = (max(c, rest_max), c * c + rest_sq, (end, *cuts))
-            if out is None or cand[:2] < out[:2]:
-                out = cand
-        assert out is not None
-        return out
+    def capacities(limit: float) -> list[int] | None:
+        caps = [int(limit - e + 1e-9) for e in extra]  # the most blocks each stage can take under the limit
+        return caps if min(caps) >= 1 and sum(caps) >= n_layers else None
 
-    cuts = (0, *best(0, 0)[2], n_layers)
-    return [(cuts[i], cuts[i + 1]) for i in range(n_stages)]
+    # the smallest feasible largest cost is a block count plus an edge's extra (or a plain block count)
+    limits = sorted({k + e for k in range(1, n_layers + 1) for e in (0.0, first_extra, last_extra)})
+    caps = next(c for c in (capacities(m) for m in limits) if c is not None)
+    # then take blocks away from the costliest stages (ties: the later one) until the layers are exactly covered;
+    # for a separable convex objective this greedy gives the most even split (smallest sum of squared costs)
+    for _ in range(sum(caps) - n_layers):
+        i = max((k for k in range(n_stages) if caps[k] > 1), key=lambda k: (caps[k] + extra[k], k))
+        caps[i] -= 1
+    bounds, start = [], 0
+    for c in caps:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
 
 
 def stage_costs(bounds: list[tuple[int, int]], *, first_extra: float = 0.0, last_extra: float = 0.0) -> list[float]:

@@ -107,6 +107,33 @@ def main() -> None:
         got = jd.resume({"model": model, "optimizer": opt}, root=ckpt)
         assert got is not None, "nothing to resume"
         first = got[1] + 1
+    measured_grads: list[int] = []
+    if os.environ.get("EQ_MEASURE") == "1":  # gradient bytes right before the step clears them (any loop form)
+        clear = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            measured_grads.append(sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None))
+            clear(set_to_none=set_to_none)
+
+        opt.zero_grad = zero_grad
+    in_flight = {"now": 0, "max": 0}
+    pipeline = getattr(jd.Runtime, "current", None)
+    from jupyter_dist.worker._runtime import get_runtime
+
+    pipe = get_runtime().pipeline
+    if pipe is not None and pipe.is_first:  # micro-batches whose activations stage 0 holds at once
+        stage0 = pipe.stages[0].submod
+        block = next(iter(stage0.layers.values()))
+
+        def fwd(*_: object) -> None:
+            in_flight["now"] += 1
+            in_flight["max"] = max(in_flight["max"], in_flight["now"])
+
+        def bwd(*_: object) -> None:
+            in_flight["now"] -= 1
+
+        stage0.register_forward_hook(fwd)
+        block.register_full_backward_hook(bwd)
     save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
     step_form = os.environ.get("EQ_STEP_FORM") == "1" or int(os.environ.get("JD_PP", "1")) > 1
 
@@ -123,6 +150,7 @@ def main() -> None:
             local = tokens.chunk(jd.world_size)[jd.rank]
         else:
             local = tokens.chunk(jd.dp_size)[jd.dp_rank]
+        in_flight.update(now=0, max=0)  # per step (the first step also runs the schedule's shape inference)
         if step_form:  # the form that runs under every plan (pipelines, context parallelism included)
             value = jd.train_step(local[:, :-1], local[:, 1:], loss_fn).clone()
             grad_bytes = 0
@@ -150,8 +178,9 @@ def main() -> None:
         states = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         measured = {
             "params": sum(local_bytes(p) for p in model.parameters()),
-            "grads": grad_bytes,
+            "grads": measured_grads[-1] if measured_grads else grad_bytes,
             "optimizer": sum(local_bytes(v) for v in states),
+            "in_flight": in_flight["max"],
         }
         with open(f"{out_path}.rank{jd.rank}.json", "w") as f:
             json.dump(measured, f)
