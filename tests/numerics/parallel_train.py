@@ -117,7 +117,6 @@ def main() -> None:
 
         opt.zero_grad = zero_grad
     in_flight = {"now": 0, "max": 0}
-    pipeline = getattr(jd.Runtime, "current", None)
     from jupyter_dist.worker._runtime import get_runtime
 
     pipe = get_runtime().pipeline
