@@ -157,8 +157,8 @@ def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(tmp_path: P
     run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_PP="2", JD_MICROBATCHES="4", JD_PP_SCHEDULE="1f1b",
         EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2", EQ_LAYERS="4")  # fmt: skip
     spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
-    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4),
-             TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4), strategy="fsdp2", pp=2)  # fmt: skip
+    shape = TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4)
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4), shape, strategy="fsdp2", pp=2)
     cand = p.candidate("fsdp2+pp2")
     want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
     got = [json.loads((tmp_path / f"out.pt.rank{r}.json").read_text()) for r in range(4)]
