@@ -16,7 +16,7 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TESTS = Path(__file__).resolve().parent
 EXECUTED_HERE = ("plan_large_models.ipynb", "communication_health.ipynb", "strategies_memory.ipynb",
-                 "tensor_parallel.ipynb")  # fmt: skip
+                 "tensor_parallel.ipynb", "parallelism_3d.ipynb")  # fmt: skip
 EXECUTED_ELSEWHERE = {"quickstart.ipynb": "test_demo.py", "pool_quickstart.ipynb": "test_pool.py",
                       "cluster_slurm.ipynb": "test_slurm.py", "cluster_skypilot.ipynb": "test_skypilot.py"}  # fmt: skip
 
@@ -110,3 +110,13 @@ def test_tensor_parallel_notebook_rehearses_the_70b_layout_and_matches_the_plan(
     assert "recommended: fsdp2+tp2+sp" in text
     assert "rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2" in text, text
     assert "every rank holds exactly the bytes the plan predicts" in text
+
+
+@pytest.mark.slow
+def test_parallelism_3d_notebook_runs_fsdp2_tp2_pp2_on_8_processes_as_planned(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "parallelism_3d.ipynb", tmp_path, timeout=900)
+    text = outputs_text(nb)
+    assert "recommended: zero1+tp8+pp32+sp" in text and "best runnable here: fsdp2+tp8+pp" in text
+    assert "fsdp2+tp2+pp2+sp: dp=2 x tp=2 x pp=2, 4 micro-batches, blocks per stage [4, 4]" in text
+    assert "mesh pp=2 x dp_shard=2 x tp=2" in text
+    assert "the worst stage holds exactly the planned bytes" in text

@@ -21,7 +21,8 @@ Examples
 
 ``jd.rank``, ``jd.world_size``, ``jd.local_rank``, ``jd.device``, ``jd.is_main``, ``jd.dp_rank`` and ``jd.dp_size``
 (the data-parallel index and count: load batches by these) are resolved on first use; ``jd.mesh`` is the device mesh
-``jd.wrap`` built under model parallelism (``None`` otherwise). Under torchrun the first use initialises the process
+``jd.wrap`` built under model parallelism (``None`` otherwise), ``jd.pipeline`` this rank's pipeline stages and
+schedule under pipeline parallelism (``None`` otherwise). Under torchrun the first use initialises the process
 group (nccl with CUDA, else gloo); elsewhere they are rank 0 of 1 with no process group. Importing this module is
 cheap: it loads neither torch nor any notebook package. In a launched worker (``JD_RUN_DIR`` set) importing it
 also redirects stdout/stderr to ``logs/rank-<k>.log`` (``JD_LOG_STDIO=1``) and arranges for an ``exit`` record at
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     dp_rank: int
     dp_size: int
     mesh: Any
+    pipeline: Any
 
 __all__ = [
     "rank",
@@ -59,6 +61,7 @@ __all__ = [
     "dp_rank",
     "dp_size",
     "mesh",
+    "pipeline",
     "init",
     "wrap",
     "cp_shard",
@@ -83,7 +86,7 @@ __all__ = [
     "PRECISIONS",
 ]
 
-_LAZY = ("rank", "world_size", "local_rank", "device", "is_main", "dp_rank", "dp_size", "mesh")
+_LAZY = ("rank", "world_size", "local_rank", "device", "is_main", "dp_rank", "dp_size", "mesh", "pipeline")
 
 
 def __getattr__(name: str) -> Any:

@@ -156,6 +156,8 @@ class Pipeline:
         ]  # fmt: skip
         self.pp_group = pp_group
         self.microbatches = env.microbatches or self.n_stages
+        self.layers = {index: list(view.layers.keys()) for index, view in stages}
+        """This rank's stage indices and the blocks (by global index) each runs."""
         self._schedule: Any = None
         self._loss_fn: Any = None
 
