@@ -3,8 +3,9 @@
 Run: python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 4 8] [--steps 6]
 
 Trains the reference transformer with ``jd.train_step`` under ``fsdp2+pp<p>`` (one process per stage, gloo on CPU,
-one thread each) and times, on every stage, the forward and backward compute of each micro-batch (hooks on the stage
-module and its first block, and the loss) against the wall time of the schedule's step (the optimizer step apart). Idle = step time - compute; the planner's bubble is
+one thread each) and times, on every stage, the forward and backward compute of each micro-batch (hooks on the
+stage module and its first block, and the loss) against the wall time of the schedule's step (the optimizer step
+apart). Idle = step time - compute; the planner's bubble is
 idle / compute = (p - 1) / m (Narayanan et al. 2021, section 2.2: the pipeline flush costs p - 1 micro-batch slots
 out of m). Steps after the first (schedule set-up) are averaged. Each stage holds the same number of blocks and the
 head is kept small, so the stages cost the same and the measured bubble is the schedule's, not an imbalance.
@@ -96,7 +97,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     a = ap.parse_args()
     print(f"1F1B, {a.stages} stages, reference transformer dim {a.dim}, seq {a.seq}, CPU/gloo, 1 thread per stage")
-    print(f"{'micro-batches':>13} {'stage':>5} {'step s':>8} {'compute s':>10} {'idle/compute':>13} {'plan':>6} {'ratio':>6}")
+    head = ("micro-batches", "stage", "step s", "compute s", "idle/compute", "plan", "ratio")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (13, 5, 8, 10, 13, 6, 6), strict=True)))
     with tempfile.TemporaryDirectory() as d:
         for m in a.microbatches:
             per_stage = measure(a.stages, m, a.steps, a.dim, a.seq, Path(d))
