@@ -538,10 +538,11 @@ def _train(
     *,
     launcher: str = "torchrun",
     extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> str:
     """Render the script and the project's launch command for it, run them, return the output."""
     script = tmp_path / "train.py"
-    args = (*TINY, "--steps", str(steps))
+    args = (*TINY, "--steps", str(steps), *extra_args)
     config = tmp_path / "ds_config.json"
     if launcher == "torchrun" and layout_of(p, RenderOptions(candidate=cand)).strategy.family == "deepspeed":
         args += ("--deepspeed_config", str(config))
@@ -729,3 +730,95 @@ def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tm
     a, _ = _train_twice(tmp_path, _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True), "fsdp2+tp2+sp")
     assert "mesh dp_shard=2 x tp=2" in a
     assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism: stages on CPU processes (gloo), the same math as data parallelism on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _pp_plan(gpus: int, precision: str = "fp32", checkpointing: str = "none", **dims: Any) -> Plan:
+    """Micro-batch 2 x 4 micro-batches: with dp 1 the global batch of the dp 2 reference (2 x 2 x 2 = 8)."""
+    return _plan(1, gpus, micro_batch=2, grad_accum=4, seq_len=32, precision=precision, checkpointing=checkpointing,
+                 **dims)  # fmt: skip
+
+
+def test_the_scripts_stage_bounds_are_the_planners() -> None:
+    """The script inlines the stage split (it imports nothing of jupyter_dist); it cuts as plan/pipeline.py does."""
+    from jupyter_dist.plan.pipeline import stage_bounds
+
+    s = Script(render_train_script(_pp_plan(2, pp=2), RenderOptions(candidate="fsdp2+pp2")))
+    fn = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "stage_bounds")
+    namespace: dict[str, Any] = {}
+    exec(f"import functools\n{ast.get_source_segment(s.source, fn)}", namespace)
+    for layers in (2, 5, 8, 13, 32):
+        for stages in range(1, min(layers, 8) + 1):
+            for extra in (0.0, 0.3, 1.0, 2.5, 7.0):
+                got = namespace["stage_bounds"](layers, stages, last_extra=extra)
+                assert got == stage_bounds(layers, stages, last_extra=extra), (layers, stages, extra)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "schedule", "mesh"),
+    [("fsdp2+pp2", 2, "1f1b", "pp=2 x dp_shard=1"), ("fsdp2+pp2", 2, "gpipe", "pp=2 x dp_shard=1"),
+     ("fsdp2+tp2+pp2+sp", 4, "1f1b", "pp=2 x dp_shard=1 x tp=2")],
+)  # fmt: skip
+def test_pp_script_has_the_losses_of_the_data_parallel_script(
+    tmp_path: Path, dp_losses: list[float], cand: str, gpus: int, schedule: str, mesh: str
+) -> None:
+    """Equal math: pp 2 (x tp 2 + sp) over 4 micro-batches of 2 trains like dp 2 x 2 micro-steps of 2, fp32, 1e-5.
+
+    The first stage reads the inputs and the last the targets of the same 8 sequences the dp 2 reference's two
+    replicas read; the schedule's mean over micro-batches is the reference's mean over micro-steps and replicas, and
+    the gradient norm (clipped at 1.0) is summed over the stages. A wrong stage cut, data split, loss scaling or
+    gradient reduction shows in the losses.
+    """
+    p = _pp_plan(gpus, **_dims(cand))
+    lay = layout_of(p, RenderOptions(candidate=cand))
+    assert lay.global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch == 8
+    out = _train(tmp_path, p, cand, 5, extra_args=("--schedule", schedule))
+    assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh} schedule {schedule}, 4 micro-batches" in out
+    assert "pipeline stages (blocks): 0: 0..0, 1: 1..1" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+def test_pp_script_trains_and_resumes_interleaved_bf16_full_checkpointing(tmp_path: Path) -> None:
+    """fsdp2+pp2 with interleaved 1F1B (2 stages per rank, 4 blocks), bf16-mixed and full activation checkpointing
+    saves one flattened DCP checkpoint of both ranks' stages and resumes from it."""
+    args = ("--schedule", "interleaved-1f1b", "--layers", "4")
+    p = _pp_plan(2, "bf16-mixed", "full", pp=2)
+    a = _train(tmp_path, p, "fsdp2+pp2", 4, extra_args=args)
+    steps_a = _assert_trained(a, 1, 4)
+    assert steps_a[-1][1] < steps_a[0][1] - 0.2, f"the loss did not go down: {steps_a}"
+    assert "pipeline stages (blocks): 0: 0..0, 1: 1..1, 2: 2..2, 3: 3..3" in a
+    b = _train(tmp_path, p, "fsdp2+pp2", 6, extra_args=args)
+    resumed = RESUMED_RE.search(b)
+    assert resumed is not None and int(resumed.group(2)) == 4, b[-3000:]
+    steps_b = _assert_trained(b, 5, 6)
+    assert steps_b[0][1] < steps_a[0][1]
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(tmp_path / "ckpt" / "step-6")).read_metadata().state_dict_metadata)
+    for layer in range(4):  # every stage's parameters under their whole-model names, one optimizer key each
+        assert f"model.blocks.{layer}.attn.q_proj.weight" in keys
+        assert f"optim.state.blocks.{layer}.attn.q_proj.weight.exp_avg" in keys
+    assert "model.tok_emb.weight" in keys and "model.head.weight" in keys
+
+
+@pytest.mark.slow
+@needs_torch
+def test_pp_script_refuses_a_1f1b_schedule_with_fewer_micro_batches_than_stages(tmp_path: Path) -> None:
+    p = _pp_plan(2, pp=2)
+    script = tmp_path / "train.py"
+    script.write_text(render_train_script(p, RenderOptions(candidate="fsdp2+pp2")))
+    res = subprocess.run([sys.executable, str(script), "--grad-accum", "1"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (
+        "1F1B needs at least as many micro-batches (--grad-accum 1) as pipeline stages (2); raise --grad-accum or "
+        "use --schedule gpipe"
+    )
