@@ -326,7 +326,9 @@ def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) 
     # build_mesh()'s sizes, evaluated with the script's own constants on that world size
     build = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_mesh")
     expr = next(n.value for n in ast.walk(build) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sizes")
-    unit = next(n.value.elts[1] for n in ast.walk(build) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple))
+    unit = next(  # world_size, unit = dist.get_world_size(), <ranks of one replica>
+        n.value.elts[1] for n in ast.walk(build) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+    )
     names = s.value(s.keyword(s.calls("init_device_mesh")[0], "mesh_dim_names"))
     env = {**s.constants, "world_size": world, "unit": eval(compile(ast.Expression(unit), "unit", "eval"), s.constants)}
     sizes = dict(zip(names, eval(compile(ast.Expression(expr), "sizes", "eval"), env), strict=True))

@@ -43,8 +43,9 @@ DEFAULT_STEPS = 1000
 
 
 _DTYPES = {k: f"torch.{v}" for k, v in TORCH_DTYPES.items()}
-_STDLIB = frozenset({"argparse", "collections", "contextlib", "fnmatch", "functools", "json", "os", "re", "time", "pathlib",
-                     "typing"})
+_STDLIB = frozenset(
+    {"argparse", "collections", "contextlib", "fnmatch", "functools", "json", "os", "re", "time", "pathlib", "typing"}
+)
 _FSDP1_AC = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 # ===============================================================================================================
@@ -201,17 +202,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 '''
 
-_ARGS_TORCH = '''
+_ARGS_TORCH = """
 parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="sequences per GPU per micro-step")
 parser.add_argument("--grad-accum", type=int, default=GRAD_ACCUM, help="micro-steps per optimizer step")
 parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max gradient norm (0: no clipping)")
-'''
+"""
 
-_ARGS_DEEPSPEED = '''
+_ARGS_DEEPSPEED = """
 parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON: batch sizes, precision, ZeRO")
 parser.add_argument("--deepspeed", action="store_true", help="accepted: the deepspeed launcher convention")
 parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="ignored: LOCAL_RANK is read")
-'''
+"""
 
 _SETUP = '''
 def setup_distributed() -> torch.device:
@@ -278,7 +279,7 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 '''
 
-_HYBRID_MESH = '''
+_HYBRID_MESH = """
 world_size = dist.get_world_size()
 if world_size % SHARD_GROUP_SIZE:
     raise SystemExit(f"world size {world_size} is not a multiple of the shard group size {SHARD_GROUP_SIZE}")
@@ -286,7 +287,7 @@ if world_size % SHARD_GROUP_SIZE:
 mesh = init_device_mesh(
     device.type, (world_size // SHARD_GROUP_SIZE, SHARD_GROUP_SIZE), mesh_dim_names=<<names>>
 )
-'''
+"""
 
 _TP_PLAN = '''
 def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -1077,7 +1078,7 @@ class _Script:
             rows.append(("SHARD_GROUP_SIZE", str(self.group), "ranks that share one sharded replica (inside a node)"))
         if self.pp > 1:
             rows += [
-                ("PP", str(self.pp), "pipeline-parallel degree: ranks that hold consecutive blocks (the outermost dim)"),
+                ("PP", str(self.pp), "pipeline-parallel degree: ranks holding consecutive blocks (the outermost dim)"),
                 ("SCHEDULES", '("gpipe", "1f1b", "interleaved-1f1b")', "pipeline schedules --schedule takes"),
                 ("SCHEDULE", '"1f1b"', "the one the planner's bubble (PP - 1) / micro-batches assumes"),
             ]
@@ -1250,7 +1251,10 @@ class _Script:
         if not self.meshed:
             return ""
         self.use_from("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
-        names, sizes, unit, what = [], [], [], []
+        names: list[str] = []
+        sizes: list[str | None] = []  # None: the data-parallel size that fills the rest
+        unit: list[str] = []
+        what: list[str] = []
         if self.pp > 1:
             names.append("pp")
             sizes.append("PP")
@@ -1280,12 +1284,12 @@ class _Script:
                 "on NVLink)."
             )  # fmt: skip
         product = " * ".join(unit)
-        sizes = ["world_size // unit" if x is None else x for x in sizes]
+        size_exprs = ["world_size // unit" if x is None else x for x in sizes]
         doc = _wrap(" ".join(what), 112)
         return _fill(
             _BUILD_MESH, shape=f"({', '.join(names)})", innermost=", tensor parallelism innermost" * (self.tp > 1),
             what="\n".join(doc), unit=product if len(unit) == 1 else f"({product})",
-            unit_what=" x ".join(unit), sizes=", ".join(sizes),
+            unit_what=" x ".join(unit), sizes=", ".join(size_exprs),
             names=", ".join(f'"{n}"' for n in names),
         )  # fmt: skip
 
@@ -1300,12 +1304,11 @@ class _Script:
         if self.tp > 1:
             self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
             layout = "held(model, tp_plan(SEQUENCE_PARALLEL))" if self.pp > 1 else "tp_plan(SEQUENCE_PARALLEL)"
+            what = "each layer's weights" if self.pp == 1 else "this stage's layers"
             tensor_parallel = _lines(
-                "# split each layer's weights over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank "
-                "agrees)" if self.pp == 1 else
-                "# split this stage's layers over the tp ranks as tp_plan() says (taken from tp rank 0: the ranks agree)",
+                f"# split {what} over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank agrees)",
                 f'parallelize_module(model, mesh["tp"], {layout})',
-            )  # fmt: skip
+            )
         if self.pp > 1 and self.tp > 1:
             doc = "One pipeline stage: tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims."
         elif self.pp > 1:
@@ -1357,11 +1360,10 @@ class _Script:
             return _fill(_MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing())
         fam = self.family
         if self.pp > 1:
-            clip = _lines(
+            return _fill(_MAIN_PIPELINE, clip=_lines(
                 'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
                 'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
-            )
-            return _fill(_MAIN_PIPELINE, clip=clip)
+            ))  # fmt: skip
         backward = "scaler.scale(loss).backward()" if self.fp16 else "loss.backward()"
         forward = "loss = compute_loss(model, inputs, targets) / args.grad_accum"
         if fam == "ddp" and self.mixed:
@@ -1453,7 +1455,8 @@ def _check_supported(lay: Layout) -> None:
             raise RenderError(
                 f"candidate {name}: {what} parallelism is generated with FSDP2 only: fsdp2 or fsdp2-hybrid with "
                 f"+tpN (+sp) and/or +ppN{have}; {lay.strategy.name} with {dim} {getattr(dims, dim)} needs "
-                "Megatron-DeepSpeed, or compile one of those or a data-parallel candidate (RenderOptions(candidate=...))"
+                "Megatron-DeepSpeed, or compile one of those or a data-parallel candidate "
+                "(RenderOptions(candidate=...))"
             )
     if dims.pp > 1 and lay.precision is Precision.FP16_MIXED:
         raise RenderError(
