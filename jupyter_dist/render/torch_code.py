@@ -1,4 +1,4 @@
-"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2, FSDP2 + tensor parallelism, ZeRO).
+"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 with tensor/pipeline parallelism, ZeRO).
 
 :func:`render_train_script` writes one readable file for the plan's chosen candidate: process-group set-up from
 torchrun's environment, the strategy with the plan's numbers (micro-batch, accumulation, bucket and shard-group
@@ -12,8 +12,20 @@ Tensor parallelism (``fsdp2+tpN``, ``fsdp2+tpN+sp``, ``fsdp2-hybrid+tpN(+sp)``) 
 of ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, tp innermost; the demo model's Megatron layout as a
 ``tp_plan(sequence_parallel)`` of ``parallelize_module`` styles next to ``BLOCK_CLASS`` (the part a user adapts to
 their model); activation checkpointing; ``fully_shard`` over the data-parallel sub-mesh; data loaded by data-parallel
-rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints. Pipeline, context and expert
-parallelism, and ZeRO with tp, are refused with a line naming what can be generated.
+rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints.
+
+Pipeline parallelism (``fsdp2+ppN``, ``fsdp2+tpN+ppM(+sp)``, and their ``fsdp2-hybrid`` forms) follows the worker too
+(:mod:`jupyter_dist.worker._pipeline`): the mesh ``(pp, [dp_replicate,] dp_shard[, tp])``, pp outermost; the demo
+model keeps its blocks in a ``ModuleDict`` keyed by index and skips parts set to ``None``, so ``split_model()`` gives
+each rank its stages under the whole model's parameter names (contiguous blocks balanced by cost, cut by an inlined
+copy of :func:`~jupyter_dist.plan.pipeline.stage_bounds`; ``keep_stage_part()`` is the part a user adapts); TP,
+activation checkpointing and FSDP2 per stage; a ``PipelineStage`` per stage on the ``pp`` group and a GPipe, 1F1B
+(default) or interleaved-1F1B schedule (``--schedule``, ``--stages-per-rank``) over the plan's micro-batches (its
+gradient accumulation); data read by data-parallel rank on the first stage (inputs) and the last (targets), the
+loss on the last; the gradient norm summed over the stages; one optimizer per stage; DCP checkpoints with
+``StateDictOptions(flatten_optimizer_state_dict=True)`` (one key per parameter, so a checkpoint resumes under another
+pipeline split). Context and expert parallelism, ZeRO or FSDP1 with tp/pp, and fp16 pipelines are refused with a line
+naming what can be generated.
 
 The script is assembled from the templates below: a line that holds only ``<<name>>`` is replaced by a block
 (indented like the marker, dropped when empty); ``<<name>>`` inside a line by a value. Pure and stdlib only: this
@@ -36,7 +48,7 @@ from .common import Layout, RenderError, RenderOptions, layout_of
 __all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
-"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp)."""
+"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp/pp)."""
 
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
@@ -1501,14 +1513,14 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
     Returns
     -------
     str
-        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor parallelism for ``fsdp2(-hybrid)+tpN``) or
-        DeepSpeed, per the candidate's strategy family.
+        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor and/or pipeline parallelism for
+        ``fsdp2(-hybrid)+tpN``, ``+ppN``, ``+tpN+ppM``) or DeepSpeed, per the candidate's strategy family.
 
     Raises
     ------
     RenderError
-        When the candidate uses pipeline, context or expert parallelism, or tensor parallelism with anything but
-        FSDP2/HSDP (the message names the plan's candidates that can be generated), or when
+        When the candidate uses context or expert parallelism, tensor or pipeline parallelism with anything but
+        FSDP2/HSDP, or fp16 with a pipeline (the message names the plan's candidates that can be generated), or when
         :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
