@@ -42,12 +42,15 @@ CANDIDATES = [
     ("zero3", 1, 4), ("zero2-offload", 1, 4), ("zero3-offload-params", 1, 4),
     # tensor parallelism with FSDP2: tp2 inside a node of 4 (dp 2), and HSDP on 2 nodes (mesh 2 x 2 x 2)
     ("fsdp2+tp2", 1, 4), ("fsdp2+tp2+sp", 1, 4), ("fsdp2-hybrid+tp2", 2, 4), ("fsdp2-hybrid+tp2+sp", 2, 4),
+    # pipeline parallelism with FSDP2, alone, with tp(+sp), and HSDP x tp x pp on 2 nodes (mesh 2 x 2 x 1 x 2 ... )
+    ("fsdp2+pp2", 1, 4), ("fsdp2+tp2+pp2", 1, 8), ("fsdp2+tp2+pp2+sp", 1, 8), ("fsdp2-hybrid+tp2+pp2+sp", 2, 4),
 ]  # fmt: skip
 MATRIX = [
     (cand, nodes, gpus, precision, ckpt)
     for cand, nodes, gpus in CANDIDATES
     for precision in Precision
     for ckpt in Checkpointing
+    if not ("+pp" in cand and precision is Precision.FP16_MIXED)  # refused (test_fp16_pipelines_are_refused)
 ]
 
 
@@ -71,9 +74,13 @@ def _plan(
 
 
 def _dims(cand: str) -> dict[str, Any]:
-    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``) from its name."""
-    m = re.search(r"\+tp(\d+)", cand)
-    return {"tp": int(m.group(1)), "sp": cand.endswith("+sp")} if m else {}
+    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``, ``pp``) from its name."""
+    out: dict[str, Any] = {}
+    if m := re.search(r"\+tp(\d+)", cand):
+        out.update(tp=int(m.group(1)), sp=cand.endswith("+sp"))
+    if m := re.search(r"\+pp(\d+)", cand):
+        out["pp"] = int(m.group(1))
+    return out
 
 
 def _with_settings(plan: Plan, name: str, **settings: Any) -> Plan:
@@ -208,7 +215,7 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
         assert ast.unparse(s.keyword(mp, "reduce_dtype")) == "torch.float32"
     if family == "fsdp2":
         assert s.has_call("MixedPrecisionPolicy") == mixed
-        assert len(s.calls("fully_shard")) == 2  # per block, then the root
+        assert len(s.calls("fully_shard")) == 2  # per block, then the root (under pp: of each stage)
     if precision is Precision.BF16_TRUE and family != "deepspeed":  # bf16 weights, no fp32 master copy
         assert any("torch.bfloat16" in ast.unparse(c) for c in s.calls("to"))
 
@@ -225,24 +232,35 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
     # gradient accumulation without redundant communication
     if family in ("ddp", "fsdp"):
         assert s.has_call("no_sync")
-    if family == "fsdp2":
-        assert s.has_call("set_requires_gradient_sync")
+    if family == "fsdp2" and lay.dims.pp == 1:
+        assert s.has_call("set_requires_gradient_sync")  # (under pp the schedule syncs after the last backward)
 
     # tensor parallelism: the plan's degree, the demo model's layout, data by data-parallel rank
-    tp = lay.dims.tp
-    assert s.constants.get("TP", 1) == tp
+    tp, pp = lay.dims.tp, lay.dims.pp
+    assert s.constants.get("TP", 1) == tp and s.constants.get("PP", 1) == pp
     assert s.has_call("parallelize_module") == (tp > 1) == ("def tp_plan(" in source)
     assert "jupyter_dist" not in source  # self-contained: the script is what a user takes to a cluster
     (sampler,) = s.calls("DistributedSampler")
-    if tp > 1:
-        assert s.constants["SEQUENCE_PARALLEL"] is lay.dims.sp
-        (parallelize,) = s.calls("parallelize_module")
-        assert [ast.unparse(a) for a in parallelize.args[1:]] == ["mesh['tp']", "tp_plan(SEQUENCE_PARALLEL)"]
+    if tp > 1 or pp > 1:
         (mesh,) = s.calls("init_device_mesh")
-        names = ("dp_replicate", "dp_shard", "tp") if lay.strategy.hybrid else ("dp_shard", "tp")
+        names = ("pp",) * (pp > 1) + ("dp_replicate",) * lay.strategy.hybrid + ("dp_shard",) + ("tp",) * (tp > 1)
         assert s.value(s.keyword(mesh, "mesh_dim_names")) == names
         assert ast.unparse(s.keyword(sampler, "num_replicas")) == "dp_size"
         assert ast.unparse(s.keyword(sampler, "rank")) == "dp_rank"
+    if tp > 1:
+        assert s.constants["SEQUENCE_PARALLEL"] is lay.dims.sp
+        (parallelize,) = s.calls("parallelize_module")
+        layout = "held(model, tp_plan(SEQUENCE_PARALLEL))" if pp > 1 else "tp_plan(SEQUENCE_PARALLEL)"
+        assert [ast.unparse(a) for a in parallelize.args[1:]] == ["mesh['tp']", layout]
+    if pp > 1:
+        assert "dp_size = world_size // (PP * TP)\n    dp_rank = (rank // TP) % dp_size" in source
+        assert s.constants["SCHEDULE"] == "1f1b" and s.flag_default("--schedule") == "1f1b"
+        assert {"split_model", "keep_stage_part", "stage_bounds", "build_schedule"} <= s.functions()
+        (stage,) = s.calls("PipelineStage")
+        assert ast.unparse(s.keyword(stage, "group")) == "group"
+        options = s.calls("StateDictOptions")  # pipelined checkpoints keep one key per parameter
+        assert [ast.unparse(c) for c in options] == ["StateDictOptions(flatten_optimizer_state_dict=True)"]
+    elif tp > 1:
         assert "dp_rank, dp_size = rank // TP, world_size // TP" in source
     else:
         assert ast.unparse(s.keyword(sampler, "num_replicas")) == "world_size"
@@ -289,7 +307,8 @@ def test_hybrid_sharding_uses_the_plans_group_size_on_a_2d_mesh(cand: str) -> No
             assert ast.unparse(s.keyword(call, "mesh")) == "mesh"
 
 
-@pytest.mark.parametrize("cand", ["fsdp2+tp2+sp", "fsdp2+tp4", "fsdp2-hybrid+tp2", "fsdp2-hybrid+tp2+sp"])
+@pytest.mark.parametrize("cand", ["fsdp2+tp2+sp", "fsdp2+tp4", "fsdp2-hybrid+tp2", "fsdp2-hybrid+tp2+sp", "fsdp2+pp2",
+                                  "fsdp2+pp4", "fsdp2+tp2+pp2+sp", "fsdp2-hybrid+tp2+pp2+sp"])  # fmt: skip
 def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) -> None:
     """torchrun, SLURM and SkyPilot start nodes x GPUs processes; the script's mesh on that many is the plan's."""
     p = _plan(2, 4, **_dims(cand))
@@ -307,11 +326,20 @@ def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) 
     # build_mesh()'s sizes, evaluated with the script's own constants on that world size
     build = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_mesh")
     expr = next(n.value for n in ast.walk(build) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sizes")
-    sizes = eval(compile(ast.Expression(expr), "sizes", "eval"), {**s.constants, "world_size": world})
-    assert math.prod(sizes) == world
-    assert sizes[-1] == lay.dims.tp and math.prod(sizes[:-1]) == lay.dims.dp  # tp innermost; dp_size = world // TP
+    unit = next(  # world_size, unit = dist.get_world_size(), <ranks of one replica>
+        n.value.elts[1] for n in ast.walk(build) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+    )
+    names = s.value(s.keyword(s.calls("init_device_mesh")[0], "mesh_dim_names"))
+    env = {**s.constants, "world_size": world, "unit": eval(compile(ast.Expression(unit), "unit", "eval"), s.constants)}
+    sizes = dict(zip(names, eval(compile(ast.Expression(expr), "sizes", "eval"), env), strict=True))
+    assert math.prod(sizes.values()) == world
+    assert (sizes.get("pp", 1), sizes.get("tp", 1)) == (lay.dims.pp, lay.dims.tp)
+    assert list(sizes)[-1] == ("tp" if lay.dims.tp > 1 else "dp_shard")  # tp innermost
+    assert sizes.get("dp_replicate", 1) * sizes["dp_shard"] == lay.dims.dp
     if lay.strategy.hybrid:
-        assert sizes[1] == lay.settings["shard_group_size"] and sizes[0] * sizes[1] == lay.dims.dp
+        assert sizes["dp_shard"] == lay.settings["shard_group_size"]
+    if lay.dims.pp > 1:  # the script's data split: dp_size = world_size // (PP * TP)
+        assert world // (s.constants["PP"] * s.constants["TP"]) == lay.dims.dp
 
 
 def test_deepspeed_script_takes_its_config_from_the_launcher() -> None:
@@ -366,32 +394,51 @@ def test_8bit_adamw_without_bitsandbytes_exits_with_the_install_hint(tmp_path: P
 # ---------------------------------------------------------------------------------------------------------------
 # Error paths
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("dim", "what"), [("pp", "pipeline"), ("cp", "context")])
-def test_pipeline_and_context_parallel_candidates_are_refused_naming_what_can_run(dim: str, what: str) -> None:
-    p = _plan(2, 4, **{dim: 2})
-    cand = next(c.name for c in p.candidates if getattr(c.dims, dim) == 2)
-    with pytest.raises(RenderError, match=rf"^candidate {re.escape(cand)}: {what} parallelism \({dim} 2\) is not "
-                       r"generated yet; fsdp2\+tpN and fsdp2-hybrid\+tpN candidates are, and the data-parallel ones "
-                       r"\(ddp, fsdp, fsdp2, deepspeed\); for pp/cp/ep use torchtitan"):  # fmt: skip
+def test_context_parallel_candidates_are_refused_naming_what_can_run() -> None:
+    p = _plan(2, 4, cp=2)
+    cand = next(c.name for c in p.candidates if c.dims.cp == 2)
+    with pytest.raises(RenderError, match=rf"^candidate {re.escape(cand)}: context parallelism \(cp 2\) is not "
+                       r"generated yet; fsdp2 and fsdp2-hybrid candidates with tpN and/or ppN are, and the "
+                       r"data-parallel ones \(ddp, fsdp, fsdp2, deepspeed\); for cp/ep use torchtitan"):  # fmt: skip
         render_train_script(p, RenderOptions(candidate=cand))
 
 
-def test_a_pipeline_refusal_names_the_plans_own_tp_candidates_which_compile() -> None:
-    """Llama-2-70B on 4 x 8 H100: the planner offers tp and tp x pp candidates; the refusal lists the former."""
+def test_a_context_parallel_refusal_names_the_plans_own_model_parallel_candidates_which_compile() -> None:
+    """Llama-2-70B on 4 x 8 H100: tp x pp candidates, and (from the same model with cp2 asked for) a cp candidate;
+    the refusal of the latter lists the former, which compile."""
     hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4)
     p = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096))
-    pp_cand = next(c.name for c in p.candidates if c.dims.pp > 1)
-    with pytest.raises(RenderError, match=r"is not generated yet; .* candidates are \(this plan has: ") as err:
-        render_train_script(p, RenderOptions(candidate=pp_cand))
+    cp = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096), cp=2).candidate("fsdp2+cp2")
+    p = dataclasses.replace(p, candidates=(*p.candidates, cp))
+    cp_cand = "fsdp2+cp2"
+    with pytest.raises(RenderError, match=r"is not generated yet; .* are \(this plan has: ") as err:
+        render_train_script(p, RenderOptions(candidate=cp_cand))
     listed = re.search(r"this plan has: ([^)]*)\)", str(err.value)).group(1).split(", ")  # type: ignore[union-attr]
-    assert listed and all(re.fullmatch(r"fsdp2(-hybrid)?\+tp\d+(\+sp)?", name) for name in listed)
-    assert Script(render_train_script(p, RenderOptions(candidate=listed[0]))).constants["TP"] > 1
+    assert all(re.fullmatch(r"fsdp2(-hybrid)?(\+tp\d+)?(\+pp\d+)?(\+sp)?", name) for name in listed[:-1])
+    assert len(listed) == 7 and listed[-1] == "..."  # six names, then an ellipsis
+    pipelined = next(name for name in listed if "+pp" in name)
+    assert Script(render_train_script(p, RenderOptions(candidate=pipelined))).constants["PP"] > 1
+
+
+def test_pipeline_with_zero1_is_refused_naming_the_fsdp2_candidates() -> None:
+    p = _plan(1, 4, pp=2)
+    with pytest.raises(RenderError, match=r"^candidate zero1\+pp2: pipeline parallelism is generated with FSDP2 only: "
+                       r"fsdp2 or fsdp2-hybrid with \+tpN \(\+sp\) and/or \+ppN \(this plan has: fsdp2\+pp2\); "
+                       r"zero1 with pp 2 needs Megatron-DeepSpeed"):  # fmt: skip
+        render_train_script(p, RenderOptions(candidate="zero1+pp2"))
+
+
+def test_fp16_pipelines_are_refused() -> None:
+    p = _plan(1, 4, pp=2, precision="fp16-mixed")
+    with pytest.raises(RenderError, match=r"^candidate fsdp2\+pp2: fp16 loss scaling across pipeline stages is not "
+                       r"generated; plan with bf16-mixed, bf16-true or fp32"):  # fmt: skip
+        render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
 
 
 def test_zero1_with_tensor_parallelism_is_refused_naming_the_fsdp2_candidates() -> None:
     p = _plan(1, 4, tp=2, sp=True)
     with pytest.raises(RenderError, match=r"^candidate zero1\+tp2\+sp: tensor parallelism is generated with FSDP2 "
-                       r"only: fsdp2\+tpN or fsdp2-hybrid\+tpN, with or without \+sp "
+                       r"only: fsdp2 or fsdp2-hybrid with \+tpN \(\+sp\) and/or \+ppN "
                        r"\(this plan has: fsdp2\+tp2\+sp\); zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
         render_train_script(p, RenderOptions(candidate="zero1+tp2+sp"))
 
@@ -493,10 +540,11 @@ def _train(
     *,
     launcher: str = "torchrun",
     extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> str:
     """Render the script and the project's launch command for it, run them, return the output."""
     script = tmp_path / "train.py"
-    args = (*TINY, "--steps", str(steps))
+    args = (*TINY, "--steps", str(steps), *extra_args)
     config = tmp_path / "ds_config.json"
     if launcher == "torchrun" and layout_of(p, RenderOptions(candidate=cand)).strategy.family == "deepspeed":
         args += ("--deepspeed_config", str(config))
@@ -684,3 +732,95 @@ def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tm
     a, _ = _train_twice(tmp_path, _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True), "fsdp2+tp2+sp")
     assert "mesh dp_shard=2 x tp=2" in a
     assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism: stages on CPU processes (gloo), the same math as data parallelism on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _pp_plan(gpus: int, precision: str = "fp32", checkpointing: str = "none", **dims: Any) -> Plan:
+    """Micro-batch 2 x 4 micro-batches: with dp 1 the global batch of the dp 2 reference (2 x 2 x 2 = 8)."""
+    return _plan(1, gpus, micro_batch=2, grad_accum=4, seq_len=32, precision=precision, checkpointing=checkpointing,
+                 **dims)  # fmt: skip
+
+
+def test_the_scripts_stage_bounds_are_the_planners() -> None:
+    """The script inlines the stage split (it imports nothing of jupyter_dist); it cuts as plan/pipeline.py does."""
+    from jupyter_dist.plan.pipeline import stage_bounds
+
+    s = Script(render_train_script(_pp_plan(2, pp=2), RenderOptions(candidate="fsdp2+pp2")))
+    fn = next(n for n in s.tree.body if isinstance(n, ast.FunctionDef) and n.name == "stage_bounds")
+    namespace: dict[str, Any] = {}
+    exec(f"import functools\n{ast.get_source_segment(s.source, fn)}", namespace)
+    for layers in (2, 5, 8, 13, 32):
+        for stages in range(1, min(layers, 8) + 1):
+            for extra in (0.0, 0.3, 1.0, 2.5, 7.0):
+                got = namespace["stage_bounds"](layers, stages, last_extra=extra)
+                assert got == stage_bounds(layers, stages, last_extra=extra), (layers, stages, extra)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "schedule", "mesh"),
+    [("fsdp2+pp2", 2, "1f1b", "pp=2 x dp_shard=1"), ("fsdp2+pp2", 2, "gpipe", "pp=2 x dp_shard=1"),
+     ("fsdp2+tp2+pp2+sp", 4, "1f1b", "pp=2 x dp_shard=1 x tp=2")],
+)  # fmt: skip
+def test_pp_script_has_the_losses_of_the_data_parallel_script(
+    tmp_path: Path, dp_losses: list[float], cand: str, gpus: int, schedule: str, mesh: str
+) -> None:
+    """Equal math: pp 2 (x tp 2 + sp) over 4 micro-batches of 2 trains like dp 2 x 2 micro-steps of 2, fp32, 1e-5.
+
+    The first stage reads the inputs and the last the targets of the same 8 sequences the dp 2 reference's two
+    replicas read; the schedule's mean over micro-batches is the reference's mean over micro-steps and replicas, and
+    the gradient norm (clipped at 1.0) is summed over the stages. A wrong stage cut, data split, loss scaling or
+    gradient reduction shows in the losses.
+    """
+    p = _pp_plan(gpus, **_dims(cand))
+    lay = layout_of(p, RenderOptions(candidate=cand))
+    assert lay.global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch == 8
+    out = _train(tmp_path, p, cand, 5, extra_args=("--schedule", schedule))
+    assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh} schedule {schedule}, 4 micro-batches" in out
+    assert "pipeline stages (blocks): 0: 0..0, 1: 1..1" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+def test_pp_script_trains_and_resumes_interleaved_bf16_full_checkpointing(tmp_path: Path) -> None:
+    """fsdp2+pp2 with interleaved 1F1B (2 stages per rank, 4 blocks), bf16-mixed and full activation checkpointing
+    saves one flattened DCP checkpoint of both ranks' stages and resumes from it."""
+    args = ("--schedule", "interleaved-1f1b", "--layers", "4")
+    p = _pp_plan(2, "bf16-mixed", "full", pp=2)
+    a = _train(tmp_path, p, "fsdp2+pp2", 4, extra_args=args)
+    steps_a = _assert_trained(a, 1, 4)
+    assert steps_a[-1][1] < steps_a[0][1] - 0.2, f"the loss did not go down: {steps_a}"
+    assert "pipeline stages (blocks): 0: 0..0, 1: 1..1, 2: 2..2, 3: 3..3" in a
+    b = _train(tmp_path, p, "fsdp2+pp2", 6, extra_args=args)
+    resumed = RESUMED_RE.search(b)
+    assert resumed is not None and int(resumed.group(2)) == 4, b[-3000:]
+    steps_b = _assert_trained(b, 5, 6)
+    assert steps_b[0][1] < steps_a[0][1]
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(tmp_path / "ckpt" / "step-6")).read_metadata().state_dict_metadata)
+    for layer in range(4):  # every stage's parameters under their whole-model names, one optimizer key each
+        assert f"model.blocks.{layer}.attn.q_proj.weight" in keys
+        assert f"optim.state.blocks.{layer}.attn.q_proj.weight.exp_avg" in keys
+    assert "model.tok_emb.weight" in keys and "model.head.weight" in keys
+
+
+@pytest.mark.slow
+@needs_torch
+def test_pp_script_refuses_a_1f1b_schedule_with_fewer_micro_batches_than_stages(tmp_path: Path) -> None:
+    p = _pp_plan(2, pp=2)
+    script = tmp_path / "train.py"
+    script.write_text(render_train_script(p, RenderOptions(candidate="fsdp2+pp2")))
+    res = subprocess.run([sys.executable, str(script), "--grad-accum", "1"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines()[-1] == (
+        "1F1B needs at least as many micro-batches (--grad-accum 1) as pipeline stages (2); raise --grad-accum or "
+        "use --schedule gpipe"
+    )

@@ -1,4 +1,4 @@
-"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2, FSDP2 + tensor parallelism, ZeRO).
+"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 with tensor/pipeline parallelism, ZeRO).
 
 :func:`render_train_script` writes one readable file for the plan's chosen candidate: process-group set-up from
 torchrun's environment, the strategy with the plan's numbers (micro-batch, accumulation, bucket and shard-group
@@ -12,8 +12,20 @@ Tensor parallelism (``fsdp2+tpN``, ``fsdp2+tpN+sp``, ``fsdp2-hybrid+tpN(+sp)``) 
 of ``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``, tp innermost; the demo model's Megatron layout as a
 ``tp_plan(sequence_parallel)`` of ``parallelize_module`` styles next to ``BLOCK_CLASS`` (the part a user adapts to
 their model); activation checkpointing; ``fully_shard`` over the data-parallel sub-mesh; data loaded by data-parallel
-rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints. Pipeline, context and expert
-parallelism, and ZeRO with tp, are refused with a line naming what can be generated.
+rank (tp ranks see the same batch); gradients clipped per mesh; DCP checkpoints.
+
+Pipeline parallelism (``fsdp2+ppN``, ``fsdp2+tpN+ppM(+sp)``, and their ``fsdp2-hybrid`` forms) follows the worker too
+(:mod:`jupyter_dist.worker._pipeline`): the mesh ``(pp, [dp_replicate,] dp_shard[, tp])``, pp outermost; the demo
+model keeps its blocks in a ``ModuleDict`` keyed by index and skips parts set to ``None``, so ``split_model()`` gives
+each rank its stages under the whole model's parameter names (contiguous blocks balanced by cost, cut by an inlined
+copy of :func:`~jupyter_dist.plan.pipeline.stage_bounds`; ``keep_stage_part()`` is the part a user adapts); TP,
+activation checkpointing and FSDP2 per stage; a ``PipelineStage`` per stage on the ``pp`` group and a GPipe, 1F1B
+(default) or interleaved-1F1B schedule (``--schedule``, ``--stages-per-rank``) over the plan's micro-batches (its
+gradient accumulation); data read by data-parallel rank on the first stage (inputs) and the last (targets), the
+loss on the last; the gradient norm summed over the stages; one optimizer per stage; DCP checkpoints with
+``StateDictOptions(flatten_optimizer_state_dict=True)`` (one key per parameter, so a checkpoint resumes under another
+pipeline split). Context and expert parallelism, ZeRO or FSDP1 with tp/pp, and fp16 pipelines are refused with a line
+naming what can be generated.
 
 The script is assembled from the templates below: a line that holds only ``<<name>>`` is replaced by a block
 (indented like the marker, dropped when empty); ``<<name>>`` inside a line by a value. Pure and stdlib only: this
@@ -36,14 +48,16 @@ from .common import Layout, RenderError, RenderOptions, layout_of
 __all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
-"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp)."""
+"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp/pp)."""
 
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
 
 
 _DTYPES = {k: f"torch.{v}" for k, v in TORCH_DTYPES.items()}
-_STDLIB = frozenset({"argparse", "collections", "contextlib", "functools", "json", "os", "re", "time", "pathlib"})
+_STDLIB = frozenset(
+    {"argparse", "collections", "contextlib", "fnmatch", "functools", "json", "os", "re", "time", "pathlib", "typing"}
+)
 _FSDP1_AC = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 # ===============================================================================================================
@@ -99,23 +113,31 @@ class Block(nn.Module):
 
 
 class DemoTransformer(nn.Module):
-    """Token and position embeddings, a stack of blocks, a final norm and the output head."""
+    """Token and position embeddings, a stack of blocks, a final norm and the output head.
+
+    The blocks sit in a dict keyed by their index and ``forward`` skips parts that are ``None``: a pipeline stage
+    keeps only some parts under their whole-model names (``blocks.5`` stays ``blocks.5``), so checkpoints mean the
+    same under any pipeline split, or none.
+    """
 
     def __init__(self, *, vocab_size: int, dim: int, layers: int, heads: int, max_seq_len: int) -> None:
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, dim)
         self.pos_emb = nn.Embedding(max_seq_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of the next token at every position."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the next token at every position (a pipeline stage without some parts: hidden states)."""
+        if self.tok_emb is not None:  # token ids in
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)
+        for block in self.blocks.values():
             x = block(x)
-        return self.head(self.norm(x))
+        if self.head is not None:  # logits out
+            x = self.head(self.norm(x))
+        return x
 
 
 BLOCK_CLASS = Block  # the repeated layer: FSDP's unit of sharding, full activation checkpointing's unit
@@ -132,10 +154,14 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     )
 
 
-def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """REPLACE with your loss: mean next-token cross-entropy, computed in fp32 whatever the compute dtype."""
-    logits = model(inputs)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of one micro-batch."""
+    return loss_fn(model(inputs), targets)
 
 
 # ==============================================================================================================
@@ -188,17 +214,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 '''
 
-_ARGS_TORCH = '''
+_ARGS_TORCH = """
 parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH, help="sequences per GPU per micro-step")
 parser.add_argument("--grad-accum", type=int, default=GRAD_ACCUM, help="micro-steps per optimizer step")
 parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="max gradient norm (0: no clipping)")
-'''
+"""
 
-_ARGS_DEEPSPEED = '''
+_ARGS_DEEPSPEED = """
 parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON: batch sizes, precision, ZeRO")
 parser.add_argument("--deepspeed", action="store_true", help="accepted: the deepspeed launcher convention")
 parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="ignored: LOCAL_RANK is read")
-'''
+"""
 
 _SETUP = '''
 def setup_distributed() -> torch.device:
@@ -265,7 +291,7 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 '''
 
-_HYBRID_MESH = '''
+_HYBRID_MESH = """
 world_size = dist.get_world_size()
 if world_size % SHARD_GROUP_SIZE:
     raise SystemExit(f"world size {world_size} is not a multiple of the shard group size {SHARD_GROUP_SIZE}")
@@ -273,7 +299,7 @@ if world_size % SHARD_GROUP_SIZE:
 mesh = init_device_mesh(
     device.type, (world_size // SHARD_GROUP_SIZE, SHARD_GROUP_SIZE), mesh_dim_names=<<names>>
 )
-'''
+"""
 
 _TP_PLAN = '''
 def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -316,24 +342,22 @@ def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 _BUILD_MESH = '''
 def build_mesh(device: torch.device) -> DeviceMesh:
-    """The device mesh <<shape>>, tensor parallelism innermost.
+    """The device mesh <<shape>><<innermost>>.
 
-    The TP ranks of one model replica are neighbours (inside a node: their per-layer collectives stay on NVLink);
     <<what>>
     """
-    world_size = dist.get_world_size()
-    if world_size % <<unit>>:
-        raise SystemExit(f"{world_size} processes: not a multiple of <<unit_what>>")
+    world_size, unit = dist.get_world_size(), <<unit>>
+    if world_size % unit:
+        raise SystemExit(f"{world_size} processes: not a multiple of <<unit_what>> = {unit}")
     sizes = (<<sizes>>)
     return init_device_mesh(device.type, sizes, mesh_dim_names=(<<names>>))
 '''
 
 _PARALLELIZE_FSDP2_TP = '''
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims (torchtitan's order)."""
+    """<<doc>>"""
     <<precision_model>>
-    # split each layer's weights over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank agrees)
-    parallelize_module(model, mesh["tp"], tp_plan(SEQUENCE_PARALLEL))
+    <<tensor_parallel>>
     <<activation_checkpointing>>
     <<precision>>
     dp_mesh = mesh[<<dp_dims>>]  # <<dp_what>>
@@ -361,6 +385,157 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = torch.stack(squares).sum().sqrt()
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+'''
+
+_ARGS_PIPELINE = """
+parser.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULE, help="pipeline schedule")
+parser.add_argument(
+    "--stages-per-rank", type=int, default=0, help="pipeline stages per rank (0: 2 for interleaved-1f1b, else 1)"
+)
+"""
+
+_HELD = '''
+def held(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries of ``plan`` whose modules this pipeline stage holds (the others live on other ranks)."""
+    names = [name for name, _ in model.named_modules()]
+    return {key: style for key, style in plan.items() if any(fnmatch.fnmatchcase(name, key) for name in names)}
+'''
+
+_PIPELINE = '''
+def check_pipeline(args: argparse.Namespace) -> None:
+    """Check --schedule, --stages-per-rank and --grad-accum (the schedule's micro-batches) together."""
+    interleaved = args.schedule == "interleaved-1f1b"
+    if args.stages_per_rank == 0:
+        args.stages_per_rank = 2 if interleaved else 1
+    if interleaved and args.stages_per_rank < 2:
+        raise SystemExit(f"--schedule interleaved-1f1b needs --stages-per-rank >= 2, got {args.stages_per_rank}")
+    if not interleaved and args.stages_per_rank != 1:
+        raise SystemExit(
+            f"--schedule {args.schedule} runs one stage per rank; --stages-per-rank {args.stages_per_rank} needs "
+            "--schedule interleaved-1f1b"
+        )
+    if args.schedule == "1f1b" and args.grad_accum < PP:
+        raise SystemExit(
+            f"1F1B needs at least as many micro-batches (--grad-accum {args.grad_accum}) as pipeline stages ({PP}); "
+            "raise --grad-accum or use --schedule gpipe"
+        )
+    if args.layers < PP * args.stages_per_rank:
+        raise SystemExit(
+            f"{PP * args.stages_per_rank} pipeline stages need at least as many blocks; --layers is {args.layers}"
+        )
+
+
+def stage_bounds(n_layers: int, n_stages: int, last_extra: float) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` block ranges, one per stage, that minimise the most loaded stage.
+
+    A block costs 1; the last stage also runs the norm and the head, worth ``last_extra`` blocks (the embeddings
+    are lookups and cost next to nothing), so it gets fewer blocks when the vocabulary is large. Among splits with
+    the same largest cost, the most even one (smallest sum of squared costs) wins.
+    """
+
+    @functools.cache
+    def best(stage: int, start: int) -> tuple[float, float, tuple[int, ...]]:
+        """(largest cost, sum of squared costs, cut points) of stages ``stage..`` over blocks ``start..``."""
+        if stage == n_stages - 1:
+            cost = n_layers - start + last_extra
+            return cost, cost * cost, ()
+        options = []
+        for end in range(start + 1, n_layers - (n_stages - stage) + 2):
+            cost = end - start
+            worst, squares, cuts = best(stage + 1, end)
+            options.append((max(cost, worst), cost * cost + squares, (end, *cuts)))
+        return min(options)
+
+    cuts = (0, *best(0, 0)[2], n_layers)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def keep_stage_part(model: nn.Module, start: int, end: int, *, first: bool, last: bool) -> None:
+    """REPLACE for your model: keep only what one pipeline stage runs.
+
+    Blocks ``start..end-1`` under their whole-model keys, the embeddings on the first stage, the norm and the head on
+    the last; the other parts become None, which forward skips.
+    """
+    for key in list(model.blocks):
+        if not start <= int(key) < end:
+            del model.blocks[key]
+    if not first:
+        model.tok_emb = model.pos_emb = None
+    if not last:
+        model.norm = model.head = None
+
+
+def split_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> list[tuple[int, nn.Module]]:
+    """The pipeline stages this rank holds, as (stage index, module), cut at block boundaries balanced by cost.
+
+    ``PP x --stages-per-rank`` stages; stage ``i`` goes to pp rank ``i % PP`` (the looped placement interleaved 1F1B
+    expects). Every rank built the whole model from the same seed, so each stage starts from the weights a run
+    without a pipeline has; a stage is a skeleton built on the meta device (no memory) that keeps its parts and takes
+    their tensors from the whole model. (A model too large for one host's memory: build it on the meta device too,
+    then initialise or load each stage's parts.)
+    """
+    n_stages = PP * args.stages_per_rank
+    per_block = sum(p.numel() for p in model.blocks["0"].parameters())
+    head = sum(p.numel() for part in (model.norm, model.head) for p in part.parameters())
+    bounds = stage_bounds(len(model.blocks), n_stages, last_extra=head / per_block)
+    whole = model.state_dict()
+    stages = []
+    for index in range(mesh["pp"].get_local_rank(), n_stages, PP):
+        with torch.device("meta"):
+            stage = build_model(args)
+        keep_stage_part(stage, *bounds[index], first=index == 0, last=index == n_stages - 1)
+        stage.load_state_dict(whole, strict=False, assign=True)  # the kept parts' tensors, not copies
+        stages.append((index, stage))
+    if dist.get_rank() == 0:
+        cuts = ", ".join(f"{i}: {start}..{end - 1}" for i, (start, end) in enumerate(bounds))
+        print(f"pipeline stages (blocks): {cuts}", flush=True)
+    return stages
+
+
+def build_schedule(
+    stages: list[tuple[int, nn.Module]], mesh: DeviceMesh, args: argparse.Namespace, device: torch.device
+) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
+    """The schedule that runs forward and backward of this rank's stages over ``--grad-accum`` micro-batches.
+
+    GPipe runs every micro-batch's forward, then every backward (all of them in flight); 1F1B alternates one forward
+    and one backward once the pipeline is full (at most PP in flight on the first stage; the bubble is
+    (PP - 1) / micro-batches of the step); interleaved 1F1B gives each rank several smaller stages, which shrinks
+    the bubble by that factor for more point-to-point traffic. Gradients are scaled by 1 / micro-batches (the loss
+    of a step is the mean of its micro-batches', as without a pipeline).
+    """
+    n_stages = PP * args.stages_per_rank
+    group = mesh["pp"].get_group()
+    pipeline = [PipelineStage(stage, index, n_stages, device, group=group) for index, stage in stages]
+    if args.schedule == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pipeline, args.grad_accum, loss_fn=loss_fn)
+    schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    return schedule(pipeline[0], args.grad_accum, loss_fn=loss_fn)
+'''
+
+_CLIP_PIPELINE = '''
+def clip_grad_norm(stages: list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Clip to ``max_norm``; return the norm of all gradients over every rank's shards and every pipeline stage.
+
+    The gradients are DTensors, on one mesh per kind of layout (with tensor parallelism: (dp, tp) for the split
+    layers, dp for the ones kept whole), which torch.nn.utils.clip_grad_norm_ cannot mix: each mesh's squared norm is
+    reduced apart, then the stages' squares are summed over ``pp``.
+    """
+    groups: dict[object, list[nn.Parameter]] = {}  # the parameters by the mesh their gradients live on
+    for stage in stages:
+        for param in stage.parameters():
+            if param.grad is not None:
+                mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+                groups.setdefault(mesh, []).append(param)
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum()
+    dist.all_reduce(total, group=pp_group)  # add the other stages' squares
+    total = total.sqrt()
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
@@ -440,6 +615,61 @@ def load_checkpoint(
     return int(state["step"])
 '''
 
+_CHECKPOINT_PIPELINE = r'''
+def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint under ``root`` as (step, folder); DCP writes ``.metadata`` last."""
+    found = [
+        (int(match.group(1)), path)
+        for path in root.glob("step-*")
+        if (match := re.fullmatch(r"step-(\d+)", path.name)) and (path / ".metadata").exists()
+    ]
+    return max(found) if found else None
+
+
+# one key per parameter (state.<name>.exp_avg, param_groups.<name>.lr): the stages' optimizer states merge into one
+# dict without clashing, and a stage that resumes reads its own parameters' groups (the nested form keeps one list
+# of param groups, which differs from stage to stage)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def pipeline_state(
+    stages: list[nn.Module], optimizers: list[torch.optim.Optimizer], step: int
+) -> tuple[dict[str, Any], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """The checkpoint's state (this rank's stages merged, whole-model names) and each stage's own state dicts."""
+    parts = [
+        get_state_dict(model, optimizer, options=FLAT) for model, optimizer in zip(stages, optimizers, strict=True)
+    ]
+    state = {"model": {}, "optim": {}, "step": step}
+    for model_state, optim_state in parts:
+        state["model"].update(model_state)
+        state["optim"].update(optim_state)
+    return state, parts
+
+
+def save_checkpoint(stages: list[nn.Module], optimizers: list[torch.optim.Optimizer], step: int, root: Path) -> None:
+    """Save with torch.distributed.checkpoint: each rank writes its stages' shards to ``root/step-<N>``."""
+    state, _ = pipeline_state(stages, optimizers, step)
+    dcp.save(state, checkpoint_id=root / f"step-{step}")
+
+
+def load_checkpoint(stages: list[nn.Module], optimizers: list[torch.optim.Optimizer], root: Path) -> int:
+    """Resume from the newest checkpoint under ``root`` (saved under any pipeline split); return its step."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return 0
+    step, path = latest
+    state, parts = pipeline_state(stages, optimizers, step)
+    dcp.load(state, checkpoint_id=path)  # in place: each rank reads the pieces of its own stages' shards
+    for stage, optimizer, (model_state, optim_state) in zip(stages, optimizers, parts, strict=True):
+        set_state_dict(
+            stage, optimizer, model_state_dict={k: state["model"][k] for k in model_state},
+            optim_state_dict={k: state["optim"][k] for k in optim_state}, options=FLAT,
+        )
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+    return int(state["step"])
+'''
+
 _CHECKPOINT_DEEPSPEED = '''
 # DeepSpeed's own checkpoint format: torch.distributed.checkpoint's get_state_dict() does not know ZeRO's partitions.
 def save_checkpoint(engine: deepspeed.DeepSpeedEngine, step: int, root: Path) -> None:
@@ -510,6 +740,74 @@ def main(argv: list[str] | None = None) -> None:
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(model, optimizer<<scaler_arg>>, step, checkpoint_dir)
     <<teardown>>
+    dist.destroy_process_group()
+'''
+
+_MAIN_PIPELINE = '''
+def main(argv: list[str] | None = None) -> None:
+    """Train for ``--steps`` optimizer steps; resume from the newest checkpoint in ``--checkpoint-dir``."""
+    args = parse_args(argv)
+    check_pipeline(args)
+    device = setup_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    mesh = build_mesh(device)
+    stages = [(index, parallelize(stage, mesh)) for index, stage in split_model(build_model(args), mesh, args)]
+    models = [stage for _, stage in stages]
+    optimizers = [build_optimizer(model, args) for model in models]  # one per stage, as its checkpoint is
+    schedule = build_schedule(stages, mesh, args, device)
+    first, last = stages[0][0] == 0, stages[-1][0] == PP * args.stages_per_rank - 1
+    checkpoint_dir = Path(args.checkpoint_dir)
+    start_step = load_checkpoint(models, optimizers, checkpoint_dir)
+
+    # data parallelism by replica, not by rank: the mesh is (pp, dp, tp) with tp innermost, so the TP ranks of a
+    # replica are neighbours and its stages are world_size // PP ranks apart; they all take replica dp_rank's batch,
+    # of which the first stage reads the inputs and the last the targets (the other stages read nothing)
+    dp_size = world_size // (PP * TP)
+    dp_rank = (rank // TP) % dp_size
+    batches = None
+    if first or last:
+        dataset = build_dataset(args)
+        sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, seed=args.seed, drop_last=True)
+        loader = DataLoader(  # one batch per optimizer step: the schedule splits it into --grad-accum micro-batches
+            dataset, batch_size=args.micro_batch * args.grad_accum, sampler=sampler, num_workers=args.num_workers,
+            drop_last=True, pin_memory=device.type == "cuda",
+        )
+        batches = micro_batches(loader, sampler, start=start_step)
+    if rank == 0:
+        print(f"{STRATEGY} on {world_size} ranks ({device.type}), {PRECISION}, steps {start_step + 1}..{args.steps}",
+              flush=True)
+        print("mesh", " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+              f"schedule {args.schedule}, {args.grad_accum} micro-batches", flush=True)
+
+    for model in models:
+        model.train()
+    for step in range(start_step + 1, args.steps + 1):
+        started = time.perf_counter()
+        inputs = targets = None
+        if batches is not None:
+            inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
+        losses: list[torch.Tensor] = []  # filled on the last stage: one loss per micro-batch
+        # forward and backward of every micro-batch in the schedule's order; FSDP2 reduce-scatters the gradients
+        # after each stage's last backward
+        schedule.step(*([inputs] if first else []), target=targets if last else None, losses=losses)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        <<clip>>
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        if step % args.log_every == 0 or step == args.steps:
+            dist.all_reduce(loss)  # the sum of the last stage's ranks' mean losses (the other ranks add zeros)
+            if rank == 0:
+                tokens = args.micro_batch * args.grad_accum * args.seq_len * dp_size
+                print(
+                    f"step {step}/{args.steps} loss {loss.item() / (dp_size * TP):.6f} "
+                    f"grad-norm {grad_norm.item():.3f} tokens/s {tokens / (time.perf_counter() - started):,.0f}",
+                    flush=True,
+                )
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(models, optimizers, step, checkpoint_dir)
     dist.destroy_process_group()
 '''
 
@@ -717,6 +1015,16 @@ class _Script:
         return self.lay.dims.tp
 
     @property
+    def pp(self) -> int:
+        """The pipeline-parallel degree (1: no pipeline)."""
+        return self.lay.dims.pp
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the script builds a device mesh of model-parallel dims (tp and/or pp) with ``build_mesh()``."""
+        return self.tp > 1 or self.pp > 1
+
+    @property
     def group(self) -> int:
         """Ranks that share one sharded replica in a hybrid (HSDP) strategy."""
         return int(self.lay.settings.get("shard_group_size", self.lay.gpus_per_node))
@@ -737,10 +1045,10 @@ class _Script:
         else:
             launch = torchrun_command(plan, opts, layout=lay).shell(with_env=False)
             # processes of one model replica (tp x the shard group when hybrid); the quick check runs two replicas
-            unit = self.tp * (self.group if self.lay.strategy.hybrid else 1)
+            unit = self.pp * self.tp * (self.group if self.lay.strategy.hybrid else 1)
             quick = f"torchrun --standalone --nproc-per-node {unit * 2 if unit <= 2 else unit} {opts.script}"
             note = ""
-        quick += " --steps 20 --model-dim 64 --layers 2 --seq-len 64 --vocab-size 256 --num-workers 0"
+        quick += f" --steps 20 --model-dim 64 --layers {max(2, self.pp)} --seq-len 64 --vocab-size 256 --num-workers 0"
         summary = (
             f"Plan: {plan.model.name} ({plan.model.params:,} parameters) on {hw.nodes} node(s) x {hw.gpus_per_node} "
             f"{hw.accelerator.label}; candidate {lay.candidate.name}. Precision {lay.precision.value}, optimizer "
@@ -780,11 +1088,20 @@ class _Script:
             rows.append(("BUCKET_CAP_MB", repr(bucket), "size of the gradient all-reduce buckets"))
         if lay.strategy.hybrid:
             rows.append(("SHARD_GROUP_SIZE", str(self.group), "ranks that share one sharded replica (inside a node)"))
-        if self.tp > 1:
+        if self.pp > 1:
             rows += [
-                ("TP", str(self.tp), "tensor-parallel degree: ranks that split every layer (the innermost mesh dim)"),
-                ("SEQUENCE_PARALLEL", str(lay.dims.sp), "split the norms and the residual stream along the sequence"),
+                ("PP", str(self.pp), "pipeline-parallel degree: ranks holding consecutive blocks (the outermost dim)"),
+                ("SCHEDULES", '("gpipe", "1f1b", "interleaved-1f1b")', "pipeline schedules --schedule takes"),
+                ("SCHEDULE", '"1f1b"', "the one the planner's bubble (PP - 1) / micro-batches assumes"),
             ]
+        if self.meshed:
+            rows.append(
+                ("TP", str(self.tp), "tensor-parallel degree: ranks that split every layer (the innermost mesh dim)")
+            )
+        if self.tp > 1:
+            rows.append(
+                ("SEQUENCE_PARALLEL", str(lay.dims.sp), "split the norms and the residual stream along the sequence")
+            )
         rows += [
             ("LR", repr(opts.lr), "learning rate (constant)"),
             ("WEIGHT_DECAY", repr(opts.weight_decay), "decoupled weight decay"),
@@ -802,7 +1119,10 @@ class _Script:
         return "\n".join(out)
 
     def arguments(self) -> str:
-        return _fill(_ARGS, strategy_args=_ARGS_DEEPSPEED if self.ds else _ARGS_TORCH)
+        strategy = _ARGS_DEEPSPEED if self.ds else _ARGS_TORCH
+        if self.pp > 1:
+            strategy = _lines(strategy.strip("\n"), _ARGS_PIPELINE.strip("\n"))
+        return _fill(_ARGS, strategy_args=strategy)
 
     def setup(self) -> str:
         if self.ds:
@@ -880,8 +1200,8 @@ class _Script:
                 _PARALLELIZE_FSDP, sharding=FSDP1_SHARDING[self.lay.strategy.name], precision=precision, mesh=mesh,
                 mixed_precision=mixed, device_mesh=device_mesh, activation_checkpointing=ac,
             )  # fmt: skip
-        if self.family == "fsdp2" and self.tp > 1:
-            return self._parallelize_tp(ac)
+        if self.family == "fsdp2" and self.meshed:
+            return self._parallelize_mesh(ac)
         if self.family == "fsdp2":
             self.use_from("torch.distributed.device_mesh", "init_device_mesh")
             self.use_from("torch.distributed.fsdp", "fully_shard")
@@ -924,45 +1244,99 @@ class _Script:
         self.use_from("torch.distributed.tensor", "Replicate", "Shard")
         self.use_from("torch.distributed.tensor.parallel", "ColwiseParallel", "ParallelStyle", "PrepareModuleInput",
                       "RowwiseParallel", "SequenceParallel")  # fmt: skip
+        if self.pp > 1:
+            self.use("fnmatch")
+            return _lines(_fill(_TP_PLAN), "", "", _fill(_HELD))
         return _fill(_TP_PLAN)
 
+    def pipeline(self) -> str:
+        """Stage split, stage bounds and schedule (pipeline scripts only)."""
+        if self.pp == 1:
+            return ""
+        self.use("functools")
+        self.use_from("torch.distributed.pipelining", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
+                      "ScheduleInterleaved1F1B")  # fmt: skip
+        return _fill(_PIPELINE)
+
     def build_mesh(self) -> str:
-        """``build_mesh()``: (dp_shard, tp), or (dp_replicate, dp_shard, tp) for HSDP (tensor-parallel scripts)."""
-        if self.tp == 1:
+        """``build_mesh()``: ``([pp,] [dp_replicate,] dp_shard[, tp])``, outermost first (tensor/pipeline scripts)."""
+        if not self.meshed:
             return ""
         self.use_from("torch.distributed.device_mesh", "DeviceMesh", "init_device_mesh")
+        names: list[str] = []
+        sizes: list[str | None] = []  # None: the data-parallel size that fills the rest
+        unit: list[str] = []
+        what: list[str] = []
+        if self.pp > 1:
+            names.append("pp")
+            sizes.append("PP")
+            unit.append("PP")
+            what.append(
+                "The pipeline stages are the outermost dimension: a stage's ranks are world_size // PP apart (across "
+                "nodes, where only the activations between stages travel)."
+            )
         if self.lay.strategy.hybrid:
-            return _fill(
-                _BUILD_MESH, shape="(dp_replicate, dp_shard, tp)", unit="(SHARD_GROUP_SIZE * TP)",
-                unit_what="SHARD_GROUP_SIZE x TP = {SHARD_GROUP_SIZE * TP}",
-                what="each group of SHARD_GROUP_SIZE replicas shards the model states (dp_shard), the groups hold "
-                     "copies (dp_replicate).",
-                sizes="world_size // (SHARD_GROUP_SIZE * TP), SHARD_GROUP_SIZE, TP",
-                names='"dp_replicate", "dp_shard", "tp"',
+            names += ["dp_replicate", "dp_shard"]
+            unit.append("SHARD_GROUP_SIZE")
+            sizes += [None, "SHARD_GROUP_SIZE"]
+            what.append(
+                "Each group of SHARD_GROUP_SIZE replicas shards the model states (dp_shard), the groups hold copies "
+                "(dp_replicate)."
+            )
+        else:
+            names.append("dp_shard")
+            sizes.append(None)
+            what.append("The model states are sharded across the data-parallel replicas (dp_shard).")
+        if self.tp > 1:
+            names.append("tp")
+            sizes.append("TP")
+            unit.append("TP")
+            what.insert(
+                0, "The TP ranks of one model replica are neighbours (inside a node: their per-layer collectives stay "
+                "on NVLink)."
             )  # fmt: skip
+        product = " * ".join(unit)
+        size_exprs = ["world_size // unit" if x is None else x for x in sizes]
+        doc = _wrap(" ".join(what), 112)
         return _fill(
-            _BUILD_MESH, shape="(dp_shard, tp)", unit="TP", unit_what="TP = {TP}",
-            what="the model states are sharded across the replicas (dp_shard).",
-            sizes="world_size // TP, TP", names='"dp_shard", "tp"',
+            _BUILD_MESH, shape=f"({', '.join(names)})", innermost=", tensor parallelism innermost" * (self.tp > 1),
+            what="\n".join(doc), unit=product if len(unit) == 1 else f"({product})",
+            unit_what=" x ".join(unit), sizes=", ".join(size_exprs),
+            names=", ".join(f'"{n}"' for n in names),
         )  # fmt: skip
 
-    def _parallelize_tp(self, ac: str) -> str:
+    def _parallelize_mesh(self, ac: str) -> str:
         self.use_from("torch.distributed.fsdp", "fully_shard")
-        self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
         model_first, precision, policy = self._fsdp2_precision()
         if self.lay.strategy.hybrid:
             dims, what = '"dp_replicate", "dp_shard"', "HSDP: shard along dp_shard, replicate along dp_replicate"
         else:
             dims, what = '"dp_shard"', "FSDP2 shards the model states across the data-parallel replicas"
-        return _fill(_PARALLELIZE_FSDP2_TP, precision_model=model_first, activation_checkpointing=ac,
-                     precision=precision, policy=policy, dp_dims=dims, dp_what=what)  # fmt: skip
+        tensor_parallel = ""
+        if self.tp > 1:
+            self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
+            layout = "held(model, tp_plan(SEQUENCE_PARALLEL))" if self.pp > 1 else "tp_plan(SEQUENCE_PARALLEL)"
+            what = "each layer's weights" if self.pp == 1 else "this stage's layers"
+            tensor_parallel = _lines(
+                f"# split {what} over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank agrees)",
+                f'parallelize_module(model, mesh["tp"], {layout})',
+            )
+        if self.pp > 1 and self.tp > 1:
+            doc = "One pipeline stage: tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims."
+        elif self.pp > 1:
+            doc = "One pipeline stage: FSDP2 over the data-parallel dims, each block and the stage as a root."
+        else:
+            doc = "Tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims (torchtitan's order)."
+        return _fill(_PARALLELIZE_FSDP2_TP, doc=doc, precision_model=model_first, tensor_parallel=tensor_parallel,
+                     activation_checkpointing=ac, precision=precision, policy=policy, dp_dims=dims,
+                     dp_what=what)  # fmt: skip
 
     def clip_helper(self) -> str:
-        """``clip_grad_norm()`` over DTensor gradients on several meshes (tensor-parallel scripts)."""
-        if self.tp == 1:
+        """``clip_grad_norm()`` over DTensor gradients on several meshes (and pipeline stages)."""
+        if not self.meshed:
             return ""
         self.use_from("torch.distributed.tensor", "DTensor")
-        return _fill(_CLIP_MESHES)
+        return _fill(_CLIP_PIPELINE if self.pp > 1 else _CLIP_MESHES)
 
     def optimizer(self) -> str:
         return _fill(_OPTIMIZERS[self.lay.optimizer])
@@ -973,6 +1347,10 @@ class _Script:
         self.use("re")
         self.use_as("torch.distributed.checkpoint", "dcp")
         self.use_from("torch.distributed.checkpoint.state_dict", "get_state_dict", "set_state_dict")
+        if self.pp > 1:
+            self.use_from("torch.distributed.checkpoint.state_dict", "StateDictOptions")
+            self.use_from("typing", "Any")
+            return _fill(_CHECKPOINT_PIPELINE)
         scaler = {"scaler_param": "", "scaler_state": "", "scaler_load": ""}
         if self.fp16:
             scaler = {
@@ -993,6 +1371,11 @@ class _Script:
             self.use("json")
             return _fill(_MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing())
         fam = self.family
+        if self.pp > 1:
+            return _fill(_MAIN_PIPELINE, clip=_lines(
+                'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
+                'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
+            ))  # fmt: skip
         backward = "scaler.scale(loss).backward()" if self.fp16 else "loss.backward()"
         forward = "loss = compute_loss(model, inputs, targets) / args.grad_accum"
         if fam == "ddp" and self.mixed:
@@ -1064,31 +1447,41 @@ class _Script:
                      scaler_arg=scaler_arg, teardown=teardown, **data)  # fmt: skip
 
 
-_NOT_GENERATED = (("pp", "pipeline"), ("cp", "context"), ("ep", "expert"))
+_NOT_GENERATED = (("cp", "context"), ("ep", "expert"))
+_MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid")
 
 
 def _check_supported(lay: Layout) -> None:
     dims, name = lay.dims, lay.candidate.name
-    tp_names = [c.name for c in lay.plan.candidates if _generates_tp(c.strategy, c.dims)]
-    have = f" (this plan has: {', '.join(tp_names)})" if tp_names else ""
+    mp_names = [c.name for c in lay.plan.candidates if _generates_model_parallel(c.strategy, c.dims)]
+    have = f" (this plan has: {', '.join(mp_names[:6])}{', ...' * (len(mp_names) > 6)})" if mp_names else ""
     for dim, what in _NOT_GENERATED:
         if getattr(dims, dim) > 1:
             raise RenderError(
-                f"candidate {name}: {what} parallelism ({dim} {getattr(dims, dim)}) is not generated yet; fsdp2+tpN "
-                f"and fsdp2-hybrid+tpN candidates are{have}, and the data-parallel ones ({', '.join(FAMILIES)}); "
-                "for pp/cp/ep use torchtitan or Megatron-DeepSpeed"
+                f"candidate {name}: {what} parallelism ({dim} {getattr(dims, dim)}) is not generated yet; fsdp2 and "
+                f"fsdp2-hybrid candidates with tpN and/or ppN are{have}, and the data-parallel ones "
+                f"({', '.join(FAMILIES)}); for cp/ep use torchtitan or Megatron-DeepSpeed"
             )
-    if dims.tp > 1 and not _generates_tp(lay.strategy.name, dims):
+    for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
+        if getattr(dims, dim) > 1 and lay.strategy.name not in _MODEL_PARALLEL:
+            raise RenderError(
+                f"candidate {name}: {what} parallelism is generated with FSDP2 only: fsdp2 or fsdp2-hybrid with "
+                f"+tpN (+sp) and/or +ppN{have}; {lay.strategy.name} with {dim} {getattr(dims, dim)} needs "
+                "Megatron-DeepSpeed, or compile one of those or a data-parallel candidate "
+                "(RenderOptions(candidate=...))"
+            )
+    if dims.pp > 1 and lay.precision is Precision.FP16_MIXED:
         raise RenderError(
-            f"candidate {name}: tensor parallelism is generated with FSDP2 only: fsdp2+tpN or fsdp2-hybrid+tpN, with "
-            f"or without +sp{have}; {lay.strategy.name} with tp {dims.tp} needs Megatron-DeepSpeed, or compile one of "
-            "those or a data-parallel candidate (RenderOptions(candidate=...))"
+            f"candidate {name}: fp16 loss scaling across pipeline stages is not generated; plan with bf16-mixed, "
+            "bf16-true or fp32 (a GPU without bf16: compile a candidate without pp)"
         )
     group = int(lay.settings.get("shard_group_size", lay.gpus_per_node))
-    if dims.tp > 1 and lay.strategy.hybrid and (group < 1 or lay.world_size % (group * dims.tp)):
+    unit = group * dims.tp * dims.pp
+    if (dims.tp > 1 or dims.pp > 1) and lay.strategy.hybrid and (group < 1 or lay.world_size % unit):
         raise RenderError(
-            f"candidate {name}: the mesh (dp_replicate, dp_shard {group}, tp {dims.tp}) does not cover the "
-            f"{lay.world_size} processes ({lay.nodes} nodes x {lay.gpus_per_node}): shard group x tp must divide them"
+            f"candidate {name}: the mesh (pp {dims.pp}, dp_replicate, dp_shard {group}, tp {dims.tp}) does not cover "
+            f"the {lay.world_size} processes ({lay.nodes} nodes x {lay.gpus_per_node}): pp x shard group x tp must "
+            "divide them"
         )
     if lay.strategy.family == "fsdp" and lay.strategy.hybrid and group == 1:
         # measured with torch 2.13 on gloo: on a (2, 1) mesh FSDP1's HYBRID_SHARD gradients differ from every other
@@ -1102,9 +1495,9 @@ def _check_supported(lay: Layout) -> None:
         raise RenderError(f"strategy family {lay.strategy.family!r} has no code generator; valid: {FAMILIES}")
 
 
-def _generates_tp(strategy: str, dims: ParallelDims) -> bool:
-    """Whether the generator writes this combination with tensor parallelism (FSDP2 or HSDP, tp only)."""
-    return dims.tp > 1 and strategy in ("fsdp2", "fsdp2-hybrid") and dims.pp == dims.cp == dims.ep == 1
+def _generates_model_parallel(strategy: str, dims: ParallelDims) -> bool:
+    """Whether the generator writes this combination with tensor and/or pipeline parallelism (FSDP2 or HSDP)."""
+    return (dims.tp > 1 or dims.pp > 1) and strategy in _MODEL_PARALLEL and dims.cp == dims.ep == 1
 
 
 def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
@@ -1120,14 +1513,14 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
     Returns
     -------
     str
-        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor parallelism for ``fsdp2(-hybrid)+tpN``) or
-        DeepSpeed, per the candidate's strategy family.
+        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor and/or pipeline parallelism for
+        ``fsdp2(-hybrid)+tpN``, ``+ppN``, ``+tpN+ppM``) or DeepSpeed, per the candidate's strategy family.
 
     Raises
     ------
     RenderError
-        When the candidate uses pipeline, context or expert parallelism, or tensor parallelism with anything but
-        FSDP2/HSDP (the message names the plan's candidates that can be generated), or when
+        When the candidate uses context or expert parallelism, tensor or pipeline parallelism with anything but
+        FSDP2/HSDP, or fp16 with a pipeline (the message names the plan's candidates that can be generated), or when
         :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
@@ -1136,7 +1529,7 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
     s = _Script(lay, opts)
     # the sections first: they record the imports they use
     sections = [s.constants(), _fill(_MODEL), s.tp_plan(), _fill(_MODEL_REST), s.arguments(), s.setup(),
-                s.checkpoint_helper(), s.build_mesh()]  # fmt: skip
+                s.checkpoint_helper(), s.build_mesh(), s.pipeline()]  # fmt: skip
     if not s.ds:
         sections += [s.parallelize(), s.clip_helper()]
     sections += [s.optimizer(), _fill(_MICRO_BATCHES), s.checkpoint_io(), s.main()]
