@@ -435,22 +435,21 @@ def stage_bounds(n_layers: int, n_stages: int, last_extra: float) -> list[tuple[
     are lookups and cost next to nothing), so it gets fewer blocks when the vocabulary is large. Among splits with
     the same largest cost, the most even one (smallest sum of squared costs) wins.
     """
+    if n_stages == 1:
+        return [(0, n_layers)]
+    extra = [0.0] * (n_stages - 1) + [last_extra]
 
-    @functools.cache
-    def best(stage: int, start: int) -> tuple[float, float, tuple[int, ...]]:
-        """(largest cost, sum of squared costs, cut points) of stages ``stage..`` over blocks ``start..``."""
-        if stage == n_stages - 1:
-            cost = n_layers - start + last_extra
-            return cost, cost * cost, ()
-        options = []
-        for end in range(start + 1, n_layers - (n_stages - stage) + 2):
-            cost = end - start
-            worst, squares, cuts = best(stage + 1, end)
-            options.append((max(cost, worst), cost * cost + squares, (end, *cuts)))
-        return min(options)
+    def capacities(limit: float) -> list[int] | None:
+        caps = [int(limit - e + 1e-9) for e in extra]  # the most blocks each stage can take under the limit
+        return caps if min(caps) >= 1 and sum(caps) >= n_layers else None
 
-    cuts = (0, *best(0, 0)[2], n_layers)
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
+    limits = sorted({k + e for k in range(1, n_layers + 1) for e in (0.0, last_extra)})
+    caps = next(c for c in (capacities(m) for m in limits) if c is not None)
+    for _ in range(sum(caps) - n_layers):  # take blocks from the costliest stages (ties: the later one)
+        i = max((k for k in range(n_stages) if caps[k] > 1), key=lambda k: (caps[k] + extra[k], k))
+        caps[i] -= 1
+    starts = [sum(caps[:k]) for k in range(n_stages)]
+    return [(start, start + c) for start, c in zip(starts, caps, strict=True)]
 
 
 def keep_stage_part(model: nn.Module, start: int, end: int, *, first: bool, last: bool) -> None:
@@ -1253,7 +1252,6 @@ class _Script:
         """Stage split, stage bounds and schedule (pipeline scripts only)."""
         if self.pp == 1:
             return ""
-        self.use("functools")
         self.use_from("torch.distributed.pipelining", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
                       "ScheduleInterleaved1F1B")  # fmt: skip
         return _fill(_PIPELINE)
