@@ -65,6 +65,8 @@ class Mesh:
     """This rank's data-parallel index: which slice of the global batch it loads."""
     dp_size: int
     """Data-parallel replicas (``dp_replicate * dp_shard``): how many different batches one step sees."""
+    expert: DeviceMesh | None = None
+    """With expert parallelism, the ``(efsdp, ep)`` mesh carved from ``dp_shard x cp`` (see ``_expert.py``)."""
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         return self.mesh[name]
@@ -84,7 +86,10 @@ class Mesh:
     def describe(self) -> str:
         """E.g. ``"dp_shard=2 x tp=2"``."""
         names = self.mesh.mesh_dim_names or ()
-        return " x ".join(f"{n}={self.sizes[n]}" for n in names)
+        out = " x ".join(f"{n}={self.sizes[n]}" for n in names)
+        if self.expert is not None:
+            out += f" (experts: efsdp={self.expert['efsdp'].size()} x ep={self.expert['ep'].size()})"
+        return out
 
 
 def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
@@ -534,7 +539,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
     from ._strategy import _mixed, _param_names, find_blocks, rebuild_optimizer
 
-    for dim, issue in (("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+    for dim, issue in (("pp", "pipeline"), ("cp", "context")):
         if getattr(env, dim) > 1:
             raise WorkerError(
                 f"jd.wrap: {issue} parallelism ({dim}{getattr(env, dim)}) cannot run yet in this version; run a "
@@ -555,6 +560,10 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             optimizer = rebuild_optimizer(optimizer, old_names, model)
         return model, optimizer, None
     mesh = build_mesh(env, device.type)
+    if env.ep > 1:
+        from ._expert import add_expert_mesh
+
+        mesh = add_expert_mesh(mesh, env, family=family)
     if family == "none" and mesh.dp_size > 1:
         raise WorkerError(
             f"jd.wrap: {mesh.dp_size} data-parallel replicas with JD_STRATEGY=none; use fsdp2 with tensor parallelism "
@@ -571,6 +580,11 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         check_tp_divisible(model, plan, env.tp)
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
+    if env.ep > 1:
+        from ._expert import apply_expert_parallel
+
+        n = apply_expert_parallel(model, mesh, on_meta=on_meta)
+        _log.info("jd.wrap: expert parallelism ep%d over %d experts modules (%s)", env.ep, n, mesh.describe())
     blocks = find_blocks(model)
     if env.ac != "none" and blocks:
         wrapped = apply_activation_checkpointing(blocks, env.ac)
@@ -582,6 +596,10 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         mixed = _mixed(env.precision)
         mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
         dp_mesh = mesh.dp_mesh
+        if env.ep > 1:
+            from ._expert import shard_experts
+
+            shard_experts(model, mesh, mp)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp)

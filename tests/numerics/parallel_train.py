@@ -8,7 +8,8 @@ to the equal-math tests = adding a builder to ``MODELS``.
 
 Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
-``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder).
+``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder). A model with an ``aux_loss()`` (mixture of
+experts) adds ``AUX_COEF`` times it to the loss.
 """
 
 from __future__ import annotations
@@ -49,7 +50,16 @@ def llama_model() -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"ref": ref_model, "llama": llama_model}
+def moe_model() -> torch.nn.Module:
+    from jupyter_dist.models import MoETransformer
+
+    return MoETransformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2,
+                          ffn_dim=32)  # fmt: skip
+
+
+MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model}
+AUX_COEF = 0.01
+"""Weight of a mixture-of-experts model's load-balancing loss (``model.aux_loss()``) in the training loss."""
 
 
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -116,6 +126,8 @@ def main() -> None:
             local = tokens.chunk(jd.dp_size)[jd.dp_rank]
         logits = logits_of(model, local[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), local[:, 1:].reshape(-1))
+        if callable(getattr(model, "aux_loss", None)):
+            loss = loss + AUX_COEF * model.aux_loss()
         loss.backward()
         grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         opt.step()
