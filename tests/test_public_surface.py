@@ -136,7 +136,7 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         "fsdp2+tp4+pp2+sp": "pipeline parallelism (pp2) cannot run yet; it is planned in issue 19 — run the fsdp2+tp "
                             "candidate or pass --pp 1",
         "fsdp2+cp2": "context parallelism (cp2) cannot run yet",
-        "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
+        "zero1+ep4": "expert parallelism with zero1 (ep4) cannot run yet; run the fsdp2+ep4 candidate",
         "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
         "ddp+tp2": "tensor parallelism with ddp (tp2) cannot run yet; run the fsdp2+tp2 candidate",
     }  # fmt: skip
@@ -144,7 +144,7 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         assert msg in (runnable_problem(parse_candidate(name)) or "")
         with pytest.raises(ParallelismError, match=re.escape(msg)):
             resolve_launch(name, None, 8)
-    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3"):
+    for name in ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3", "fsdp2+ep4"):
         assert runnable_problem(parse_candidate(name)) is None, name
     # the table is the one switch: flipping pp on makes fsdp2+pp2 runnable
     saved = RUNNABLE["pp"]

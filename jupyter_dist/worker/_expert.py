@@ -192,10 +192,14 @@ def shard_experts(model: torch.nn.Module, mesh: Mesh, mp: Any) -> None:
 
     dp = mesh.sizes["dp_replicate"] * mesh.sizes["dp_shard"]
     emesh = _expert_fsdp_mesh(mesh)
+    assert mesh.expert is not None
+    efsdp = mesh.expert["efsdp"].size()
     for _, m in find_experts(model):
         fully_shard(m, mesh=emesh, mp_policy=mp)
         m.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
-        # a custom factor is a PREMUL_SUM reduce-scatter, which gloo lacks (and NCCL does only for some dtypes):
-        # sum, then divide
-        m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        if efsdp > 1:
+            # a custom factor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide. Not with one
+            # efsdp rank: there FSDP2 (torch 2.13, foreach_reduce) divides in its single-rank copy and again after,
+            # a gradient half too small (caught by tests/test_expert_parallel.py's ep2 on 2 processes)
+            m.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     _log.info("jd.wrap: experts sharded over %s, gradients divided by the %d data-parallel ranks", emesh, dp)

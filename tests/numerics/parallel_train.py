@@ -8,7 +8,8 @@ to the equal-math tests = adding a builder to ``MODELS``.
 
 Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
-``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder). A model with an ``aux_loss()`` (mixture of
+``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder), ``EQ_EP_EFSDP_DIVIDE=1`` (a deliberate mistake:
+divide expert gradients by the efsdp group only). A model with an ``aux_loss()`` (mixture of
 experts) adds ``AUX_COEF`` times it to the loss.
 """
 
@@ -108,6 +109,10 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=float(os.environ.get("EQ_LR", "1e-3")), weight_decay=0.1)
     pretrained = os.environ.get("EQ_PRETRAINED") or None
     model, opt = jd.wrap(model, opt, pretrained=pretrained)
+    if os.environ.get("EQ_EP_EFSDP_DIVIDE") == "1":  # the mistake: FSDP2's default divisor for expert gradients
+        for m in model.modules():
+            if getattr(m, "num_experts", 0) and callable(getattr(m, "set_gradient_divide_factor", None)):
+                m.set_gradient_divide_factor(float(jd.mesh.expert["efsdp"].size()))
     first = 0
     ckpt = os.environ.get("EQ_CKPT")
     if ckpt and os.environ.get("EQ_RESUME") == "1":
