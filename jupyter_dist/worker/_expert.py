@@ -81,10 +81,52 @@ def _expert_fsdp_mesh(mesh: Mesh) -> DeviceMesh:
 
 
 class _Dispatch:
-    """What one forward's dispatch leaves for its combine: the regrouping and the split sizes."""
+    """What one forward's dispatch leaves for its combine."""
 
     def __init__(self, perm: torch.Tensor, send: list[int], recv: list[int]) -> None:
         self.perm, self.send, self.recv = perm, send, recv
+        """The regrouping by local expert of the received tokens; the all-to-all split sizes out and back."""
+        self.routed: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        """Routed protocol: the slots' order by expert, the routing weights, top-k."""
+        self.swapped: dict[str, torch.Tensor] = {}
+        """Routed protocol: the DTensor parameters swapped for their local shards during the forward."""
+        self.num_experts = 0
+
+
+def _routed(module: torch.nn.Module) -> bool:
+    """Whether the experts take ``(hidden_states, top_k_index, top_k_weights)`` (transformers 5's grouped experts,
+    e.g. ``MixtralExperts``, ``Qwen3MoeExperts``) rather than ``(tokens sorted by expert, counts)``."""
+    import inspect
+
+    try:
+        return "top_k_index" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtin forwards
+        return False
+
+
+def _exchange(x: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor, _Dispatch]:
+    """Send tokens sorted by global expert to the ranks owning the experts; regroup what arrives by local expert."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep = mesh.size()
+    local = counts.numel() // ep
+    group = mesh.get_group()
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
+    received = received.view(ep, local)
+    send = counts.view(ep, local).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    y = all_to_all_single_autograd(x, recv, send, group)
+    # y holds source 0's tokens for local experts 0..L-1, then source 1's, ...: regroup by expert
+    flat = received.flatten()
+    starts = (torch.cumsum(flat, 0) - flat).view(ep, local)
+    perm = torch.cat([
+        torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
+        for e in range(local) for s in range(ep)
+    ] or [torch.zeros(0, dtype=torch.long)]).to(x.device)  # fmt: skip
+    return y[perm], received.sum(0), _Dispatch(perm, send, recv)
 
 
 def _make_style() -> Any:
@@ -94,7 +136,10 @@ def _make_style() -> Any:
         """Split a grouped-experts module's parameters along dim 0 over the mesh; dispatch and combine tokens.
 
         Parameters of a real model come from ep rank 0 (``src_data_rank=0``: every rank starts from the same
-        experts); a meta model's are left to be materialised.
+        experts); a meta model's are left to be materialised. Two input protocols: ``(tokens sorted by expert,
+        count per expert)`` (the project's ``GroupedExperts``), and ``(hidden_states, top_k_index, top_k_weights)``
+        (transformers 5's grouped experts), whose forward then runs unchanged on the tokens this rank received,
+        each with its one local expert and weight 1, the routing weights being applied after the combine.
         """
 
         def __init__(self, *, on_meta: bool = False) -> None:
@@ -112,28 +157,30 @@ def _make_style() -> Any:
         @staticmethod
         def _dispatch(module: torch.nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
             import torch
-            import torch.distributed as dist
-            from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-            x, counts = inputs[0], inputs[1]
-            ep = mesh.size()
-            local = counts.numel() // ep
-            group = mesh.get_group()
-            received = torch.empty_like(counts)
-            dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] counts
-            received = received.view(ep, local)
-            send = counts.view(ep, local).sum(1).tolist()
-            recv = received.sum(1).tolist()
-            y = all_to_all_single_autograd(x, recv, send, group)
-            # y holds source 0's tokens for local experts 0..L-1, then source 1's, ...: regroup by expert
-            flat = received.flatten()
-            starts = (torch.cumsum(flat, 0) - flat).view(ep, local)
-            perm = torch.cat([
-                torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
-                for e in range(local) for s in range(ep)
-            ] or [torch.zeros(0, dtype=torch.long)]).to(x.device)  # fmt: skip
-            module._jd_dispatch = _Dispatch(perm, send, recv)  # type: ignore[assignment]
-            return (y[perm], received.sum(0), *inputs[2:])
+            if not _routed(module):
+                x, counts, d = _exchange(inputs[0], inputs[1], mesh)
+                module._jd_dispatch = d  # type: ignore[assignment]
+                return (x, counts, *inputs[2:])
+            from torch.distributed.tensor import DTensor
+
+            hidden, index, weights = inputs[0], inputs[1], inputs[2]
+            n_experts = int(module.num_experts)
+            top_k = index.shape[-1]
+            flat = index.flatten()
+            order = torch.argsort(flat, stable=True)
+            x, counts, d = _exchange(hidden[order // top_k], torch.bincount(flat, minlength=n_experts), mesh)
+            d.routed, d.num_experts = (order, weights, top_k), n_experts
+            local = n_experts // mesh.size()
+            idx = torch.repeat_interleave(torch.arange(local, device=x.device), counts).unsqueeze(1)
+            ones = torch.ones(idx.shape, dtype=weights.dtype, device=x.device)
+            # the experts' forward indexes its parameters by local expert: give it the local shards (as
+            # transformers' own _use_local_dtensor_params does) and the local count, restored by the combine
+            d.swapped = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+            module._parameters.update({n: p.to_local() for n, p in d.swapped.items()})  # type: ignore[misc]
+            module.num_experts = local
+            module._jd_dispatch = d  # type: ignore[assignment]
+            return (x, idx, ones, *inputs[3:])
 
         @staticmethod
         def _combine(module: torch.nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -144,7 +191,15 @@ def _make_style() -> Any:
             back = out[torch.argsort(d.perm)]  # source-major order again
             # not waited here: the waited tensor is a view, which FSDP2 warns about as an output of the module;
             # the caller's first use waits
-            return all_to_all_single_autograd(back, d.send, d.recv, mesh.get_group())
+            result = all_to_all_single_autograd(back, d.send, d.recv, mesh.get_group())
+            if d.routed is None:
+                return result
+            module._parameters.update(d.swapped)  # type: ignore[arg-type]
+            module.num_experts = d.num_experts
+            d.swapped = {}
+            order, weights, top_k = d.routed
+            slots = result[torch.argsort(order)].view(-1, top_k, result.shape[-1])  # (token, slot) order
+            return (slots * weights.unsqueeze(-1).to(slots.dtype)).sum(1)
 
         def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
             from torch.distributed.tensor import distribute_module

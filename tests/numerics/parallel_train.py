@@ -58,7 +58,27 @@ def moe_model() -> torch.nn.Module:
                           ffn_dim=32)  # fmt: skip
 
 
-MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model}
+def mixtral_model() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return MixtralForCausalLM(cfg)
+
+
+MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model, "mixtral": mixtral_model}
 AUX_COEF = 0.01
 """Weight of a mixture-of-experts model's load-balancing loss (``model.aux_loss()``) in the training loss."""
 
