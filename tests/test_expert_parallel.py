@@ -39,7 +39,8 @@ def test_moe_layer_equals_a_token_by_token_loop_and_its_balance_loss_is_split_in
     model = MoETransformer(**MOE)
     moe = model.layers["0"].moe
     x = torch.randn(3, 5, 64)
-    probs = torch.softmax(moe.router(x.reshape(-1, 64)), -1)
+    xs = x.reshape(-1, 64)
+    probs = torch.softmax(moe.router(xs), -1)
     w, chosen = probs.topk(2)
     w = w / w.sum(-1, keepdim=True)
     ex = moe.experts
@@ -47,7 +48,7 @@ def test_moe_layer_equals_a_token_by_token_loop_and_its_balance_loss_is_split_in
     for t in range(15):
         for j in range(2):
             e = int(chosen[t, j])
-            want[t] += w[t, j] * ((F.silu(x.reshape(-1, 64)[t] @ ex.w1[e]) * (x.reshape(-1, 64)[t] @ ex.w3[e])) @ ex.w2[e])
+            want[t] += w[t, j] * ((F.silu(xs[t] @ ex.w1[e]) * (xs[t] @ ex.w3[e])) @ ex.w2[e])
     torch.testing.assert_close(moe(x).reshape(-1, 64), want, rtol=1e-5, atol=1e-6)
     assert int((torch.bincount(chosen.flatten(), minlength=8) > 0).sum()) > 2  # the tokens really spread
 

@@ -217,7 +217,8 @@ class MoETransformer(Transformer):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-        plan = {k: v for k, v in super().tp_plan(sequence_parallel=sequence_parallel).items() if "feed_forward" not in k}
+        dense = super().tp_plan(sequence_parallel=sequence_parallel)
+        plan = {k: v for k, v in dense.items() if "feed_forward" not in k}
         if sequence_parallel:
             plan["layers.*.moe"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,

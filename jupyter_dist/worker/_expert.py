@@ -94,8 +94,10 @@ class _Dispatch:
 
 
 def _routed(module: torch.nn.Module) -> bool:
-    """Whether the experts take ``(hidden_states, top_k_index, top_k_weights)`` (transformers 5's grouped experts,
-    e.g. ``MixtralExperts``, ``Qwen3MoeExperts``) rather than ``(tokens sorted by expert, counts)``."""
+    """Whether the experts take ``(hidden_states, top_k_index, top_k_weights)``, not ``(sorted tokens, counts)``.
+
+    The first is transformers 5's grouped experts (``MixtralExperts``, ``Qwen3MoeExperts``, ...).
+    """
     import inspect
 
     try:
