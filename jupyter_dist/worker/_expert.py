@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ._parallel import Mesh
+Mesh = Any
+"""``_parallel.Mesh`` (not imported: ``_parallel`` imports this module, and the package has no import circles)."""
 
 __all__ = ["ExpertParallel", "add_expert_mesh", "apply_expert_parallel", "find_experts", "shard_experts"]
 
@@ -240,6 +241,7 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: Mesh, *, on_meta: bool) 
                 f"among {', '.join(str(d) for d in range(2, m.num_experts + 1) if m.num_experts % d == 0)}"
             )
     parallelize_module(model, mesh.expert["ep"], {name: ExpertParallel(on_meta=on_meta) for name, _ in experts})
+    _log.info("jd.wrap: expert parallelism ep%d over %d experts modules (%s)", ep, len(experts), mesh.describe())
     return len(experts)
 
 

@@ -11,6 +11,9 @@ Where the layout comes from, in order: ``tp_plan=`` given to ``jd.wrap``; a Hugg
 (``config.base_model_tp_plan`` and the head's ``_tp_plan``, strings such as ``"colwise"`` translated to PyTorch's
 ``ParallelStyle`` objects); a model's ``tp_plan(sequence_parallel=...)`` method (the project's reference
 :class:`jupyter_dist.models.Transformer` has one).
+
+Planned split: each further dimension lives in its own module, called from :func:`parallelize` (expert
+parallelism in ``_expert.py``); the TP layouts (Hugging Face translation, sequence boundaries) can move out next.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..plan.strategies import get_strategy
 from ._env import WorkerEnv, WorkerError
+from ._expert import add_expert_mesh, apply_expert_parallel, shard_experts
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -561,8 +565,6 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         return model, optimizer, None
     mesh = build_mesh(env, device.type)
     if env.ep > 1:
-        from ._expert import add_expert_mesh
-
         mesh = add_expert_mesh(mesh, env, family=family)
     if family == "none" and mesh.dp_size > 1:
         raise WorkerError(
@@ -581,10 +583,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
     if env.ep > 1:
-        from ._expert import apply_expert_parallel
-
-        n = apply_expert_parallel(model, mesh, on_meta=on_meta)
-        _log.info("jd.wrap: expert parallelism ep%d over %d experts modules (%s)", env.ep, n, mesh.describe())
+        apply_expert_parallel(model, mesh, on_meta=on_meta)
     blocks = find_blocks(model)
     if env.ac != "none" and blocks:
         wrapped = apply_activation_checkpointing(blocks, env.ac)
@@ -597,8 +596,6 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
         dp_mesh = mesh.dp_mesh
         if env.ep > 1:
-            from ._expert import shard_experts
-
             shard_experts(model, mesh, mp)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
