@@ -205,3 +205,51 @@ def test_wrong_expert_parallel_inputs_get_one_line_each(tmp_path: Path) -> None:
     assert "Transformer has none" in lines["dense"] and "JD_EP=1" in lines["dense"]
     assert "ep=2 does not divide the 3 experts of layers.0.moe.experts" in lines["experts"], lines
     assert "among 3" in lines["experts"]
+
+
+# --------------------------------------------------------------------------------------------- from the notebook
+MOE_CELL = """
+import torch
+import torch.nn as nn
+
+from jupyter_dist.models import MoETransformer
+
+torch.manual_seed(0)
+model = MoETransformer(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, ffn_dim=32)
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+model, opt = jd.wrap(model, opt)
+for step in range(12):
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
+    tokens = (torch.randint(0, 64, (8, 1), generator=g) + torch.arange(17)) % 64
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)) + 0.01 * model.aux_loss()
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+print("mesh", jd.mesh.describe())
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_ep2_from_dist_train_plan_runs_on_four_processes(ip, runs) -> None:  # noqa: ANN001
+    """The planner's fsdp2+ep2 candidate for the MoE reference, launched with `%%dist_train --plan`, runs its
+    experts split over ep=2 inside dp4 on 4 processes; every rank logs and nothing is left behind."""
+    from conftest import descendants_gone
+
+    from jupyter_dist.models import MoETransformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+
+    spec = ModelSpec.from_module(MoETransformer, vocab_size=64, dim=64, n_layers=2, n_heads=4, n_experts=4, top_k=2,
+                                 ffn_dim=32)  # fmt: skip
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4),
+             TrainingShape(micro_batch=8, seq_len=16, precision="fp32"), strategy="fsdp2", ep=2)  # fmt: skip
+    assert p.recommended == "fsdp2+ep2"
+    ip.user_ns["ep_plan_p"] = p
+    run = ip.run_cell_magic("dist_train", "--plan ep_plan_p --nproc 4 --name ep_magic --timeout 240", MOE_CELL)
+    assert run.wait(240) == "succeeded", run.logs()
+    env = json.loads((run.dir / "run.json").read_text())["env"]
+    assert (env["JD_STRATEGY"], env["JD_EP"]) == ("fsdp2", "2")
+    assert "mesh dp_shard=4 (experts: efsdp=2 x ep=2)" in run.logs()
+    steps = run.records("step")
+    assert {r["rank"] for r in steps} == {0, 1, 2, 3}
+    assert descendants_gone(run)

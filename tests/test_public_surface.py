@@ -268,8 +268,9 @@ def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
     pool = Pool(nproc=4, strategy="fsdp2+tp2+sp", runs_dir=runs)
     env = pool.dry_run().env
     assert (env["JD_STRATEGY"], env["JD_TP"], env["JD_SP"], env["JD_POOL"]) == ("fsdp2", "2", "1", "1")
-    with pytest.raises(JupyterDistError, match="expert parallelism"):
-        Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs)
+    assert Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs).dry_run().env["JD_EP"] == "2"
+    with pytest.raises(JupyterDistError, match="expert parallelism with zero1"):
+        Pool(nproc=4, strategy="zero1+ep2", runs_dir=runs)
 
 
 @pytest.mark.slow
