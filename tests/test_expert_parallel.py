@@ -119,6 +119,8 @@ CONFIGS = {
     "ep2": (2, {"JD_EP": "2"}, "dp_shard=2 (experts: efsdp=1 x ep=2)"),
     "ep2xdp2": (4, {"JD_EP": "2"}, "dp_shard=4 (experts: efsdp=2 x ep=2)"),
     "ep2xdp2-ac": (4, {"JD_EP": "2", "JD_AC": "full"}, "dp_shard=4 (experts: efsdp=2 x ep=2)"),
+    "tp2xep2-sp": (4, {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"),
+    "hsdp2xep2": (4, {"JD_EP": "2", "JD_DP_REPLICATE": "2"}, "dp_replicate=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
 }
 
 
@@ -160,20 +162,29 @@ def test_the_check_catches_expert_gradients_averaged_over_efsdp_only(single: _Si
 
 
 @pytest.mark.slow
-def test_per_rank_memory_equals_the_plan_to_the_byte_under_ep2(tmp_path: Path) -> None:
-    """Parameters, gradients and AdamW states each rank holds under fsdp2+ep2 (4 processes) equal the planner's
-    per-rank figures exactly: dense states sharded over dp = 4, experts split 2 ways and sharded over dp / ep = 2."""
+@pytest.mark.parametrize("config", ["ep2xdp2", "tp2xep2-sp"])
+def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path) -> None:
+    """Parameters, gradients and AdamW states each rank holds equal the planner's per-rank figures exactly.
+
+    fsdp2+ep2 on 4 processes: dense states sharded over dp = 4, experts split 2 ways and sharded over dp / ep = 2
+    (so every state is 1/4 per rank). fsdp2+tp2+ep2+sp: attention split over tp, experts over ep, the routers and
+    norms whole on both tensor-parallel ranks (the planner used to split the router by tp: 1,024 bytes short).
+    """
     from jupyter_dist.models import MoETransformer
     from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 
-    run(tmp_path / "out.pt", "moe", 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2")
+    nproc, degrees, _ = CONFIGS[config]
+    run(tmp_path / "out.pt", "moe", nproc, JD_STRATEGY="fsdp2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2",
+        **degrees)  # fmt: skip
     spec = ModelSpec.from_module(MoETransformer, **MOE)
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4, nodes=1)
-    p = plan(spec, hw, TrainingShape(micro_batch=2, seq_len=16, precision="fp32"), strategy="fsdp2", ep=2)
-    cand = p.candidate("fsdp2+ep2")
-    assert (cand.dims.dp, cand.dims.ep, cand.dims.expert_shard_size) == (4, 2, 2)
+    tp = int(degrees.get("JD_TP", "1"))
+    p = plan(spec, hw, TrainingShape(micro_batch=2, seq_len=16, precision="fp32"), strategy="fsdp2", ep=2, tp=tp)
+    cand = p.candidate("fsdp2+ep2" if tp == 1 else "fsdp2+tp2+ep2+sp")
+    assert (cand.dims.dp, cand.dims.ep, cand.dims.expert_shard_size) == (4 // tp, 2, 2 // tp)
     want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
-    assert want["params"] == 4 * spec.params // 4  # fp32, every state 1/4 per rank: nothing left whole
+    if tp == 1:
+        assert want["params"] == 4 * spec.params // 4  # fp32, every state 1/4 per rank: nothing left whole
     for rank in range(4):
         got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
         assert got == want, (rank, got, want)

@@ -37,7 +37,7 @@ RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
     "cp": (frozenset(),
            "context parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
            "pass --cp 1"),
-    "ep": (frozenset({"fsdp2"}),
+    "ep": (frozenset({"fsdp2", "fsdp2-hybrid"}),
            "expert parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --ep 1"),
 }  # fmt: skip
 """What the workers can run today: model-parallel dim -> (base strategies it runs with, the refusal).
