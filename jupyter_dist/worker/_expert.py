@@ -23,6 +23,7 @@ Each expert's gradient is the sum over the tokens of the ``ep`` ranks that sent 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,7 @@ def _exchange(x: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh) -> tuple[
     return y[perm], received.sum(0), _Dispatch(perm, send, recv)
 
 
+@functools.cache
 def _make_style() -> Any:
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
