@@ -134,15 +134,17 @@ def test_expert_parallel_run_equals_single_process(config: str, single: _Single,
 
 
 @pytest.mark.slow
-def test_hugging_face_mixtral_under_ep2_dp2_equals_single_process(single: _Single, tmp_path: Path) -> None:
-    """A real transformers ``MixtralForCausalLM`` (small config, grouped ``MixtralExperts``, eager experts): its
-    experts are split by our ExpertParallel (transformers' own ``base_model_ep_plan`` assumes every ep rank holds
-    the same tokens and all-reduces expert outputs, which does not fit ep ranks borrowed from data parallelism), and
-    its own experts forward runs on the tokens each rank receives."""
+@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+def test_hugging_face_moe_under_ep2_dp2_equals_single_process(model: str, single: _Single, tmp_path: Path) -> None:
+    """Real transformers ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (small configs; grouped experts, eager;
+    Qwen2-MoE with its gated shared expert): their experts are split by our ExpertParallel (transformers' own
+    ``base_model_ep_plan`` assumes every ep rank holds the same tokens and all-reduces expert outputs, which does not
+    fit ep ranks borrowed from data parallelism), and their own experts forward runs on the tokens each rank
+    receives."""
     pytest.importorskip("transformers")
-    got = run(tmp_path / "out.pt", "mixtral", 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="sgd")
+    got = run(tmp_path / "out.pt", model, 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="sgd")
     assert got["mesh"] == "dp_shard=4 (experts: efsdp=2 x ep=2)"
-    assert_equal_math(single["mixtral", "sgd"], got)
+    assert_equal_math(single[model, "sgd"], got)
 
 
 @pytest.mark.slow

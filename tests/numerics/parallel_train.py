@@ -78,7 +78,30 @@ def mixtral_model() -> torch.nn.Module:
     return MixtralForCausalLM(cfg)
 
 
-MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model, "mixtral": mixtral_model}
+def qwen2_moe_model() -> torch.nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
+MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model, "mixtral": mixtral_model,
+          "qwen2_moe": qwen2_moe_model}  # fmt: skip
 AUX_COEF = 0.01
 """Weight of a mixture-of-experts model's load-balancing loss (``model.aux_loss()``) in the training loss."""
 
