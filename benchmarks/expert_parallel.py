@@ -87,7 +87,8 @@ def main() -> None:
     spec = ModelSpec.from_module(MoETransformer, vocab_size=128, dim=a.dim, n_layers=a.layers, n_heads=4,
                                  n_experts=a.experts, top_k=a.top_k, ffn_dim=32)  # fmt: skip
     shape = TrainingShape(micro_batch=a.micro_batch, seq_len=a.seq, precision="fp32")
-    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=a.nproc), shape, strategy="fsdp2", ep=a.ep)
+    hardware = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=a.nproc)
+    p = plan(spec, hardware, shape, strategy="fsdp2", ep=a.ep)
     cand = p.candidate(f"fsdp2+ep{a.ep}")
     planned = cand.time.comm_bytes["expert_parallel"]
     with tempfile.TemporaryDirectory() as out:
