@@ -135,7 +135,7 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
     refusals = {
         "zero1+tp4+pp2+sp": "cannot run yet",
         "zero1+cp2": "context parallelism with zero1 (cp2) cannot run yet; run the fsdp2+cp2 candidate",
-        "fsdp2+ep4": "expert parallelism (ep4) cannot run yet",
+        "zero1+ep4": "expert parallelism with zero1 (ep4) cannot run yet; run the fsdp2+ep4 candidate",
         "zero1+tp2+sp": "tensor parallelism with zero1 (tp2) cannot run yet; run the fsdp2+tp2 candidate",
         "ddp+tp2": "tensor parallelism with ddp (tp2) cannot run yet; run the fsdp2+tp2 candidate",
     }  # fmt: skip
@@ -144,7 +144,7 @@ def test_what_cannot_run_yet_is_refused_in_one_line_from_one_table() -> None:
         with pytest.raises(ParallelismError, match=re.escape(msg)):
             resolve_launch(name, None, 8)
     runnable = ("fsdp2+tp2+sp", "none+tp2", "fsdp2-hybrid+tp2", "fsdp-shard-grad-op", "zero3", "fsdp2+cp2",
-                "fsdp2+tp2+cp2+sp", "fsdp2+tp4+pp2+sp", "fsdp2+pp2")  # fmt: skip
+                "fsdp2+tp2+cp2+sp", "fsdp2+tp4+pp2+sp", "fsdp2+pp2", "fsdp2+ep4")  # fmt: skip
     for name in runnable:
         assert runnable_problem(parse_candidate(name)) is None, name
     # the table is the one switch: flipping pp off makes fsdp2+pp2 refused
@@ -271,8 +271,9 @@ def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
     pool = Pool(nproc=4, strategy="fsdp2+tp2+sp", runs_dir=runs)
     env = pool.dry_run().env
     assert (env["JD_STRATEGY"], env["JD_TP"], env["JD_SP"], env["JD_POOL"]) == ("fsdp2", "2", "1", "1")
-    with pytest.raises(JupyterDistError, match="expert parallelism"):
-        Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs)
+    assert Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs).dry_run().env["JD_EP"] == "2"
+    with pytest.raises(JupyterDistError, match="expert parallelism with zero1"):
+        Pool(nproc=4, strategy="zero1+ep2", runs_dir=runs)
 
 
 @pytest.mark.slow

@@ -125,6 +125,9 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
             ):  # fmt: skip
                 experts = len(m)
                 break
+    grouped = _grouped_experts(block, hidden) if block is not None and experts == 1 else None
+    if grouped:
+        experts, ffn, gated = grouped
     if experts > 1:
         top_k = _int_attr(block, ("num_experts_per_tok", "top_k", "topk", "moe_topk", "n_activated_experts"))
         if not 1 <= top_k <= experts:
@@ -137,6 +140,30 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
         "ffn": ffn if ffn != hidden else 4 * hidden, "vocab": vocab or 32000, "gated_mlp": gated,
         "experts": experts, "top_k": top_k, "tied_embeddings": tied, "norm": norm, "assumed": assumed,
     }  # fmt: skip
+
+
+def _grouped_experts(block: Any, hidden: int) -> tuple[int, int, bool] | None:
+    """``(experts, ffn, gated)`` of experts stored as grouped 3-D parameters, or ``None``.
+
+    torchtitan, transformers 5 (Mixtral, Qwen-MoE) and :class:`jupyter_dist.models.MoETransformer` keep a block's
+    experts as a few ``(experts, a, b)`` tensors with one of ``a``, ``b`` the hidden size (expert parallelism splits
+    them along dim 0): the module whose own parameters are all such tensors, with one leading size above 1. The
+    expert width is the other size (the smallest, so a fused gate-and-up projection of ``2 * ffn`` reads as ``ffn``);
+    the MLP is gated when one expert holds ``3 * hidden * ffn`` weights.
+    """
+    for m in block.modules():
+        ps = list(m.parameters(recurse=False))
+        if len(ps) < 2 or any(p.dim() != 3 or hidden not in p.shape[1:] for p in ps):
+            continue
+        n = {int(p.shape[0]) for p in ps}
+        if len(n) != 1 or min(n) < 2:
+            continue
+        experts = n.pop()
+        others = [int(d) for p in ps for d in p.shape[1:] if d != hidden] or [hidden]
+        ffn = min(others)
+        per_expert = sum(int(p.numel()) for p in ps) // experts
+        return experts, ffn, per_expert >= 3 * hidden * ffn
+    return None
 
 
 def _int_attr(root: Any, names: tuple[str, ...]) -> int:

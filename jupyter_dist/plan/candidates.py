@@ -36,9 +36,8 @@ RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
     "cp": (frozenset({"fsdp2", "fsdp2-hybrid"}),
            "context parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate (model states are "
            "sharded over dp x cp) or pass --cp 1"),
-    "ep": (frozenset(),
-           "expert parallelism ({deg}) cannot run yet; it is planned in issue 19 — run the fsdp2+tp candidate or "
-           "pass --ep 1"),
+    "ep": (frozenset({"fsdp2", "fsdp2-hybrid"}),
+           "expert parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --ep 1"),
 }  # fmt: skip
 """What the workers can run today: model-parallel dim -> (base strategies it runs with, the refusal).
 

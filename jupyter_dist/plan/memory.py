@@ -194,13 +194,16 @@ def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, f
     stays whole on every tensor-parallel rank: the norms' weights and biases (sequence parallelism splits their
     activations, not their weights), the biases of the row-parallel projections
     (attention output, MLP down projection) and a learned position table (Shoeybi et al. 2019; the same in
-    PyTorch's ``ColwiseParallel``/``RowwiseParallel``, measured to the byte in tests/test_tensor_parallel.py).
+    PyTorch's ``ColwiseParallel``/``RowwiseParallel``, measured to the byte in tests/test_tensor_parallel.py), and a
+    MoE router, which every tensor-parallel rank needs whole to route its tokens (Megatron-LM's ``TopKRouter`` weight
+    and torchtitan's router gate are replicated over TP; measured in tests/test_expert_parallel.py).
     ``block`` is one block's share, the unit that ZeRO-3/FSDP gather at a time.
     """
     scale = model.params / model.params_from_dims if model.params_override else 1.0
     expert_per_block = model.experts * model.expert_params if model.is_moe else 0
     dense_per_block = model.layer_params - expert_per_block
-    whole_per_block = 2 * model.norm_params + model.hidden * (model.out_bias + (model.mlp_bias and not model.is_moe))
+    whole_per_block = (2 * model.norm_params + model.router_params
+                       + model.hidden * (model.out_bias + (model.mlp_bias and not model.is_moe)))  # fmt: skip
     positions = model.max_positions * model.hidden
     first = model.embedding_params + (model.lm_head_params + model.norm_params if dims.pp == 1 else 0)
     first_whole = positions + (model.norm_params if dims.pp == 1 else 0)

@@ -15,6 +15,9 @@ Where the layout comes from, in order: ``tp_plan=`` given to ``jd.wrap``; a Hugg
 (``config.base_model_tp_plan`` and the head's ``_tp_plan``, strings such as ``"colwise"`` translated to PyTorch's
 ``ParallelStyle`` objects); a model's ``tp_plan(sequence_parallel=...)`` method (the project's reference
 :class:`jupyter_dist.models.Transformer` has one).
+
+Planned split: each further dimension lives in its own module, called from :func:`parallelize` (expert
+parallelism in ``_expert.py``); the TP layouts (Hugging Face translation, sequence boundaries) can move out next.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..plan.strategies import get_strategy
 from ._env import WorkerEnv, WorkerError
+from ._expert import add_expert_mesh, apply_expert_parallel, shard_experts
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -69,6 +73,8 @@ class Mesh:
     """This rank's data-parallel index: which slice of the global batch it loads."""
     dp_size: int
     """Data-parallel replicas (``dp_replicate * dp_shard``): how many different batches one step sees."""
+    expert: DeviceMesh | None = None
+    """With expert parallelism, the ``(efsdp, ep)`` mesh carved from ``dp_shard x cp`` (see ``_expert.py``)."""
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         return self.mesh[name]
@@ -88,7 +94,10 @@ class Mesh:
     def describe(self) -> str:
         """E.g. ``"dp_shard=2 x tp=2"``."""
         names = self.mesh.mesh_dim_names or ()
-        return " x ".join(f"{n}={self.sizes[n]}" for n in names)
+        out = " x ".join(f"{n}={self.sizes[n]}" for n in names)
+        if self.expert is not None:
+            out += f" (experts: efsdp={self.expert['efsdp'].size()} x ep={self.expert['ep'].size()})"
+        return out
 
 
 def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
@@ -541,7 +550,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
     from ._strategy import _mixed, _param_names, find_blocks, rebuild_optimizer
 
-    for dim, issue in (("ep", "expert"),):
+    for dim, issue in ():  # every dimension runs; a new one starts here refused
         if getattr(env, dim) > 1:
             raise WorkerError(
                 f"jd.wrap: {issue} parallelism ({dim}{getattr(env, dim)}) cannot run yet in this version; run a "
@@ -562,6 +571,8 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             optimizer = rebuild_optimizer(optimizer, old_names, model)
         return model, optimizer, None, None
     mesh = build_mesh(env, device.type)
+    if env.ep > 1:
+        mesh = add_expert_mesh(mesh, env, family=family)
     if family == "none" and mesh.dp_size > 1:
         raise WorkerError(
             f"jd.wrap: {mesh.dp_size} data-parallel replicas with JD_STRATEGY=none; use fsdp2 with model parallelism "
@@ -597,6 +608,8 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
         n = apply_context_parallel(model, mesh, device.type)
         _log.info("jd.wrap: context parallelism cp%d over %d attention cores (ring attention)", env.cp, n)
+    if env.ep > 1:
+        apply_expert_parallel(model, mesh, on_meta=on_meta)
     blocks = find_blocks(model)
     if env.ac != "none" and blocks:
         wrapped = apply_activation_checkpointing(blocks, env.ac)
@@ -614,6 +627,8 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             dp_mesh = fsdp_mesh(mesh)  # cp ranks shard model states with the dp ranks
         else:
             dp_mesh = mesh.dp_mesh
+        if env.ep > 1:
+            shard_experts(model, mesh, mp)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp)
         for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)

@@ -9,7 +9,9 @@ to the equal-math tests = adding a builder to ``MODELS``.
 Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
 ``EQ_BAD_POSITIONS=1`` (under cp: rotary angles from the local chunk, a mistake the equal-math check must catch),
-``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder).
+``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder), ``EQ_EP_EFSDP_DIVIDE=1`` (a deliberate mistake:
+divide expert gradients by the efsdp group only). A model with an ``aux_loss()`` (mixture of
+experts) adds ``AUX_COEF`` times it to the loss.
 """
 
 from __future__ import annotations
@@ -52,7 +54,59 @@ def llama_model() -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"ref": ref_model, "llama": llama_model}
+def moe_model() -> torch.nn.Module:
+    from jupyter_dist.models import MoETransformer
+
+    return MoETransformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2,
+                          ffn_dim=32)  # fmt: skip
+
+
+def mixtral_model() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def qwen2_moe_model() -> torch.nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
+MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model, "mixtral": mixtral_model,
+          "qwen2_moe": qwen2_moe_model}  # fmt: skip
+AUX_COEF = 0.01
+"""Weight of a mixture-of-experts model's load-balancing loss (``model.aux_loss()``) in the training loss."""
 
 
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,6 +155,10 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=float(os.environ.get("EQ_LR", "1e-3")), weight_decay=0.1)
     pretrained = os.environ.get("EQ_PRETRAINED") or None
     model, opt = jd.wrap(model, opt, pretrained=pretrained)
+    if os.environ.get("EQ_EP_EFSDP_DIVIDE") == "1":  # the mistake: FSDP2's default divisor for expert gradients
+        for m in model.modules():
+            if getattr(m, "num_experts", 0) and callable(getattr(m, "set_gradient_divide_factor", None)):
+                m.set_gradient_divide_factor(float(jd.mesh.expert["efsdp"].size()))
     first = 0
     ckpt = os.environ.get("EQ_CKPT")
     if ckpt and os.environ.get("EQ_RESUME") == "1":
@@ -161,6 +219,8 @@ def main() -> None:
             else:
                 logits = logits_of(model, inputs)
             loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+            if callable(getattr(model, "aux_loss", None)):
+                loss = loss + AUX_COEF * model.aux_loss()
             loss.backward()
             grad_bytes = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
             opt.step()
