@@ -270,7 +270,10 @@ class Runtime:
             emitter.set_phase("forward")
 
     def _step(self, optimizer: Any) -> None:
-        if self.is_engine and optimizer is None:
+        if self.is_engine and (optimizer is None or optimizer is self.optimizer or optimizer is self.model.optimizer):
+            # the engine, not the ZeRO optimizer: engine.step() counts micro-batches and steps (clipping, LR
+            # scheduler, zero_grad) only at the gradient-accumulation boundary; the optimizer's own step() would
+            # apply every micro-batch's partial gradient and never advance the engine's counters
             self.model.step()
             return
         opt = optimizer if optimizer is not None else self.optimizer
