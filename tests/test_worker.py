@@ -630,17 +630,17 @@ import jupyter_dist.worker as jd
 from jupyter_dist.worker import Runtime, WorkerEnv
 
 jd.log(0, loss=1.0)
-marker = os.path.join(os.environ["JD_RUN_DIR"], "fsdp1.json")
+marker = os.path.join(os.environ["JD_RUN_DIR"], "wrap-error.json")
 if jd.rank == 1:
     deadline = time.monotonic() + 30
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     raise ValueError("boom from rank 1")
-# rank 0: FSDP1 on CPU fails with PyTorch's own error behind our explanation, then it waits to be stopped
-fsdp1 = Runtime(dataclasses.replace(WorkerEnv.from_environ(), strategy="fsdp-full-shard"))
+# rank 0: a DeepSpeed strategy without its JSON fails with our one-line error, then it waits to be stopped
+zero = Runtime(dataclasses.replace(WorkerEnv.from_environ(), strategy="zero2"))
 m = torch.nn.Linear(4, 4)
 try:
-    fsdp1.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    zero.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
 except Exception as e:
     with open(marker + ".tmp", "w") as f:
         json.dump([type(e).__name__, str(e)], f)
@@ -669,11 +669,8 @@ def test_a_failing_rank_records_its_error_and_the_other_is_terminated(tmp_path: 
     other = read_records(run_dir, 0)
     assert other[-1]["kind"] == "exit" and other[-1]["status"] == "terminated" and other[-1]["signal"] == "SIGTERM"
     assert any(r["kind"] == "hb" and r["step"] == 0 for r in other)
-    kind, message = json.loads((run_dir / "fsdp1.json").read_text())
-    first, _, rest = message.partition("\n")
-    assert kind == "RuntimeError"
-    assert "FSDP1 wrapper" in first and "JD_STRATEGY=fsdp2" in first
-    assert "accelerator" in rest  # PyTorch's own words follow
+    kind, message = json.loads((run_dir / "wrap-error.json").read_text())
+    assert kind == "WorkerError" and message.startswith("JD_STRATEGY=zero2 needs JD_DS_CONFIG, the path of the")
 
 
 DEEPSPEED = """
