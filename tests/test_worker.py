@@ -673,6 +673,50 @@ def test_a_failing_rank_records_its_error_and_the_other_is_terminated(tmp_path: 
     assert kind == "WorkerError" and message.startswith("JD_STRATEGY=zero2 needs JD_DS_CONFIG, the path of the")
 
 
+IN_FLIGHT = """
+import os, time
+import torch
+import torch.distributed as dist
+import jupyter_dist.worker as jd
+
+jd.init()
+group = dist.group.WORLD  # a reference to the group outlives destroy_process_group, as DeepSpeed's do
+if jd.rank == 1:
+    time.sleep(1.0)  # rank 0's script ends while its all-reduce still waits for rank 1
+t = torch.ones(4) * (jd.rank + 1)
+t.note = "a Python attribute: torch keeps this Python object alive with the C++ tensor the work holds"
+marker = os.path.join(os.environ["JD_RUN_DIR"], f"done-rank{jd.rank}.json")
+
+
+def done(fut):  # runs on gloo's worker thread when the work completes, and needs the GIL
+    with open(marker, "w") as f:
+        f.write(str(fut.value()[0].tolist()))
+
+
+dist.all_reduce(t, group=group, async_op=True).get_future().add_done_callback(done)
+del t
+print(f"rank {jd.rank}: script ends", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_in_flight_at_the_end_finishes_before_the_interpreter_finalises(tmp_path: Path) -> None:
+    """The clean-end teardown drains gloo's work while Python is whole.
+
+    Without it rank 0 aborts with "terminate called without an active exception" (SIGABRT): the completion runs
+    Python on gloo's worker thread after ``Py_FinalizeEx`` began, and CPython ends that thread with ``pthread_exit``.
+    """
+    script = tmp_path / "in_flight.py"
+    script.write_text(IN_FLIGHT)
+    run_dir = tmp_path / "run"
+    proc = torchrun(script, run_dir, timeout=120, JD_STRATEGY="ddp")
+    assert proc.returncode == 0, explain(proc, run_dir)
+    for rank in (0, 1):
+        assert (run_dir / f"done-rank{rank}.json").read_text() == "[3.0, 3.0, 3.0, 3.0]"
+        assert read_records(run_dir, rank)[-1]["status"] == "ok"
+        assert "terminate called" not in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+
+
 DEEPSPEED = """
 import json, os
 import torch
