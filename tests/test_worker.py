@@ -407,14 +407,28 @@ def test_find_blocks_and_optimizer_rebuild_rules() -> None:
     assert find_blocks(net) == list(net.layers.values())  # most parameters wins
     assert find_blocks(torch.nn.Linear(2, 2)) == []
     opt = torch.optim.AdamW([{"params": net.small.parameters(), "lr": 0.5}, {"params": net.layers.parameters()}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)  # built before the "wrap"
     names = {id(p): n for n, p in net.named_parameters()}
-    new = rebuild_optimizer(opt, names, net)
-    assert type(new) is torch.optim.AdamW and new is not opt
+    import copy
+
+    replaced = copy.deepcopy(net)  # new parameter objects under the same names, as FSDP makes
+    groups = opt.param_groups
+    new = rebuild_optimizer(opt, names, replaced)
+    assert new is opt and new.param_groups is groups  # re-pointed in place: the scheduler still drives it
     assert [g["lr"] for g in new.param_groups] == [0.5, opt.defaults["lr"]]
     assert [len(g["params"]) for g in new.param_groups] == [8, 4]
+    assert {id(p) for g in new.param_groups for p in g["params"]} == {
+        id(p) for n, p in replaced.named_parameters() if not n.startswith("heads")
+    }
+    new.step()
+    sched.step()
+    assert [g["lr"] for g in new.param_groups] == [0.25, opt.defaults["lr"] / 2]
     stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    before = list(stray.param_groups[0]["params"])
     with pytest.raises(WorkerError, match=r"parameter \(shape \(3,\)\) that is not a parameter of the model"):
         rebuild_optimizer(stray, names, net)
+    assert stray.param_groups[0]["params"] == before  # left as it was
+    opt = torch.optim.AdamW(net.parameters())
     net.layers["0"](torch.ones(1, 8)).sum().backward()
     opt.step()
     with pytest.raises(WorkerError, match="already has state"):
