@@ -111,14 +111,17 @@ with open(os.path.join(os.environ["JD_RUN_DIR"], f"cell-rank{jd.rank}.json"), "w
 )
 
 
-def reference_losses(steps: int, lr: float) -> tuple[list[float], list[float]]:
+def reference_losses(steps: int, lr: float, *, sgd: bool = False) -> tuple[list[float], list[float]]:
     """One process training the same model on both ranks' batches together (what data parallelism must equal)."""
     torch = pytest.importorskip("torch")
     ns: dict = {}
     exec(compile(MODEL, "model", "exec"), ns)
     torch.manual_seed(0)
     model = ns["Net"]()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=lr * 10, momentum=0.9, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, ns["schedule"])
     losses, lrs = [], []
     for step in range(steps):
@@ -150,10 +153,10 @@ def ds_config(strategy: str, accum: int = 1, clip: float = 0.0) -> dict:
     return cfg
 
 
-def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0) -> list[dict]:
+def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0, cell: str = CELL) -> list[dict]:
     tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "cell.py"
-    script.write_text(CELL)
+    script.write_text(cell)
     run_dir = tmp_path / "run"
     env = {"JD_STRATEGY": strategy, "TEST_STEPS": str(STEPS), "TEST_LR": str(LR), "TEST_ACCUM": str(accum)}
     if strategy.startswith("zero"):
@@ -197,6 +200,21 @@ def test_jd_step_with_gradient_accumulation_equals_one_big_micro_batch(strategy:
         assert four["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
         assert four["params"] == pytest.approx(one["params"], rel=1e-5, abs=1e-6)
     assert accumulated[0]["params"] == accumulated[1]["params"]  # the ranks agree
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_sgd_under_zero_offload_runs_as_given(tmp_path: Path) -> None:
+    """SGD has no DeepSpeed CPU twin: it steps the offloaded fp32 partitions itself, and equals one process."""
+    sgd = "torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9, weight_decay=0.01)"
+    cell = CELL.replace("torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))", sgd)
+    assert cell != CELL
+    res = run_cell(tmp_path, "zero3-offload", cell=cell)
+    assert res[0]["basic"] == "SGD"
+    ref_losses, ref_lrs = reference_losses(STEPS, LR, sgd=True)
+    mean = [(a + b) / 2 for a, b in zip(res[0]["losses"], res[1]["losses"], strict=True)]
+    assert mean == pytest.approx(ref_losses, rel=2e-4) and mean[-1] < 0.6 * mean[0]
+    assert res[0]["lrs"] == pytest.approx(ref_lrs, rel=1e-6)
 
 
 def test_client_optimizer_rules_under_deepspeed() -> None:
