@@ -35,7 +35,7 @@ for step in range(15):
     jd.backward(loss)
     jd.step(opt)
     jd.log(step, loss=loss)
-print("final loss", float(loss), "with", type(model).__name__, type(opt.optimizer).__name__)
+print("final loss", loss.item(), "with", type(model).__name__, type(opt.optimizer).__name__)
 """
 
 
