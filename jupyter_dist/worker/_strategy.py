@@ -17,8 +17,9 @@ __all__ = ["find_blocks", "apply_strategy", "rebuild_optimizer", "deepspeed_clie
 _log = logging.getLogger("jupyter_dist.worker")
 
 FSDP1_NEEDS_GPU = (
-    "jupyter_dist: strategy {name!r} uses the FSDP1 wrapper (FullyShardedDataParallel), which PyTorch runs only on "
-    "a GPU/accelerator; on CPU use JD_STRATEGY=fsdp2 (fully_shard), which shards the same way over gloo."
+    "jupyter_dist: strategy {name!r} uses the FSDP1 wrapper (FullyShardedDataParallel), which failed on CPU (it "
+    "trains there with device_id=cpu, but parts such as sync_module_states need a GPU); use JD_STRATEGY=fsdp2 "
+    "(fully_shard), which shards the same way over gloo."
 )
 
 _FSDP1_SHARDING = {
