@@ -626,6 +626,13 @@ report = {
 }
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(report, f)
+# a clean end, as jupyter_dist.worker's exit hook does: finish every collective and let gloo's worker threads release
+# their last work before the interpreter finalises, else one may need the GIL during finalisation and abort the
+# process ("terminate called without an active exception"; see Runtime._teardown in jupyter_dist/worker/_runtime.py)
+from jupyter_dist.worker._runtime import _drain_gloo_groups
+
+_drain_gloo_groups()
+deepspeed.comm.destroy_process_group()
 """
 
 REAL_RUNS = {

@@ -407,14 +407,28 @@ def test_find_blocks_and_optimizer_rebuild_rules() -> None:
     assert find_blocks(net) == list(net.layers.values())  # most parameters wins
     assert find_blocks(torch.nn.Linear(2, 2)) == []
     opt = torch.optim.AdamW([{"params": net.small.parameters(), "lr": 0.5}, {"params": net.layers.parameters()}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)  # built before the "wrap"
     names = {id(p): n for n, p in net.named_parameters()}
-    new = rebuild_optimizer(opt, names, net)
-    assert type(new) is torch.optim.AdamW and new is not opt
+    import copy
+
+    replaced = copy.deepcopy(net)  # new parameter objects under the same names, as FSDP makes
+    groups = opt.param_groups
+    new = rebuild_optimizer(opt, names, replaced)
+    assert new is opt and new.param_groups is groups  # re-pointed in place: the scheduler still drives it
     assert [g["lr"] for g in new.param_groups] == [0.5, opt.defaults["lr"]]
     assert [len(g["params"]) for g in new.param_groups] == [8, 4]
+    assert {id(p) for g in new.param_groups for p in g["params"]} == {
+        id(p) for n, p in replaced.named_parameters() if not n.startswith("heads")
+    }
+    new.step()
+    sched.step()
+    assert [g["lr"] for g in new.param_groups] == [0.25, opt.defaults["lr"] / 2]
     stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    before = list(stray.param_groups[0]["params"])
     with pytest.raises(WorkerError, match=r"parameter \(shape \(3,\)\) that is not a parameter of the model"):
         rebuild_optimizer(stray, names, net)
+    assert stray.param_groups[0]["params"] == before  # left as it was
+    opt = torch.optim.AdamW(net.parameters())
     net.layers["0"](torch.ones(1, 8)).sum().backward()
     opt.step()
     with pytest.raises(WorkerError, match="already has state"):
@@ -630,17 +644,17 @@ import jupyter_dist.worker as jd
 from jupyter_dist.worker import Runtime, WorkerEnv
 
 jd.log(0, loss=1.0)
-marker = os.path.join(os.environ["JD_RUN_DIR"], "fsdp1.json")
+marker = os.path.join(os.environ["JD_RUN_DIR"], "wrap-error.json")
 if jd.rank == 1:
     deadline = time.monotonic() + 30
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     raise ValueError("boom from rank 1")
-# rank 0: FSDP1 on CPU fails with PyTorch's own error behind our explanation, then it waits to be stopped
-fsdp1 = Runtime(dataclasses.replace(WorkerEnv.from_environ(), strategy="fsdp-full-shard"))
+# rank 0: a DeepSpeed strategy without its JSON fails with our one-line error, then it waits to be stopped
+zero = Runtime(dataclasses.replace(WorkerEnv.from_environ(), strategy="zero2"))
 m = torch.nn.Linear(4, 4)
 try:
-    fsdp1.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    zero.wrap(m, torch.optim.SGD(m.parameters(), lr=0.1))
 except Exception as e:
     with open(marker + ".tmp", "w") as f:
         json.dump([type(e).__name__, str(e)], f)
@@ -669,11 +683,52 @@ def test_a_failing_rank_records_its_error_and_the_other_is_terminated(tmp_path: 
     other = read_records(run_dir, 0)
     assert other[-1]["kind"] == "exit" and other[-1]["status"] == "terminated" and other[-1]["signal"] == "SIGTERM"
     assert any(r["kind"] == "hb" and r["step"] == 0 for r in other)
-    kind, message = json.loads((run_dir / "fsdp1.json").read_text())
-    first, _, rest = message.partition("\n")
-    assert kind == "RuntimeError"
-    assert "FSDP1 wrapper" in first and "JD_STRATEGY=fsdp2" in first
-    assert "accelerator" in rest  # PyTorch's own words follow
+    kind, message = json.loads((run_dir / "wrap-error.json").read_text())
+    assert kind == "WorkerError" and message.startswith("JD_STRATEGY=zero2 needs JD_DS_CONFIG, the path of the")
+
+
+IN_FLIGHT = """
+import os, time
+import torch
+import torch.distributed as dist
+import jupyter_dist.worker as jd
+
+jd.init()
+group = dist.group.WORLD  # a reference to the group outlives destroy_process_group, as DeepSpeed's do
+if jd.rank == 1:
+    time.sleep(1.0)  # rank 0's script ends while its all-reduce still waits for rank 1
+t = torch.ones(4) * (jd.rank + 1)
+t.note = "a Python attribute: torch keeps this Python object alive with the C++ tensor the work holds"
+marker = os.path.join(os.environ["JD_RUN_DIR"], f"done-rank{jd.rank}.json")
+
+
+def done(fut):  # runs on gloo's worker thread when the work completes, and needs the GIL
+    with open(marker, "w") as f:
+        f.write(str(fut.value()[0].tolist()))
+
+
+dist.all_reduce(t, group=group, async_op=True).get_future().add_done_callback(done)
+del t
+print(f"rank {jd.rank}: script ends", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_collective_in_flight_at_the_end_finishes_before_the_interpreter_finalises(tmp_path: Path) -> None:
+    """The clean-end teardown drains gloo's work while Python is whole.
+
+    Without it rank 0 aborts with "terminate called without an active exception" (SIGABRT): the completion runs
+    Python on gloo's worker thread after ``Py_FinalizeEx`` began, and CPython ends that thread with ``pthread_exit``.
+    """
+    script = tmp_path / "in_flight.py"
+    script.write_text(IN_FLIGHT)
+    run_dir = tmp_path / "run"
+    proc = torchrun(script, run_dir, timeout=120, JD_STRATEGY="ddp")
+    assert proc.returncode == 0, explain(proc, run_dir)
+    for rank in (0, 1):
+        assert (run_dir / f"done-rank{rank}.json").read_text() == "[3.0, 3.0, 3.0, 3.0]"
+        assert read_records(run_dir, rank)[-1]["status"] == "ok"
+        assert "terminate called" not in (run_dir / "logs" / f"rank-{rank}.log").read_text()
 
 
 DEEPSPEED = """

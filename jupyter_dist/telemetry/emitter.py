@@ -471,12 +471,16 @@ class Emitter:
 
     start_heartbeat = start_monitor
 
+    def stop_monitor(self, timeout: float = 1.0) -> None:
+        """Stop the monitor thread and wait up to ``timeout`` s for it to end; records can still be written."""
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=timeout)
+
     def close(self) -> None:
         """Flush, stop the monitor and close the sinks; later records are dropped."""
         self.flush()
-        self._stop.set()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=1.0)
+        self.stop_monitor()
         with self._lock:
             if self._closed:
                 return

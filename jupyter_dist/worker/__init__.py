@@ -127,15 +127,19 @@ def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
     ``fsdp2``, ``fsdp2-hybrid``
         ``fully_shard`` on each repeated block (children of the model's largest ``ModuleList``/``ModuleDict`` of
         one class), then on the root, on a 1-D mesh (2-D replicate x shard mesh with ``LOCAL_WORLD_SIZE`` shards
-        for hybrid), with a ``MixedPrecisionPolicy`` from ``JD_PRECISION``; the optimizer is rebuilt over the
-        sharded parameters with the same class and param groups (call ``wrap`` before the first step, and create
-        LR schedulers afterwards);
+        for hybrid), with a ``MixedPrecisionPolicy`` from ``JD_PRECISION``; the optimizer's param groups are
+        pointed at the sharded parameters in place (same optimizer object, so an LR scheduler built on it before
+        ``wrap`` keeps working; call ``wrap`` before the first step);
     ``fsdp-*``
-        the FSDP1 ``FullyShardedDataParallel`` wrapper (``use_orig_params=True``) with the matching
-        ``ShardingStrategy``; GPU only: on CPU PyTorch's own error surfaces, prefixed with a line that says so;
+        the FSDP1 ``FullyShardedDataParallel`` wrapper (``use_orig_params=True``, ``device_id=jd.device``, CPU
+        included) with the matching ``ShardingStrategy``; the optimizer is re-pointed as for ``fsdp2``;
     ``zero*``
         ``deepspeed.initialize(model=..., optimizer=..., config=JD_DS_CONFIG)``; returns ``(engine, engine's
-        optimizer)``. Use :func:`backward` and :func:`step`.
+        optimizer)``. Use :func:`backward` and :func:`step`. With optimizer offload a ``torch.optim.Adam``/``AdamW``
+        becomes ``DeepSpeedCPUAdam`` with the same hyperparameters and param groups (one log line says so); other
+        element-wise torch optimizers (SGD, Adagrad, ...) run as given. An LR scheduler built on your optimizer
+        before ``wrap`` keeps driving the learning rate; torch's schedulers refuse the engine's ZeRO optimizer
+        ("is not an Optimizer"), so build yours on the optimizer you pass to ``wrap``.
 
     ``JD_PRECISION=bf16-true`` casts the model to bfloat16 first (except for DeepSpeed, whose JSON decides).
     """
@@ -175,7 +179,9 @@ def backward(loss: Any) -> None:
 def step(optimizer: Any = None) -> None:
     """``engine.step()`` for DeepSpeed, else ``optimizer.step()`` and ``optimizer.zero_grad(set_to_none=True)``.
 
-    ``optimizer`` defaults to the one returned by :func:`wrap`.
+    ``optimizer`` defaults to the one returned by :func:`wrap`. Under DeepSpeed, ``jd.step()`` and ``jd.step(opt)``
+    with the optimizer ``wrap`` returned both call ``engine.step()``: call it after every micro-batch's
+    :func:`backward`; the engine steps the optimizer only at the ``gradient_accumulation_steps`` boundary.
     """
     get_runtime().step(optimizer)
 

@@ -62,6 +62,55 @@ def _attempt_store(dist: Any) -> dict[str, Any]:
     return {"store": prefixed, "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
 
 
+def _drain_gloo_groups(timeout: float = 5.0) -> None:
+    """Finish every collective of this rank's gloo groups and let gloo's threads release them (see ``_teardown``)."""
+    if not _pg_ready():
+        return
+    dist = _dist()
+    barrier = getattr(dist.barrier, "__wrapped__", dist.barrier)  # not counted as the user's communication
+    groups = list(dist.distributed_c10d._world.pg_map)  # creation order: the same on every rank
+    drained = False
+    for group in groups:
+        if dist.get_backend(group) == "gloo":
+            barrier(group=group)
+            drained = True
+    if drained and not _gloo_threads_idle(timeout):
+        _log.warning(
+            "jupyter_dist.worker: gloo's worker threads were still busy %.0f s after the last barrier", timeout
+        )
+
+
+def _gloo_threads_idle(timeout: float) -> bool:
+    """Wait until every gloo worker thread (``pt_gloo_runloop``) of this process is asleep on 3 polls in a row.
+
+    Sleeping between polls releases the GIL, so a thread that waits for it to free a finished work's tensors
+    gets it and finishes; a thread with work left is running or runnable (``R``), one with none waits for the next
+    work (``S``). Linux only (``/proc``); elsewhere answers True at once.
+    """
+    task = "/proc/self/task"
+    if not os.path.isdir(task):
+        return True
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while time.monotonic() < deadline:
+        busy = False
+        for tid in os.listdir(task):
+            try:
+                with open(f"{task}/{tid}/comm") as f:
+                    if f.read().strip() != "pt_gloo_runloop":
+                        continue
+                with open(f"{task}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended
+            busy = busy or state not in ("S", "D", "Z", "X")
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 3:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 class Runtime:
     """State of one worker process. ``jupyter_dist.worker`` delegates to a single instance (:func:`get_runtime`).
 
@@ -263,10 +312,20 @@ class Runtime:
                 dist.barrier()
 
     def finish(self) -> None:
-        """Destroy the process group this runtime created (safe to call twice)."""
+        """Destroy the process group this runtime created (safe to call twice).
+
+        With DeepSpeed loaded, through ``deepspeed.comm``, which also drops DeepSpeed's references to its groups.
+        """
         with self._lock:
             if self._owns_pg and _pg_ready():
-                _dist().destroy_process_group()
+                ds_comm = sys.modules.get("deepspeed.comm.comm")
+                try:
+                    if ds_comm is None or getattr(ds_comm, "cdb", None) is None:
+                        raise LookupError("DeepSpeed's communication backend is not initialised")
+                    ds_comm.destroy_process_group()
+                except Exception:
+                    if _pg_ready():
+                        _dist().destroy_process_group()
             self._owns_pg = False
 
     # ------------------------------------------------------------------ training
@@ -338,7 +397,10 @@ class Runtime:
             emitter.set_phase("forward")
 
     def _step(self, optimizer: Any) -> None:
-        if self.is_engine and optimizer is None:
+        if self.is_engine and (optimizer is None or optimizer is self.optimizer or optimizer is self.model.optimizer):
+            # the engine, not the ZeRO optimizer: engine.step() counts micro-batches and steps (clipping, LR
+            # scheduler, zero_grad) only at the gradient-accumulation boundary; the optimizer's own step() would
+            # apply every micro-batch's partial gradient and never advance the engine's counters
             self.model.step()
             return
         opt = optimizer if optimizer is not None else self.optimizer
@@ -579,13 +641,41 @@ class Runtime:
                 _log.warning("jupyter_dist.worker: the last asynchronous checkpoint was not committed: %s", exc)
         self.write_exit("ok" if error is None else "error", error)
         if error is None:
-            with contextlib.suppress(Exception):
-                self.finish()
+            self._teardown()
         if self._emitter is not None:
             self._emitter.close()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+
+    def _teardown(self) -> None:
+        """A clean end's teardown, in a defined order, while the interpreter is still whole (an ``atexit`` hook).
+
+        Why: a finished DeepSpeed run on gloo could abort at exit with "terminate called without an active
+        exception" (SIGABRT; test_worker.py::test_deepspeed_zero2_through_wrap_on_cpu, one run in ~10 under load).
+        The core dump shows the main thread in ``Py_FinalizeEx`` and a gloo worker thread (``pt_gloo_runloop``)
+        releasing the last reference to a finished ``AsyncAllreduceWork``: its tensor's Python object was owned by
+        the C++ tensor (Python had dropped it while the collective ran), so freeing it takes the GIL; during
+        finalisation CPython 3.11 answers that with ``pthread_exit``, whose forced unwind through the noexcept
+        ``~AsyncWork`` calls ``std::terminate``. Any collective whose worker thread has not yet let go of its work
+        when ``Py_FinalizeEx`` starts can do this (a loaded machine delays that thread), and
+        ``destroy_process_group`` does not stop gloo's threads (its ``shutdown`` is a no-op and DeepSpeed keeps
+        references to its groups). So, before finalisation:
+
+        1. our threads: the telemetry monitor stops;
+        2. every gloo process group of this rank is drained: a barrier on each (gloo's barrier waits for all prior
+           work on that group), then we wait, with the GIL released, until gloo's worker threads are all asleep,
+           that is have released their last work (:func:`_gloo_threads_idle`);
+        3. DeepSpeed's references to its groups are released, then the process group is destroyed.
+
+        Collective, like the commit of a pending save above it: on a clean end every rank gets here.
+        """
+        if self._emitter is not None:
+            self._emitter.stop_monitor()
+        with contextlib.suppress(Exception):
+            _drain_gloo_groups()
+        with contextlib.suppress(Exception):
+            self.finish()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self.env.checkpoint_every > 0 and self._initialized:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
+import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ..plan.strategies import get_strategy
@@ -11,11 +12,14 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["find_blocks", "apply_strategy", "rebuild_optimizer", "FSDP1_NEEDS_GPU"]
+__all__ = ["find_blocks", "apply_strategy", "rebuild_optimizer", "deepspeed_client_optimizer", "FSDP1_NEEDS_GPU"]
+
+_log = logging.getLogger("jupyter_dist.worker")
 
 FSDP1_NEEDS_GPU = (
-    "jupyter_dist: strategy {name!r} uses the FSDP1 wrapper (FullyShardedDataParallel), which PyTorch runs only on "
-    "a GPU/accelerator; on CPU use JD_STRATEGY=fsdp2 (fully_shard), which shards the same way over gloo."
+    "jupyter_dist: strategy {name!r} uses the FSDP1 wrapper (FullyShardedDataParallel), which failed on CPU (it "
+    "trains there with device_id=cpu, but parts such as sync_module_states need a GPU); use JD_STRATEGY=fsdp2 "
+    "(fully_shard), which shards the same way over gloo."
 )
 
 _FSDP1_SHARDING = {
@@ -66,11 +70,13 @@ def _clean(name: str) -> str:
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: torch.nn.Module, *, pruned: bool = False
 ) -> torch.optim.Optimizer:
-    """A new optimizer of the same class and param groups over ``model``'s (replaced) parameters, matched by name.
+    """Point ``optimizer``'s param groups at ``model``'s (replaced) parameters, matched by name; returns it.
 
     Wrappers that swap parameter objects (FSDP2 turns them into DTensors, FSDP1 into flat-parameter views) would
-    otherwise leave the optimizer updating tensors the model no longer uses. ``pruned``: the model dropped parts
-    that live on other ranks (pipeline stages); their parameters leave the optimizer (and so do emptied groups).
+    otherwise leave the optimizer updating tensors the model no longer uses. The optimizer object and its param-group
+    dicts stay the same (only each group's ``params`` list is replaced), so an LR scheduler built on it before
+    :func:`apply_strategy` keeps driving the learning rate the optimizer uses. ``pruned``: the model dropped parts
+    that live on other ranks (pipeline stages); their parameters leave the optimizer (a group may end up empty).
     """
     if optimizer.state:
         raise WorkerError(
@@ -78,7 +84,7 @@ def rebuild_optimizer(
             "optimizer) before the first optimizer.step(), or create the optimizer after jd.wrap"
         )
     new_by_name = {_clean(n): p for n, p in model.named_parameters()}
-    groups = []
+    new_params = []
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
@@ -91,20 +97,10 @@ def rebuild_optimizer(
                     "the model; create the optimizer over model.parameters() or after jd.wrap"
                 )
             params.append(new_by_name[_clean(name)])
-        if params or not pruned:
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    cls = type(optimizer)
-    defaults = dict(optimizer.defaults)
-    sig = inspect.signature(cls.__init__)
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
-        defaults = {k: v for k, v in defaults.items() if k in sig.parameters}
-    try:
-        return cls(groups, **defaults)
-    except TypeError as e:
-        raise WorkerError(
-            f"jd.wrap: could not rebuild {cls.__name__}(param_groups, **defaults) over the sharded parameters ({e}); "
-            "create the optimizer after jd.wrap(model) instead"
-        ) from e
+        new_params.append(params)
+    for group, params in zip(optimizer.param_groups, new_params, strict=True):  # all found: now change it
+        group["params"] = params
+    return optimizer
 
 
 def _dtype(name: str | None) -> Any:
@@ -207,7 +203,7 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
                     if mixed
                     else None
                 ),
-                device_id=device if device.type != "cpu" else None,
+                device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and refuses
                 use_orig_params=True,
                 **kwargs,
             )
@@ -234,10 +230,120 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
             raise MissingDependencyError(
                 f"JD_STRATEGY={name} needs DeepSpeed: pip install 'jupyter_dist[deepspeed]' ({e})"
             ) from e
+        config = _load_ds_config(name, env.ds_config)
+        if optimizer is not None:
+            optimizer, config = deepspeed_client_optimizer(name, optimizer, config, rank=env.rank)
         kwargs = {"model_parameters": [p for p in model.parameters() if p.requires_grad]} if optimizer is None else {}
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=env.ds_config, **kwargs
-        )
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
         return engine, ds_optimizer
 
     raise WorkerError(f"JD_STRATEGY={name}: family {family!r} is not supported by jd.wrap")  # pragma: no cover
+
+
+def _load_ds_config(name: str, path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise WorkerError(f"JD_STRATEGY={name}: cannot read the DeepSpeed JSON JD_DS_CONFIG={path!r}: {e}") from e
+    if not isinstance(config, dict):
+        raise WorkerError(f"JD_STRATEGY={name}: JD_DS_CONFIG={path!r} holds {type(config).__name__}, not an object")
+    return config
+
+
+# torch optimizers whose update is element-wise, so stepping ZeRO's flat 1-D partitions equals stepping the
+# parameters one by one (Adafactor, Muon, LBFGS are not: they use the shape or the whole vector)
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam", "ASGD", "Rprop")
+
+
+def deepspeed_client_optimizer(
+    name: str, optimizer: Any, config: dict[str, Any], *, rank: int = 0
+) -> tuple[Any, dict[str, Any]]:
+    """The optimizer and config to hand to ``deepspeed.initialize`` for the user's torch ``optimizer``.
+
+    * ZeRO-Offload (``offload_optimizer`` on ``cpu``/``nvme``) with ``torch.optim.Adam``/``AdamW``: DeepSpeed refuses a
+      client optimizer there (ZeRORuntimeException), so this builds ``DeepSpeedCPUAdam`` (``adamw_mode`` from the class)
+      with the user's hyperparameters over the *same param-group dicts*: an LR scheduler built on the user's
+      optimizer, before or after ``jd.wrap``, changes the ``lr`` that DeepSpeedCPUAdam reads at every step.
+    * Offload with another element-wise torch optimizer (SGD, Adagrad, ...): it runs as given on the offloaded fp32
+      partitions (``zero_force_ds_cpu_optimizer: false``).
+    * ZeRO with an element-wise optimizer DeepSpeed has not tested (SGD, ...): allowed
+      (``zero_allow_untested_optimizer: true``); one that is not element-wise is refused, unless the config allows it.
+
+    Each change is said once, in one log line on rank 0. ``config`` is not modified; a changed copy is returned.
+    """
+    import torch
+
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() in ("cpu", "nvme")
+    cls = type(optimizer)
+    out = dict(config)
+    notes: list[str] = []
+    if offload and cls in (torch.optim.Adam, torch.optim.AdamW):
+        optimizer = _cpu_adam(name, optimizer)
+        notes.append(
+            f"{name} offloads the optimizer: your torch.optim.{cls.__name__} runs as DeepSpeedCPUAdam "
+            f"(adamw_mode={optimizer.adam_w_mode}) with its hyperparameters and {len(optimizer.param_groups)} "
+            "param group(s)"
+        )
+    elif stage > 0 or offload:
+        elementwise = cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENTWISE
+        from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+        supported = isinstance(optimizer, tuple(ZERO_SUPPORTED_OPTIMIZERS))
+        if not supported and not config.get("zero_allow_untested_optimizer"):
+            if not elementwise:
+                raise WorkerError(
+                    f"jd.wrap: {name} cannot run {cls.__module__}.{cls.__name__}: ZeRO steps flat 1-D partitions of "
+                    "the parameters and this optimizer is not an element-wise torch optimizer; use torch.optim."
+                    f"AdamW/Adam/SGD/Adagrad/RMSprop (or {', '.join(_ELEMENTWISE[4:])}), or --strategy fsdp2 / ddp"
+                )
+            out["zero_allow_untested_optimizer"] = True
+            notes.append(f"{name}: torch.optim.{cls.__name__} runs under ZeRO (zero_allow_untested_optimizer)")
+        if offload and config.get("zero_force_ds_cpu_optimizer", True):
+            out["zero_force_ds_cpu_optimizer"] = False
+            notes.append(
+                f"{name} offloads the optimizer: your {cls.__name__} has no DeepSpeed CPU twin and steps the "
+                "offloaded fp32 partitions on the CPU as given (zero_force_ds_cpu_optimizer=false)"
+            )
+    if notes and rank == 0:
+        _log.warning("jupyter_dist.worker: %s", "; ".join(notes))
+    return optimizer, out
+
+
+def _cpu_adam(name: str, optimizer: Any) -> Any:
+    """``DeepSpeedCPUAdam`` sharing ``optimizer``'s param-group dicts (see :func:`deepspeed_client_optimizer`)."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cls = type(optimizer).__name__
+    if optimizer.state:
+        raise WorkerError(
+            f"jd.wrap: the {cls} already has state (a step was taken); call jd.wrap(model, optimizer) before the "
+            "first optimizer.step()"
+        )
+    for group in optimizer.param_groups:
+        for key in ("amsgrad", "maximize"):
+            if group.get(key):
+                raise WorkerError(
+                    f"jd.wrap: {name} offloads the optimizer to DeepSpeedCPUAdam, which has no {key}=True; use "
+                    f"torch.optim.{cls}({key}=False) or a strategy without offload (zero2, zero3, fsdp2)"
+                )
+    d = optimizer.defaults
+    adamw = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+    betas = tuple(float(b) for b in d["betas"])
+    cpu = DeepSpeedCPUAdam(optimizer.param_groups, lr=float(d["lr"]), betas=betas, eps=float(d["eps"]),
+                           weight_decay=float(d["weight_decay"]), adamw_mode=adamw)  # fmt: skip
+    for group in cpu.param_groups:  # DeepSpeedCPUAdam's C++ step takes floats; torch allows a tensor lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"] = float(group["lr"])
+    # a scheduler built on the user's optimizer checks at its first step() that this optimizer stepped first
+    inner = cpu.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return inner(*args, **kwargs)
+
+    cpu.step = step
+    return cpu
