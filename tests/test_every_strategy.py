@@ -190,7 +190,7 @@ def test_the_natural_cell_runs_unchanged_under_every_strategy(strategy: str, tmp
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("strategy", DEEPSPEED)
+@pytest.mark.parametrize("strategy", ("zero1", "zero2", "zero3"))  # every ZeRO stage; offload adds no step path
 def test_jd_step_with_gradient_accumulation_equals_one_big_micro_batch(strategy: str, tmp_path: Path) -> None:
     """``gradient_accumulation_steps=4`` through ``jd.backward``/``jd.step(opt)`` equals accumulation 1."""
     whole = run_cell(tmp_path / "a1", strategy, accum=1, clip=0.5)  # clipping too, at the boundary only
