@@ -118,7 +118,9 @@ CONFIGS = {
     # name: (processes, JD_* degrees, the mesh the workers report)
     "ep2": (2, {"JD_EP": "2"}, "dp_shard=2 (experts: efsdp=1 x ep=2)"),
     "ep2xdp2": (4, {"JD_EP": "2"}, "dp_shard=4 (experts: efsdp=2 x ep=2)"),
-    "ep2xdp2-ac": (4, {"JD_EP": "2", "JD_AC": "full"}, "dp_shard=4 (experts: efsdp=2 x ep=2)"),
+    # through jd.train_step, the loop that runs under every plan
+    "ep2xdp2-ac-step": (4, {"JD_EP": "2", "JD_AC": "full", "EQ_STEP_FORM": "1"},
+                        "dp_shard=4 (experts: efsdp=2 x ep=2)"),
     "tp2xep2-sp": (4, {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"),
     "hsdp2xep2": (4, {"JD_EP": "2", "JD_DP_REPLICATE": "2"}, "dp_replicate=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
 }

@@ -196,7 +196,10 @@ def main() -> None:
 
     def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+        if callable(getattr(model, "aux_loss", None)) and jd.pipeline is None:  # mixture of experts
+            loss = loss + AUX_COEF * model.aux_loss()
+        return loss
 
     losses = []
     for step in range(first, steps):
