@@ -146,9 +146,9 @@ class MoEBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe = MoE(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block."""
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block (``positions``: see :meth:`Attention.forward`)."""
+        x = x + self.attention(self.attention_norm(x), positions)
         return x + self.moe(self.ffn_norm(x))
 
 

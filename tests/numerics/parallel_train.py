@@ -242,8 +242,9 @@ def main() -> None:
             "params": sum(local_bytes(p) for p in model.parameters()),
             "grads": measured_grads[-1] if measured_grads else grad_bytes,
             "optimizer": sum(local_bytes(v) for v in states),
-            "in_flight": in_flight["max"],
         }
+        if pipe is not None:
+            measured["in_flight"] = in_flight["max"]
         with open(f"{out_path}.rank{jd.rank}.json", "w") as f:
             json.dump(measured, f)
     params = {clean(k): full(p) for k, p in model.named_parameters()}
