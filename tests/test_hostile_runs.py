@@ -119,8 +119,11 @@ def test_os_exit_on_one_rank_while_the_other_waits_silently(
     assert run.wait(180) == "failed", run.summary()
     assert time.monotonic() - t0 < 120
     diag = run.diagnosis()
-    assert diag["kind"] == "early_exit" and diag["rank"] == 1 and diag["waiting"] == [0]
-    assert diag["where"] == "script.py:9"  # the cell's line 6, after the 3-line prelude
+    assert diag is not None and diag.first_rank == 1 and diag.basis == "early_exit"
+    report = diag.early_exit
+    assert report is not None and report["kind"] == "early_exit" and report["rank"] == 1 and report["waiting"] == [0]
+    assert report["where"] == "script.py:9"  # the cell's line 6, after the 3-line prelude
+    assert "os._exit(0)" in diag.summary()
     assert "rank 1 ended with os._exit(0) at script.py:9" in run.summary()
     assert "printed nothing for 3 s" in run.summary()
     assert "never printed" not in run.logs(0)

@@ -528,7 +528,7 @@ class Run:
 
         path = self.dir / "diagnosis.json"
         if path.exists():
-            return Diagnosis.from_hang(json.loads(path.read_text()))
+            return Diagnosis.from_report(json.loads(path.read_text()))
         if self.status not in (FAILED, TIMED_OUT):
             return None
 

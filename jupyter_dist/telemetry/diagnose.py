@@ -1055,6 +1055,19 @@ class Diagnosis:
     """For a run stopped by ``--hang-timeout``: the hang report of ``diagnosis.json`` (``culprit``, ``stalled_s``,
     ``reason``, ``phases``, ``issued``, ``where`` and every rank's ``stacks``); ``None`` otherwise."""
 
+    early_exit: dict[str, Any] | None = None
+    """For a run stopped because a rank ended without its normal exit (``os._exit``): the report of
+    ``diagnosis.json`` (``rank``, ``code``, ``waiting``, ``where``, ``reason``); ``None`` otherwise."""
+
+    @classmethod
+    def from_report(cls, report: Mapping[str, Any]) -> Diagnosis:
+        """The diagnosis the run wrote to ``diagnosis.json``: a hang report or an early-exit report."""
+        if report.get("kind") == "early_exit":
+            rank = report.get("rank")
+            return cls(first_rank=int(rank) if isinstance(rank, int) else None, root=None, findings=[], by_rank={},
+                       facts={}, basis="early_exit", early_exit=dict(report))  # fmt: skip
+        return cls.from_hang(report)
+
     @classmethod
     def from_hang(cls, report: Mapping[str, Any]) -> Diagnosis:
         """The diagnosis of a hung run from its hang report (``first_rank`` is the rank that fell behind)."""
@@ -1068,6 +1081,8 @@ class Diagnosis:
 
     def summary(self) -> str:
         """One paragraph: which rank failed first and why, the fix, and what the other errors are."""
+        if self.early_exit is not None:
+            return str(self.early_exit.get("reason") or f"rank {self.first_rank} ended early")
         if self.hang is not None:
             h = self.hang
             where = "; ".join(f"rank {r} was at {w}" for r, w in (h.get("where") or {}).items())
@@ -1116,6 +1131,7 @@ class Diagnosis:
                       for r, fs in sorted(self.by_rank.items())},
             "suspects": list(self.suspects), "silent_ranks": list(self.silent_ranks), "summary": self.summary(),
             "hang": self.hang,
+            "early_exit": self.early_exit,
         }  # fmt: skip
 
 
