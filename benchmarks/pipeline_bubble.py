@@ -99,6 +99,7 @@ def main() -> None:
     print(f"1F1B, {a.stages} stages, reference transformer dim {a.dim}, seq {a.seq}, CPU/gloo, 1 thread per stage")
     head = ("micro-batches", "stage", "step s", "compute s", "idle/compute", "plan", "ratio")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (13, 5, 8, 10, 13, 6, 6), strict=True)))
+    fit: list[tuple[int, float, float]] = []  # (m, idle s, compute per micro-batch s), stage 0
     with tempfile.TemporaryDirectory() as d:
         for m in a.microbatches:
             per_stage = measure(a.stages, m, a.steps, a.dim, a.seq, Path(d))
@@ -108,6 +109,21 @@ def main() -> None:
                 busy = sum(r["busy"] for r in rows) / len(rows)
                 bubble = (wall - busy) / busy
                 print(f"{m:>13} {s:>5} {wall:>8.3f} {busy:>10.3f} {bubble:>13.3f} {plan:>6.3f} {bubble / plan:>6.2f}")
+                if s == 0:
+                    fit.append((m, wall - busy, busy / m))
+    if len(fit) >= 2:
+        # idle = bubble + m x (per-micro-batch send/recv not hidden behind compute): a line in m; its intercept is
+        # the bubble, which the planner puts at (p - 1) x one micro-batch's compute (the p2p term is its pp_p2p)
+        ms, idles = [f[0] for f in fit], [f[1] for f in fit]
+        mean_m, mean_i = sum(ms) / len(ms), sum(idles) / len(idles)
+        slope = sum((x - mean_m) * (y - mean_i) for x, y in zip(ms, idles, strict=True)) / sum(
+            (x - mean_m) ** 2 for x in ms)  # fmt: skip
+        intercept = mean_i - slope * mean_m
+        per_mb = sum(f[2] for f in fit) / len(fit)
+        planned = (a.stages - 1) * per_mb
+        print(f"idle = {intercept * 1e3:.1f} ms + m x {slope * 1e3:.2f} ms (send/recv per micro-batch); the bubble "
+              f"{intercept * 1e3:.1f} ms against the plan's (p-1) x {per_mb * 1e3:.1f} ms = {planned * 1e3:.1f} ms: "
+              f"ratio {intercept / planned:.2f}")
 
 
 if __name__ == "__main__":
