@@ -44,8 +44,8 @@ class CheckpointHost(Protocol):
     """
 
     env: WorkerEnv
-    _pending_save: Any
-    _save_pg: Any
+    pending_save: Any
+    save_group: Any
 
     @property
     def rank(self) -> int: ...
@@ -210,7 +210,7 @@ def save(rt: CheckpointHost, state: dict[str, Any], step: int, *, root: str | No
     }  # fmt: skip
     pending = _Pending(future, tmp, final, marker, root or ".", keep)
     if future is not None:
-        rt._pending_save = pending
+        rt.pending_save = pending
         return final
     _commit(rt, pending)
     return final
@@ -222,9 +222,9 @@ def _save_group(rt: CheckpointHost) -> Any:
 
     if _no_dist():
         return None
-    if getattr(rt, "_save_pg", None) is None:
-        rt._save_pg = dist.new_group(backend="gloo")
-    return rt._save_pg
+    if getattr(rt, "save_group", None) is None:
+        rt.save_group = dist.new_group(backend="gloo")
+    return rt.save_group
 
 
 class _Pending:
@@ -234,10 +234,10 @@ class _Pending:
 
 def commit_pending(rt: CheckpointHost) -> str | None:
     """Finish and commit an asynchronous save (collective); returns its path, or ``None`` when none is pending."""
-    pending = getattr(rt, "_pending_save", None)
+    pending = getattr(rt, "pending_save", None)
     if pending is None:
         return None
-    rt._pending_save = None
+    rt.pending_save = None
     _commit(rt, pending)
     return pending.final
 

@@ -139,8 +139,10 @@ class Runtime:
         self.comm_stats: Any = None
         """Collective timings (``comm`` records) of a launched, distributed worker."""
         self._stop_requested: float | None = None
-        self._pending_save: Any = None
-        self._save_pg: Any = None
+        self.pending_save: Any = None
+        """An async checkpoint still being written (committed at the next save, resume or clean exit)."""
+        self.save_group: Any = None
+        """The gloo group checkpoint saves agree on (created on the first save)."""
 
     # ------------------------------------------------------------------ identity
     @property
@@ -632,7 +634,7 @@ class Runtime:
 
     def _at_exit(self) -> None:
         error = self._error
-        if error is None and self._pending_save is not None:
+        if error is None and self.pending_save is not None:
             from ._checkpoint import commit_pending
 
             try:  # a clean end commits the last asynchronous save (every rank gets here)
