@@ -69,8 +69,6 @@ class Mesh:
     """The world mesh, dimensions named after :data:`MESH_DIMS` (those of size > 1, and ``dp_shard``)."""
     sizes: dict[str, int]
     """Every dimension of :data:`MESH_DIMS` with its size (1 where the mesh has no such dimension)."""
-    dp_rank: int
-    """This rank's data-parallel index: which slice of the global batch it loads."""
     dp_size: int
     """Data-parallel replicas (``dp_replicate * dp_shard``): how many different batches one step sees."""
     expert: DeviceMesh | None = None
@@ -126,9 +124,8 @@ def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
         )
     names = tuple(n for n in MESH_DIMS if sizes[n] > 1 or n == "dp_shard")
     mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-    coords = dict(zip(names, mesh.get_coordinate() or [0] * len(names), strict=True))
-    dp_rank = coords.get("dp_replicate", 0) * sizes["dp_shard"] + coords.get("dp_shard", 0)
-    return Mesh(mesh=mesh, sizes=sizes, dp_rank=dp_rank, dp_size=sizes["dp_replicate"] * sizes["dp_shard"])
+    # this rank's data-parallel index is jd.dp_rank (Runtime.dp_rank), derived from the same row-major layout
+    return Mesh(mesh=mesh, sizes=sizes, dp_size=sizes["dp_replicate"] * sizes["dp_shard"])
 
 
 # ---------------------------------------------------------------------------------------------------------- layouts
