@@ -834,3 +834,24 @@ def test_a_checkpoint_with_nested_optimizer_states_still_resumes(
         assert torch.equal(a, b)
     for a, b in zip(opt.state.values(), opt2.state.values(), strict=True):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"JD_PP_SCHEDULE": "zigzag"}, "JD_PP_SCHEDULE='zigzag' is not valid; valid: gpipe, 1f1b, interleaved-1f1b"),
+        ({"JD_PP_VIRTUAL": "-1"}, "JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0"),
+        ({"JD_MICROBATCHES": "-2"}, "JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0"),
+        ({"JD_PP_SCHEDULE": "interleaved-1f1b", "JD_PP_VIRTUAL": "1"}, "needs JD_PP_VIRTUAL >= 2"),
+        ({"JD_AC": "sometimes"}, "JD_AC='sometimes' is not valid; valid: none, selective, full"),
+        ({"JD_TP": "0"}, "JD_TP=0 must be >= 1"),
+        (
+            {"JD_TP": "3", "RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "x", "MASTER_PORT": "1"},
+            "does not divide WORLD_SIZE=4",
+        ),
+    ],
+)
+def test_model_parallel_contract_values_get_one_line(env: dict[str, str], message: str) -> None:
+    with pytest.raises(WorkerError) as info:
+        WorkerEnv.from_environ(env)
+    assert message in str(info.value) and "\n" not in str(info.value)
