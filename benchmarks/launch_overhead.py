@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jupyter_dist.launch.local import find_torchrun
+from jupyter_dist.launch.backends.local import find_torchrun
 from jupyter_dist.launch.session import start_run
 
 SCRIPT = """

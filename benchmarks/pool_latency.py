@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
 
-    from jupyter_dist.launch.pool import start_pool
+    from jupyter_dist.pool.kernel import start_pool
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

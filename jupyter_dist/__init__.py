@@ -16,7 +16,7 @@ from ._version import __version__
 _LAZY: dict[str, str] = {
     "Plan": "jupyter_dist.plan", "Candidate": "jupyter_dist.plan", "ModelSpec": "jupyter_dist.plan",
     "Hardware": "jupyter_dist.plan", "TrainingShape": "jupyter_dist.plan", "ParallelDims": "jupyter_dist.plan",
-    "Run": "jupyter_dist.launch.run", "open_run": "jupyter_dist.launch.run", "Pool": "jupyter_dist.launch.pool",
+    "Run": "jupyter_dist.launch.run", "open_run": "jupyter_dist.launch.run", "Pool": "jupyter_dist.pool.kernel",
     "start_run": "jupyter_dist.launch.session", "DryRun": "jupyter_dist.launch.session",
     "Bundle": "jupyter_dist.render.bundle", "render_bundle": "jupyter_dist.render.bundle",
     "Dashboard": "jupyter_dist.ui.dashboard", "Wizard": "jupyter_dist.ui.wizard",

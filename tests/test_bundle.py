@@ -161,3 +161,48 @@ def test_console_script_config(tmp_path: Path) -> None:
                          text=True)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "plan.json").exists() and (tmp_path / "launch.sh").exists()
+
+
+def _count_layouts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Wrap ``layout_of`` wherever a renderer holds it; returns the list each call appends its candidate to."""
+    import importlib
+
+    from jupyter_dist.render import common
+
+    calls: list[str] = []
+    real = common.layout_of
+
+    def counting(p: object, opts: RenderOptions | None = None) -> object:
+        lay = real(p, opts)  # type: ignore[arg-type]
+        calls.append(lay.candidate.name)
+        return lay
+
+    for mod in ("common", "bundle", "commands", "deepspeed", "accelerate", "skypilot", "slurm", "torch_code"):
+        m = importlib.import_module(f"jupyter_dist.render.{mod}")
+        if hasattr(m, "layout_of"):
+            monkeypatch.setattr(m, "layout_of", counting)
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp2"])
+def test_the_bundle_resolves_the_layout_once(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    calls = _count_layouts(monkeypatch)
+    b = bundle_for(2, 8, strategy)
+    assert {"train.py", "skypilot.yaml", "job.sbatch", "accelerate_config.yaml"} <= set(b.files)
+    assert calls == [b.layout.candidate.name]  # every artifact rendered from the one Layout handed down
+
+
+def test_a_cluster_run_resolves_the_layout_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from jupyter_dist.launch.backends.cluster import ClusterOptions, start_cluster_run
+
+    calls = _count_layouts(monkeypatch)
+    p = plan("llama-2-7b", Hardware.from_names("h100-80gb", nodes=2, gpus_per_node=8),
+             TrainingShape(micro_batch=2, seq_len=4096, global_batch=256))  # fmt: skip
+    for backend in ("slurm", "skypilot"):
+        calls.clear()
+        dry = start_cluster_run(
+            "pass", backend=backend, cluster=ClusterOptions(), nproc=8, nodes=2, strategy="zero3", plan=p,
+            launcher="torchrun", name="one-layout", ship=None, max_restarts=0, timeout=None, env={},
+            runs_dir=tmp_path, port=None, dry_run=True,
+        )  # fmt: skip
+        assert "ds_config.json" in dry.files and calls == ["zero3"], (backend, calls)

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
-from jupyter_dist.launch.local import LaunchError, LocalLauncher, find_torchrun  # noqa: E402
+from jupyter_dist.launch.backends.local import LaunchError, LocalLauncher, find_torchrun  # noqa: E402
 from jupyter_dist.launch.run import open_run  # noqa: E402
 from jupyter_dist.launch.rundir import RunDir, scrub_env  # noqa: E402
 from jupyter_dist.launch.session import DryRun  # noqa: E402

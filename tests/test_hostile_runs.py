@@ -21,10 +21,10 @@ import pytest
 from conftest import descendants_gone, run_processes, wait_until
 from IPython.core.interactiveshell import InteractiveShell
 
-import jupyter_dist.launch.pool as pool_mod
 import jupyter_dist.launch.run as run_mod
-from jupyter_dist.launch.channel import NONCE_SIZE, Channel, recv_exact
-from jupyter_dist.launch.pool import Pool
+import jupyter_dist.pool.kernel as pool_mod
+from jupyter_dist.pool.channel import NONCE_SIZE, Channel, recv_exact
+from jupyter_dist.pool.kernel import Pool
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
-from jupyter_dist.launch.local import LAUNCHERS, LaunchError, LocalLauncher, find_launcher  # noqa: E402
+from jupyter_dist.launch.backends.local import LAUNCHERS, LaunchError, LocalLauncher, find_launcher  # noqa: E402
 from jupyter_dist.launch.run import Run  # noqa: E402
 from jupyter_dist.launch.rundir import RunDir  # noqa: E402
 from jupyter_dist.launch.session import DryRun, local_gpu_count  # noqa: E402

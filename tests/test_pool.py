@@ -25,8 +25,8 @@ torch = pytest.importorskip("torch")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
-from jupyter_dist.launch.channel import NONCE_SIZE, AuthError, Channel, new_key, recv_exact  # noqa: E402
-from jupyter_dist.launch.pool import (  # noqa: E402
+from jupyter_dist.pool.channel import NONCE_SIZE, AuthError, Channel, new_key, recv_exact  # noqa: E402
+from jupyter_dist.pool.kernel import (  # noqa: E402
     CellError,
     Pool,
     PoolBroken,
@@ -492,7 +492,7 @@ def test_no_rank_outlives_its_kernel_whether_it_exits_or_is_killed(tmp_path: Pat
     """Two 'kernels' at once: one exits without %dist_stop (atexit stops the pool), one is SIGKILLed (its ranks
     notice and end themselves, and torchrun with them)."""
     exits, killed = tmp_path / "exits", tmp_path / "killed"
-    start = "from jupyter_dist.launch.pool import start_pool\nimport time\np = start_pool(nproc=2, runs_dir={!r}, " \
+    start = "from jupyter_dist.pool.kernel import start_pool\nimport time\np = start_pool(nproc=2, runs_dir={!r}, " \
             "strategy='none')\np.execute('x = 1')\nprint(p.dir, flush=True)\n"  # fmt: skip
     exiting = subprocess.Popen([sys.executable, "-c", start.format(str(exits))], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)  # fmt: skip

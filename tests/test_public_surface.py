@@ -194,8 +194,9 @@ def test_no_launch_path_types_the_jd_contract_variables_by_hand() -> None:
                 "JD_DP_REPLICATE", "JD_CHECKPOINT_EVERY", "JD_KEEP", "JD_ASYNC_SAVE", "JD_HEARTBEAT_S",
                 "JD_TELEMETRY_INTERVAL_S", "JD_TELEMETRY_STDOUT"]  # fmt: skip
     offenders = []
-    for path in [*(ROOT / "jupyter_dist" / "launch").glob("*.py"), *(ROOT / "jupyter_dist" / "ui").glob("*.py"),
-                 ROOT / "jupyter_dist" / "magics.py", ROOT / "jupyter_dist" / "pool_magics.py"]:  # fmt: skip
+    pkg = ROOT / "jupyter_dist"
+    for path in [*(pkg / "launch").rglob("*.py"), *(pkg / "ui").glob("*.py"), *(pkg / "magics").glob("*.py"),
+                 *(pkg / "pool").glob("*.py")]:  # fmt: skip
         for var in contract:
             for m in re.finditer(rf"[\"']{var}[\"']\s*[:\]]", path.read_text()):  # a dict key or a subscript write
                 offenders.append(f"{path.name}: {m.group(0)}")
@@ -266,7 +267,7 @@ def test_every_name_the_cpu_planner_prints_is_known_to_dist_train(ip: Any, runs:
 
 
 def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
-    from jupyter_dist.launch.pool import Pool
+    from jupyter_dist.pool.kernel import Pool
 
     pool = Pool(nproc=4, strategy="fsdp2+tp2+sp", runs_dir=runs)
     env = pool.dry_run().env

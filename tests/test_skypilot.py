@@ -55,7 +55,7 @@ def sky_cluster(slurm_cluster: Any) -> Iterator[Any]:
         s.seed(CLUSTER)
         yield s
     finally:
-        from jupyter_dist.launch.skypilot import down
+        from jupyter_dist.launch.backends.skypilot import down
 
         try:
             TIMES["down"] = down(CLUSTER, timeout=180)

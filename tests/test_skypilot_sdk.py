@@ -179,7 +179,7 @@ class SkyRecorder:
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Install a recorder in place of the SkyPilot client functions (the test sets its script)."""
 
-    from jupyter_dist.launch.skypilot import SkyPilotLauncher
+    from jupyter_dist.launch.backends.skypilot import SkyPilotLauncher
 
     monkeypatch.setattr(SkyPilotLauncher, "poll_interval", 0.1)  # the recorder answers at once: poll it often
 
@@ -374,7 +374,7 @@ def test_missing_skypilot_gives_the_install_hint(ip: InteractiveShell, runs: Pat
 
 
 def test_down_waits_for_the_request_sdk_boundary(recorder: Any) -> None:
-    from jupyter_dist.launch.skypilot import down
+    from jupyter_dist.launch.backends.skypilot import down
 
     rec = recorder(SkyRecorder([]))
     assert down("jd-t") < 5 and rec.named("down") == [(("jd-t",), {})]

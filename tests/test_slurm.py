@@ -23,10 +23,10 @@ pytest.importorskip("torch")
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
 
+from jupyter_dist.launch.backends.slurm import SlurmLauncher, slurm_state  # noqa: E402
+from jupyter_dist.launch.backends.stream import LogRouter, clean_line  # noqa: E402
 from jupyter_dist.launch.run import open_run  # noqa: E402
 from jupyter_dist.launch.session import DryRun  # noqa: E402
-from jupyter_dist.launch.slurm import SlurmLauncher, slurm_state  # noqa: E402
-from jupyter_dist.launch.stream import LogRouter, clean_line  # noqa: E402
 
 
 def squeue_ids() -> list[str]:

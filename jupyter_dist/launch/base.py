@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 BACKENDS: dict[str, str] = {
-    "local": "jupyter_dist.launch.local:LocalLauncher",
-    "slurm": "jupyter_dist.launch.slurm:SlurmLauncher",
-    "skypilot": "jupyter_dist.launch.skypilot:SkyPilotLauncher",
+    "local": "jupyter_dist.launch.backends.local:LocalLauncher",
+    "slurm": "jupyter_dist.launch.backends.slurm:SlurmLauncher",
+    "skypilot": "jupyter_dist.launch.backends.skypilot:SkyPilotLauncher",
 }
 """Back-end name -> ``module:class`` (imported lazily: SkyPilot is an optional extra)."""
 

@@ -30,10 +30,10 @@ import psutil
 
 from ..errors import JupyterDistError
 from ..telemetry.reader import read_run_records
+from .backends.local import LocalLauncher
+from .backends.stream import LogRouter
 from .base import RemoteLauncher
-from .local import LocalLauncher
 from .rundir import RunDir
-from .stream import LogRouter
 
 if TYPE_CHECKING:
     from ..telemetry.diagnose import Diagnosis

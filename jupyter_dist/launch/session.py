@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
-from .local import LaunchError, LocalLauncher, check_launcher
+from .backends.local import LaunchError, LocalLauncher, check_launcher
 from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
@@ -57,11 +57,11 @@ def start_run(
     planner prints (``fsdp2+tp2+sp``); ``tp``/``pp``/``cp``/``ep``/``sp`` override its degrees. ``worker`` sets
     other :class:`~jupyter_dist.worker._env.WorkerEnv` fields (``checkpoint_every``, ``heartbeat_s``, ...).
     ``backend="slurm"`` or ``"skypilot"`` submits it to a cluster instead (``cluster``: a
-    :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.cluster`.
+    :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.backends.cluster`.
     """
     degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
     if backend != "local":
-        from .cluster import ClusterOptions, start_cluster_run
+        from .backends.cluster import ClusterOptions, start_cluster_run
 
         if hang_timeout is not None:
             raise JupyterDistError("--hang-timeout watches local ranks only; drop it with --backend " + backend)

@@ -123,7 +123,8 @@ def _deepspeed_config(lay: Layout, opts: RenderOptions, ds_config_file: str | No
 
 
 def render_accelerate_config(
-    plan: Plan, opts: RenderOptions | None = None, *, ds_config_file: str | None = DS_CONFIG_FILE
+    plan: Plan, opts: RenderOptions | None = None, *, ds_config_file: str | None = DS_CONFIG_FILE,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
     """The config as a dict in accelerate's ``ClusterConfig`` keys.
 
@@ -136,9 +137,11 @@ def render_accelerate_config(
     ds_config_file
         DeepSpeed candidates: point accelerate at this JSON (the bundle's ``ds_config.json``, which carries the
         plan's bucket sizes); ``None`` writes stage, offload, accumulation and clipping inline instead.
+    layout
+        The run's resolved layout when the caller has one (computed once per run); else resolved here.
     """
     opts = opts or RenderOptions()
-    lay = layout_of(plan, opts)
+    lay = layout or layout_of(plan, opts)
     d, s = lay.dims, lay.strategy
     if d.pp > 1:
         raise _not_supported(lay, f"pipeline parallelism pp={d.pp}")
@@ -179,7 +182,8 @@ def render_accelerate_config(
 
 
 def render_accelerate_yaml(
-    plan: Plan, opts: RenderOptions | None = None, *, ds_config_file: str | None = DS_CONFIG_FILE
+    plan: Plan, opts: RenderOptions | None = None, *, ds_config_file: str | None = DS_CONFIG_FILE,
+    layout: Layout | None = None,
 ) -> str:
     """:func:`render_accelerate_config` as YAML for ``accelerate launch --config_file accelerate_config.yaml``."""
-    return dump_yaml(render_accelerate_config(plan, opts, ds_config_file=ds_config_file))
+    return dump_yaml(render_accelerate_config(plan, opts, ds_config_file=ds_config_file, layout=layout))

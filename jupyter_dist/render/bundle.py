@@ -151,21 +151,21 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
     files: dict[str, str] = {"plan.json": json.dumps(plan.to_dict(), indent=2) + "\n"}
     notes: list[str] = []
     try:
-        files["train.py"] = render_train_script(plan, opts)
+        files["train.py"] = render_train_script(plan, opts, layout=layout)
     except RenderError as exc:
         notes.append(f"train.py not generated: {exc}")
     if layout.strategy.family == "deepspeed":
-        files["ds_config.json"] = render_deepspeed_json(plan, opts)
+        files["ds_config.json"] = render_deepspeed_json(plan, opts, layout=layout)
     elif opts.launcher == "deepspeed":
         raise RenderError(
             "the deepspeed launcher needs a DeepSpeed strategy (zero1/2/3...), but the candidate is "
             f"{layout.candidate.name}; use --launcher torchrun or pick a zero* candidate"
         )
     if opts.launcher == "accelerate":
-        files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts)  # the launch needs it: errors surface
+        files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts, layout=layout)  # errors surface
     else:
         try:
-            files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts)
+            files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts, layout=layout)
         except RenderError as exc:  # e.g. expert parallelism: accelerate has no such plugin; the rest still applies
             notes.append(f"accelerate_config.yaml not generated: {exc}")
     if layout.multi_node:
@@ -176,8 +176,8 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
     env = render_nccl_env(plan, opts, layout=layout)
     files["nccl.env"] = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
     files["launch.sh"] = _launch_script(launch, layout)
-    files["skypilot.yaml"] = render_skypilot_yaml(plan, opts)
-    files["job.sbatch"] = render_sbatch(plan, opts)
+    files["skypilot.yaml"] = render_skypilot_yaml(plan, opts, layout=layout)
+    files["job.sbatch"] = render_sbatch(plan, opts, layout=layout)
     return Bundle(plan=plan, options=opts, layout=layout, files=files, commands={"launch": launch}, notes=tuple(notes))
 
 

@@ -162,10 +162,16 @@ def render_skypilot_run(plan: Plan, opts: RenderOptions | None = None, *, layout
     return "\n".join(lines) + "\n"
 
 
-def render_skypilot_task(plan: Plan, opts: RenderOptions | None = None) -> dict[str, Any]:
-    """The task as a dict in SkyPilot's schema (``sky.Task.from_yaml_config`` accepts it)."""
+def render_skypilot_task(
+    plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None
+) -> dict[str, Any]:
+    """The task as a dict in SkyPilot's schema (``sky.Task.from_yaml_config`` accepts it).
+
+    ``layout``: the run's resolved :class:`~jupyter_dist.render.common.Layout` when the caller has one (the bundle, a
+    cluster run), so it is computed once per run; else resolved here from ``plan`` and ``opts``.
+    """
     opts = opts or RenderOptions()
-    lay = layout_of(plan, opts)
+    lay = layout or layout_of(plan, opts)
     acc = plan.hardware.accelerator
     resources: dict[str, Any] = {}
     if acc.vendor == "cpu":  # CPU processes (gloo): at least one core per process, no accelerator
@@ -214,7 +220,7 @@ def dump_yaml(data: dict[str, Any]) -> str:
     return text
 
 
-def render_skypilot_yaml(plan: Plan, opts: RenderOptions | None = None) -> str:
+def render_skypilot_yaml(plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None) -> str:
     """:func:`render_skypilot_task` as YAML, ready for ``sky launch -c NAME skypilot.yaml``."""
     opts = opts or RenderOptions()
     header = (
@@ -225,4 +231,4 @@ def render_skypilot_yaml(plan: Plan, opts: RenderOptions | None = None) -> str:
     if opts.secrets:
         header += f"# Secrets ({', '.join(opts.secrets)}) are referenced by name; --secret NAME takes the value from "
         header += "your environment.\n"
-    return header + dump_yaml(render_skypilot_task(plan, opts))
+    return header + dump_yaml(render_skypilot_task(plan, opts, layout=layout))

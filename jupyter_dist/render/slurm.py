@@ -20,13 +20,15 @@ from dataclasses import replace
 
 from ..plan.plan import Plan
 from .commands import ShellVar, launch_command, torchrun_command
-from .common import RenderError, RenderOptions, layout_of, shell_env_line
+from .common import Layout, RenderError, RenderOptions, layout_of, shell_env_line
 from .skypilot import CHECKPOINT_ENV, DS_CONFIG_FILE
 
 __all__ = ["render_sbatch"]
 
 
-def render_sbatch(plan: Plan, opts: RenderOptions | None = None, *, cpus_per_task: int | None = None) -> str:
+def render_sbatch(
+    plan: Plan, opts: RenderOptions | None = None, *, cpus_per_task: int | None = None, layout: Layout | None = None
+) -> str:
     """The batch script: ``#SBATCH`` header, rendezvous address, NCCL environment, ``srun`` of the launcher.
 
     Parameters
@@ -39,9 +41,11 @@ def render_sbatch(plan: Plan, opts: RenderOptions | None = None, *, cpus_per_tas
         torchrun instead, with the arguments the deepspeed launcher would add (``--deepspeed --deepspeed_config``).
     cpus_per_task
         ``--cpus-per-task`` for the one task per node (all of the node's processes); omitted when ``None``.
+    layout
+        The run's resolved layout when the caller has one (computed once per run); else resolved here.
     """
     opts = opts or RenderOptions()
-    lay = layout_of(plan, opts)
+    lay = layout or layout_of(plan, opts)
     if cpus_per_task is not None and cpus_per_task < 1:
         raise RenderError(f"cpus-per-task must be >= 1, got {cpus_per_task}")
     rank, addr = ShellVar("SLURM_NODEID"), ShellVar("MASTER_ADDR")

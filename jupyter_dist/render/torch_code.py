@@ -1498,7 +1498,7 @@ def _generates_model_parallel(strategy: str, dims: ParallelDims) -> bool:
     return (dims.tp > 1 or dims.pp > 1) and strategy in _MODEL_PARALLEL and dims.cp == dims.ep == 1
 
 
-def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
+def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None) -> str:
     """A complete, runnable training script for the plan's chosen candidate (``opts.candidate`` or the best).
 
     Parameters
@@ -1507,6 +1507,8 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
         The plan; its candidate is resolved and checked by :func:`~jupyter_dist.render.common.layout_of`.
     opts
         Learning rate, weight decay, clipping, checkpoint folder; the script name and launcher for the launch line.
+    layout
+        The run's resolved layout when the caller has one (computed once per run); else resolved here.
 
     Returns
     -------
@@ -1522,7 +1524,7 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None) -> str:
         :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
-    lay = layout_of(plan, opts)
+    lay = layout or layout_of(plan, opts)
     _check_supported(lay)
     s = _Script(lay, opts)
     # the sections first: they record the imports they use

@@ -1,8 +1,7 @@
-"""The one magic-line parser shared by the run magics (``magics.py``) and the pool magics (``pool_magics.py``).
+"""The one magic-line parser shared by the run magics (``magics/dist.py``) and the pool magics (``magics/pool.py``).
 
-It lives apart from both so that neither imports the other for it: ``magics.py`` registers the pool magics and
-routes ``%dist_stop`` to them, so the pool magics must not import ``magics.py`` back (docs/architecture.md, "No import
-circles").
+It lives apart from both so that neither imports the other for it: ``dist.py`` registers the pool magics and routes
+``%dist_stop`` to them, so ``pool.py`` must not import ``dist.py`` back (docs/architecture.md, "No import circles").
 """
 
 from __future__ import annotations

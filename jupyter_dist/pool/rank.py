@@ -2,7 +2,7 @@
 
 Started by torchrun through the same bootstrap as ``%%dist_train`` (stdout/stderr to ``logs/rank-<k>.log``,
 faulthandler on SIGUSR1), with ``jd`` bound and the process group initialised. The rank connects back to the kernel
-over the authenticated channel (:mod:`jupyter_dist.launch.channel`), address and key from ``JD_POOL_ADDR`` /
+over the authenticated channel (:mod:`jupyter_dist.pool.channel`), address and key from ``JD_POOL_ADDR`` /
 ``JD_POOL_KEY`` (removed from the environment once read, so cells and their child processes do not see the key).
 
 One namespace per rank lives from cell to cell. While a cell runs its ``sys.stdout``/``sys.stderr`` stream back to
@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any
 
-from ..launch.channel import NONCE_SIZE, AuthError, Channel, ChannelClosed, recv_exact
+from .channel import NONCE_SIZE, AuthError, Channel, ChannelClosed, recv_exact
 
 __all__ = ["serve", "to_transfer"]
 
@@ -345,7 +345,7 @@ class _Rank:
 def _flush_telemetry() -> None:
     """Write the coalesced ``jd.log`` metrics of the cell now, so the panels show them when the cell ends."""
     try:
-        from ._runtime import get_runtime
+        from ..worker._runtime import get_runtime
 
         emitter = get_runtime()._emitter
         if emitter is not None:

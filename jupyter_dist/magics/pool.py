@@ -1,7 +1,7 @@
 """Magics of the interactive pool: ``%dist_start``, ``%%dist``, ``%dist_push``, ``%dist_pull``, ``%dist_mode``.
 
-Thin: parse the line, call :class:`jupyter_dist.launch.pool.Pool`, show the outputs. ``%dist_stop`` (in
-:mod:`jupyter_dist.magics`) ends the pool through :func:`route_stop`.
+Thin: parse the line, call :class:`jupyter_dist.pool.kernel.Pool`, show the outputs. ``%dist_stop`` (in
+:mod:`jupyter_dist.magics.dist`) ends the pool through :func:`route_stop`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from .cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, float_arg, int_arg
-from .errors import JupyterDistError
-from .magic_args import parse_magic_line
+from ..cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, float_arg, int_arg
+from ..errors import JupyterDistError
+from .args import parse_magic_line
 
 __all__ = ["PoolMagics", "register", "route_stop", "unregister"]
 
@@ -27,7 +27,7 @@ _SHOWN_CHARS = 200_000
 
 
 def _start_parser() -> MagicArgumentParser:
-    from .launch.session import STRATEGY_CHOICES
+    from ..launch.session import STRATEGY_CHOICES
 
     p = MagicArgumentParser(prog="%dist_start", add_help=False,  # type: ignore[no-untyped-call]
                             description="Start a pool of ranks that keep their state from cell to cell.")  # fmt: skip
@@ -242,7 +242,7 @@ class PoolMagics(Magics):
         args = self._parse(self.start_parser, line)
         if args is None:
             return None
-        from .launch.pool import Pool
+        from ..pool.kernel import Pool
 
         plan = None
         if args.plan:
@@ -296,7 +296,7 @@ class PoolMagics(Magics):
         args = self._parse(self.cell_parser, line)
         if args is None:
             return None
-        from .launch.pool import CellError, PoolError, parse_ranks
+        from ..pool.kernel import CellError, PoolError, parse_ranks
 
         pool = self._pool()
         try:
@@ -328,7 +328,7 @@ class PoolMagics(Magics):
         args = self._parse(self.push_parser, line)
         if args is None:
             return
-        from .launch.pool import PoolError, parse_ranks
+        from ..pool.kernel import PoolError, parse_ranks
 
         pool = self._pool()
         names = [n.strip() for n in args.names.split(",") if n.strip()]
@@ -358,7 +358,7 @@ class PoolMagics(Magics):
         args = self._parse(self.pull_parser, line)
         if args is None:
             return
-        from .launch.pool import PoolError
+        from ..pool.kernel import PoolError
 
         pool = self._pool()
         if not args.name.isidentifier():
@@ -403,7 +403,7 @@ class PoolMagics(Magics):
         pool = self._pool()
         opts = []
         if args.ranks is not None:
-            from .launch.pool import PoolError, parse_ranks
+            from ..pool.kernel import PoolError, parse_ranks
 
             try:
                 parse_ranks(args.ranks, pool.world_size)

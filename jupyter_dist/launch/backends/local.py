@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import JupyterDistError
-from .base import Launcher
-from .rundir import RunDir
+from ...errors import JupyterDistError
+from ..base import Launcher
+from ..rundir import RunDir
 
 __all__ = [
     "LAUNCHERS",
@@ -56,7 +56,7 @@ _INSTALL_HINT = {
 
 def _precision_var() -> str:
     """``JD_PRECISION``, named by the launch contract's one table (``WorkerEnv``'s ``ENV_VARS``)."""
-    from ..worker._env import ENV_VARS
+    from ...worker._env import ENV_VARS
 
     return ENV_VARS["precision"]
 

@@ -15,9 +15,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from .cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
-from .errors import JupyterDistError
-from .magic_args import parse_magic_line
+from ..cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
+from ..errors import JupyterDistError
+from .args import parse_magic_line
 
 __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -33,7 +33,7 @@ def _plan_parser() -> MagicArgumentParser:
 
 
 def _train_parser() -> MagicArgumentParser:
-    from .launch.session import STRATEGY_CHOICES
+    from ..launch.session import STRATEGY_CHOICES
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
         prog="%%dist_train",
@@ -107,7 +107,7 @@ def _train_parser() -> MagicArgumentParser:
 
 
 def _add_cluster_arguments(p: MagicArgumentParser) -> None:
-    """``--backend slurm|skypilot`` and the options of each (see jupyter_dist.launch.cluster)."""
+    """``--backend slurm|skypilot`` and the options of each (see jupyter_dist.launch.backends.cluster)."""
     p.add_argument("--backend", choices=("local", "slurm", "skypilot"),
                    help="where the job runs: local torchrun (default: the DistMagics.default_backend setting), a "
                         "SLURM cluster (sbatch) or SkyPilot")  # fmt: skip
@@ -146,7 +146,7 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
 
 
 def _check_parser() -> MagicArgumentParser:
-    from .cli import add_check_arguments
+    from ..cli import add_check_arguments
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
         prog="%dist_check",
@@ -238,7 +238,7 @@ class DistMagics(Magics):
         args = self._parse(self.train_parser, line)
         if args is None:
             return None
-        from .launch.session import start_run
+        from ..launch.session import start_run
 
         ns = self.shell.user_ns if self.shell is not None else {}
         plan = None
@@ -335,7 +335,7 @@ class DistMagics(Magics):
             if given:
                 raise JupyterDistError(f"{', '.join(given)} need --backend slurm or skypilot")
             return None
-        from .launch.cluster import ClusterOptions
+        from ..launch.backends.cluster import ClusterOptions
 
         return ClusterOptions(
             partition=args.partition, account=args.account, time_limit=args.time_limit, gpus=args.gpus,
@@ -383,7 +383,7 @@ class DistMagics(Magics):
         ``%dist_stop --pool`` ends the interactive pool of ``%dist_start``; so does a bare ``%dist_stop`` while a pool
         runs and no run does (with both live it asks which).
         """
-        from .pool_magics import route_stop
+        from .pool import route_stop
 
         pool = route_stop(self.shell, line, self.last_run)
         if pool is not None:
@@ -402,14 +402,14 @@ class DistMagics(Magics):
         """
         from pathlib import Path
 
-        from .launch.run import open_run
+        from ..launch.run import open_run
 
         path = line.strip().strip('"').strip("'")
         if not path:
             raise UsageError("usage: %dist_attach RUN_DIR  or  %dist_attach CLUSTER/JOB (SkyPilot)")
         try:
             if not Path(path).expanduser().exists() and re.match(r"^[a-z][a-z0-9-]*/\d+$", path):
-                from .launch.skypilot import attach_job
+                from ..launch.backends.skypilot import attach_job
 
                 run = attach_job(path, runs_dir=self.runs_dir)
             else:
@@ -428,7 +428,7 @@ class DistMagics(Magics):
         args = self._parse(self.check_parser, line)
         if args is None:
             return None
-        from .cli import check_from_args
+        from ..cli import check_from_args
 
         plan = None
         if args.plan:
@@ -497,9 +497,9 @@ class DistMagics(Magics):
         args = self._parse(self.wizard_parser, line)
         if args is None:
             return None
-        from .plan import ModelSpec
-        from .ui.wizard import Wizard
-        from .ui.wizard_model import inputs_from_args
+        from ..plan import ModelSpec
+        from ..ui.wizard import Wizard
+        from ..ui.wizard_model import inputs_from_args
 
         ns = self.shell.user_ns if self.shell is not None else {}
         try:
@@ -509,7 +509,7 @@ class DistMagics(Magics):
                     raise UsageError(f"--model-var {args.model_var}: no variable of that name in the notebook")
                 spec = ModelSpec.from_module(ns[args.model_var], name=args.model_var)
             elif args.module:
-                from .cli import _load_module
+                from ..cli import _load_module
 
                 spec = ModelSpec.from_module(_load_module(args.module))
             inputs = inputs_from_args(args, spec)
@@ -526,14 +526,14 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
     _registered[id(ipython)] = magics
-    from .pool_magics import register as register_pool_magics  # %dist_start, %%dist, %dist_push/pull, %dist_mode
+    from .pool import register as register_pool_magics  # %dist_start, %%dist, %dist_push/pull, %dist_mode
 
     register_pool_magics(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Remove the magics registered by :func:`load_ipython_extension`."""
-    from .pool_magics import unregister as unregister_pool_magics
+    from .pool import unregister as unregister_pool_magics
 
     unregister_pool_magics(ipython)
     magics = _registered.pop(id(ipython), None)

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import JupyterDistError
-from .base import Follower, JobState, RemoteLauncher
-from .rundir import RunDir
+from ...errors import JupyterDistError
+from ..base import Follower, JobState, RemoteLauncher
+from ..rundir import RunDir
 
 __all__ = ["SlurmLauncher", "SlurmError", "slurm_state", "find_slurm_tool", "BOOTSTRAP_STUB"]
 

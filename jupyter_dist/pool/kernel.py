@@ -1,8 +1,8 @@
 """The interactive pool: N ranks that stay alive, each keeping its namespace from cell to cell (``%dist_start``).
 
 The ranks are started by the same local torchrun launcher as ``%%dist_train`` (fresh processes, process group
-initialised, ``jd`` bound; see :mod:`jupyter_dist.worker._pool` for their loop) and connect back to the kernel over
-the authenticated channel of :mod:`jupyter_dist.launch.channel`, which listens on 127.0.0.1 only. The pool's key is
+initialised, ``jd`` bound; see :mod:`jupyter_dist.pool.rank` for their loop) and connect back to the kernel over
+the authenticated channel of :mod:`jupyter_dist.pool.channel`, which listens on 127.0.0.1 only. The pool's key is
 random, lives in the kernel's memory and in the ranks' environment at start-up (they remove it once read), and is
 never written to a file.
 
@@ -16,7 +16,7 @@ the same live panels (:meth:`Pool.dashboard`) and ``logs/pool.log`` records what
 Planned split: the pool becomes a package of its own (issue 17; docs/architecture.md, "Planned"): the kernel-side
 :class:`Pool` apart from the values it returns (``RankReport``, ``CellResult``, ``CellError``) and from the
 per-connection bookkeeping (``_Conn``, ``_Reply``, ``_Wait``, ``_InterruptFlag``), next to the channel and the rank
-side (``worker/_pool.py``) it talks to.
+side (``pool/rank.py``) it talks to.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from typing import Any
 import psutil
 
 from ..errors import JupyterDistError
+from ..launch.backends.local import LocalLauncher
+from ..launch.run import STOPPED, Run, kill_tree
+from ..launch.rundir import new_run_dir, scrub_env
+from ..launch.session import start_recorded
 from .channel import MAX_UNAUTHENTICATED, NONCE_SIZE, AuthError, Channel, ChannelClosed, new_key
-from .local import LocalLauncher
-from .run import STOPPED, Run, kill_tree
-from .rundir import new_run_dir, scrub_env
-from .session import start_recorded
 
 __all__ = ["CellError", "CellResult", "Pool", "PoolBroken", "PoolError", "PoolInterrupted", "RankReport",
            "parse_ranks", "start_pool"]  # fmt: skip
@@ -69,7 +69,7 @@ def _shutdown(sock: socket.socket, expired: threading.Event) -> None:
         pass
 _LIVE: weakref.WeakSet[Pool] = weakref.WeakSet()
 
-POOL_SCRIPT = "from jupyter_dist.worker._pool import serve\n\nserve()\n"
+POOL_SCRIPT = "from jupyter_dist.pool.rank import serve\n\nserve()\n"
 """The program of every rank (after the ``jd`` prelude of ``%%dist_train`` scripts)."""
 
 INTERRUPT_GRACE_S = 10.0
@@ -309,7 +309,7 @@ class Pool:
     def __init__(self, *, nproc: int = 2, strategy: str = "auto", plan: Any = None, name: str = "pool",
                  env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
                  start_timeout: float = 120.0, interrupt_grace: float = INTERRUPT_GRACE_S) -> None:  # fmt: skip
-        from .session import launch_contract
+        from ..launch.session import launch_contract
 
         if nproc < 1:
             raise PoolError(f"--nproc must be >= 1, got {nproc}")
@@ -366,7 +366,7 @@ class Pool:
 
     # ---------------------------------------------------------------- start
     def _jd_env(self) -> dict[str, str]:
-        from .session import _local_plan
+        from ..launch.session import _local_plan
 
         contract = self._contract
         if self.strategy.startswith("zero"):
@@ -382,8 +382,8 @@ class Pool:
 
     def dry_run(self) -> Any:
         """What :meth:`start` would run (command, environment, script), started nothing and written nothing."""
-        from .rundir import RunDir
-        from .session import PRELUDE, DryRun
+        from ..launch.rundir import RunDir
+        from ..launch.session import PRELUDE, DryRun
 
         rd = RunDir(Path(self._runs_dir).expanduser().resolve() / f"{self.name}-DRYRUN")
         env = {**self._contract.to_environ(), "JD_POOL": "1", **self._env,
@@ -394,7 +394,7 @@ class Pool:
 
     def start(self) -> Pool:
         """Start the ranks and wait until every one has connected (at most ``start_timeout`` s)."""
-        from .session import PRELUDE
+        from ..launch.session import PRELUDE
 
         if self.state != "before":
             raise PoolError(f"this pool is {self.state}; build a new Pool to start again")

@@ -23,9 +23,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..telemetry.reader import FileFollower, TelemetryReader
-from ..telemetry.records import SENTINEL, encode
-from .rundir import RunDir
+from ...telemetry.reader import FileFollower, TelemetryReader
+from ...telemetry.records import SENTINEL, encode
+from ..rundir import RunDir
 
 __all__ = ["LogRouter", "clean_line", "RANK_PREFIX"]
 

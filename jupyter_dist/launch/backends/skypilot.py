@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import JupyterDistError
-from .base import Follower, JobState, RemoteLauncher
-from .rundir import RunDir, new_run_dir, scrub_env
+from ...errors import JupyterDistError
+from ..base import Follower, JobState, RemoteLauncher
+from ..rundir import RunDir, new_run_dir, scrub_env
 from .slurm import BOOTSTRAP_STUB
 
 __all__ = ["SkyPilotLauncher", "SkyPilotError", "attach_job", "down", "import_sky", "job_state", "start_skypilot"]
@@ -368,12 +368,12 @@ def down(cluster: str, timeout: float = 300.0) -> float:
 def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
                    cluster: Any, nproc: int, nodes: int, job: str, name: str, strat: str, jd_env: dict[str, str],
                    ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path, port: int | None,
-                   dry_run: bool, max_restarts: int) -> Any:  # fmt: skip
+                   dry_run: bool, max_restarts: int, layout: Any = None) -> Any:  # fmt: skip
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
-    from ..render.common import RenderOptions
-    from ..render.skypilot import dump_yaml, render_skypilot_task
-    from .prepare import DryRun, _ship
-    from .run import Run
+    from ...render.common import RenderOptions
+    from ...render.skypilot import dump_yaml, render_skypilot_task
+    from ..prepare import DryRun, _ship
+    from ..run import Run
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
     run_env = {"JD_LOG_STREAM": "1", **jd_env}  # jd_env: WorkerEnv.to_environ() (JD_RUN_DIR=., telemetry on stdout)
@@ -384,7 +384,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
         checkpoint_dir=cluster.checkpoint_dir or "checkpoints", cloud=cluster.infra, use_spot=cluster.spot,
         setup=setup, env=tuple(run_env.items()), secrets=cluster.secrets,
     )  # fmt: skip
-    task = render_skypilot_task(plan, opts)
+    task = render_skypilot_task(plan, opts, layout=layout)
     task["workdir"] = str(rd.path / "workdir")
     if cluster.managed:
         task["resources"]["job_recovery"] = {"strategy": "FAILOVER",
@@ -429,7 +429,7 @@ _REF = re.compile(r"^([a-z][a-z0-9-]*)/(\d+)$")
 
 def attach_job(ref: str, *, runs_dir: str | Path = "runs") -> Any:
     """``CLUSTER/JOB``: the run directory of that job under ``runs_dir`` (reopened), else a new one following it."""
-    from .run import Run, open_run
+    from ..run import Run, open_run
 
     m = _REF.match(ref.strip())
     if not m:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import JupyterDistError
-from .rundir import RunDir, new_run_dir, scrub_env
+from ...errors import JupyterDistError
+from ..rundir import RunDir, new_run_dir, scrub_env
 
 __all__ = ["CLUSTER_BACKENDS", "ClusterOptions", "parse_gpus", "start_cluster_run"]
 
@@ -87,7 +87,7 @@ class ClusterOptions:
                 "--managed jobs run on clusters SkyPilot creates and tears down itself: drop --cluster, "
                 "--idle-minutes and --down"
             )
-        from ..render.common import _SLURM_TIME_RE
+        from ...render.common import _SLURM_TIME_RE
 
         if self.time_limit is not None and not _SLURM_TIME_RE.match(self.time_limit):
             raise JupyterDistError(f"--time {self.time_limit!r}: write HH:MM:SS, MM, HH:MM or D-HH:MM:SS")
@@ -113,15 +113,15 @@ def _plan_for(plan: Any, strategy: str, nproc: int, nodes: int, gpus: tuple[str,
                 f"pass --nodes {hw.nodes} --nproc {hw.gpus_per_node} (or leave them out), or plan for this shape"
             )
         return plan
-    from ..plan import Hardware, ModelSpec, TrainingShape
-    from ..plan import plan as make_plan
-    from ..plan.hardware import get_accelerator
+    from ...plan import Hardware, ModelSpec, TrainingShape
+    from ...plan import plan as make_plan
+    from ...plan.hardware import get_accelerator
 
     if gpus is None:
         acc = get_accelerator("cpu")
         precision = "fp32"
     else:
-        from ..render.skypilot import SKYPILOT_ACCELERATORS
+        from ...render.skypilot import SKYPILOT_ACCELERATORS
 
         reverse = {v.lower(): k for k, v in SKYPILOT_ACCELERATORS.items()}
         try:
@@ -152,9 +152,9 @@ def start_cluster_run(
     """
     from dataclasses import replace
 
-    from ..render.common import SECRET_NAMES, RenderOptions
-    from .prepare import PRELUDE, DryRun, _ship, launch_contract
-    from .run import Run
+    from ...render.common import SECRET_NAMES, RenderOptions
+    from ..prepare import PRELUDE, DryRun, _ship, launch_contract
+    from ..run import Run
 
     if backend not in CLUSTER_BACKENDS:
         raise JupyterDistError(f"unknown backend {backend!r}; valid: local, {', '.join(CLUSTER_BACKENDS)}")
@@ -208,31 +208,34 @@ def start_cluster_run(
         )
     the_plan = _plan_for(plan, strat, nproc, nodes, gpus)
     job = _job_name(name)
+    candidate = strat if strat not in ("none", "auto") else None
+    from ...render.common import layout_of
+
+    layout = layout_of(the_plan, RenderOptions(candidate=candidate))  # once per run: every artifact below uses it
     files: dict[str, str] = {}
     if strat.startswith("zero"):
-        from ..render.deepspeed import render_deepspeed_json
+        from ...render.deepspeed import render_deepspeed_json
 
-        files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat))
+        files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat), layout=layout)
         contract = replace(contract, ds_config="ds_config.json")
     if backend == "skypilot":  # the job runs in its workdir and its records travel on the log stream
         contract = replace(contract, run_dir=".", telemetry_stdout=True)
     extras = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
     jd_env = {**contract.to_environ(), **extras}
     script = PRELUDE + code
-    candidate = strat if strat not in ("none", "auto") else None
     if backend == "slurm":
         return _start_slurm(
             script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
             nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship,
             timeout=timeout, runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
-            dry_cls=DryRun, ship_fn=_ship,
+            dry_cls=DryRun, ship_fn=_ship, layout=layout,
         )  # fmt: skip
     from .skypilot import start_skypilot
 
     return start_skypilot(
         script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
         nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout, runs_dir=runs_dir,
-        port=port, dry_run=dry_run, max_restarts=max_restarts,
+        port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout,
     )  # fmt: skip
 
 
@@ -240,9 +243,9 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
                  cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
                  extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
                  port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
-                 ship_fn: Any) -> Any:  # fmt: skip
-    from ..render.common import RenderOptions
-    from ..render.slurm import render_sbatch
+                 ship_fn: Any, layout: Any) -> Any:  # fmt: skip
+    from ...render.common import RenderOptions
+    from ...render.slurm import render_sbatch
     from .local import _free_port
     from .slurm import SlurmLauncher
 
@@ -260,7 +263,7 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
         nccl_debug="WARN",
     )  # fmt: skip
     try:
-        sbatch = render_sbatch(plan, opts)
+        sbatch = render_sbatch(plan, opts, layout=layout)
     except JupyterDistError:
         raise
     lau = SlurmLauncher(run_dir=rd, script=sbatch, job_name=job, nodes=nodes, nproc=nproc,
