@@ -3,7 +3,7 @@ TCPStore and torchrun, plus one real 2-process gloo failure run with torchrun.
 
 The gloo, TCPStore and torchrun fixtures were captured from runs of the installed torch (CPU); the NCCL and
 ProcessGroupNCCL ones reproduce the format strings of NCCL's src/debug.cc, misc/shmutils.cc, transport/net_ib.cc,
-bootstrap.cc, init.cc and torch's ProcessGroupNCCL.cpp / NCCLUtils.cpp (see the comments in diagnose.py).
+bootstrap.cc, init.cc and torch's ProcessGroupNCCL.cpp / NCCLUtils.cpp (see the comments in telemetry/diagnose/patterns.py).
 Log lines are kept whole, as the programs print them: hence no line-length limit in this file.
 """
 
