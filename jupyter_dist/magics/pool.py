@@ -296,7 +296,7 @@ class PoolMagics(Magics):
         args = self._parse(self.cell_parser, line)
         if args is None:
             return None
-        from ..pool.kernel import CellError, PoolError, parse_ranks
+        from ..pool.results import CellError, PoolError, parse_ranks
 
         pool = self._pool()
         try:
@@ -328,7 +328,7 @@ class PoolMagics(Magics):
         args = self._parse(self.push_parser, line)
         if args is None:
             return
-        from ..pool.kernel import PoolError, parse_ranks
+        from ..pool.results import PoolError, parse_ranks
 
         pool = self._pool()
         names = [n.strip() for n in args.names.split(",") if n.strip()]
@@ -358,7 +358,7 @@ class PoolMagics(Magics):
         args = self._parse(self.pull_parser, line)
         if args is None:
             return
-        from ..pool.kernel import PoolError
+        from ..pool.results import PoolError
 
         pool = self._pool()
         if not args.name.isidentifier():
@@ -403,7 +403,7 @@ class PoolMagics(Magics):
         pool = self._pool()
         opts = []
         if args.ranks is not None:
-            from ..pool.kernel import PoolError, parse_ranks
+            from ..pool.results import PoolError, parse_ranks
 
             try:
                 parse_ranks(args.ranks, pool.world_size)
