@@ -1,4 +1,4 @@
-"""``JupyterDistCallback``: a Hugging Face ``transformers.TrainerCallback`` that streams the Trainer's logs to ``jd.log``.
+"""``JupyterDistCallback``: a Hugging Face ``transformers.TrainerCallback`` streaming the Trainer's logs to ``jd.log``.
 
 Under ``%%dist_train`` it is attached to every ``Trainer`` by itself (:func:`jupyter_dist.integrations.autoattach`);
 elsewhere add one line::
