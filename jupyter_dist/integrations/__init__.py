@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["autoattach", "auto_enabled", "WATCHED"]
+__all__ = ["autoattach", "auto_enabled", "armed", "install_late", "WATCHED"]
 
 WATCHED: dict[str, str] = {
     "transformers.trainer": "jupyter_dist.integrations.hf",
@@ -46,9 +46,25 @@ def auto_enabled() -> bool:
     return bool(os.environ.get("JD_RUN_DIR")) and os.environ.get("JD_AUTO_CALLBACKS", "1").strip() not in ("0", "")
 
 
+def armed() -> bool:
+    """Whether :func:`autoattach` installed its hook in this process."""
+    return _finder is not None
+
+
 def _install(target: str, module: ModuleType) -> None:
     integration = importlib.import_module(WATCHED[target])
-    integration.install(module)
+    install = getattr(integration, "install", None)
+    if install is not None:  # else the integration is being imported right now and installs itself at its end
+        install(module)
+
+
+def install_late(integration: str) -> None:
+    """Called at the end of an integration module: patch the watched modules it missed while it was being imported."""
+    if not armed():
+        return
+    for name, owner in WATCHED.items():
+        if owner == integration and name in sys.modules:
+            _install(name, sys.modules[name])
 
 
 class _Loader(importlib.abc.Loader):

@@ -106,3 +106,12 @@ def install(module: ModuleType) -> None:
     defaults = getattr(module, "DEFAULT_CALLBACKS", None)
     if isinstance(defaults, list) and JupyterDistCallback not in defaults:
         defaults.append(JupyterDistCallback)
+
+
+def _install_late() -> None:
+    from . import install_late
+
+    install_late(__name__)
+
+
+_install_late()

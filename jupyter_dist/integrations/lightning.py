@@ -65,6 +65,7 @@ class JupyterDistCallback(Callback):  # type: ignore[misc]
         self.active = True
         """False when another instance on the same Trainer logs (attached automatically and by hand)."""
         self._train_keys: set[str] = set()
+        self._val_keys: set[str] = set()
 
     @staticmethod
     def _jd() -> Any:
@@ -91,7 +92,8 @@ class JupyterDistCallback(Callback):  # type: ignore[misc]
         size = _batch_size(batch)
         if size is not None:
             metrics["samples"] = size
-        logged = scalar_metrics(dict(trainer.callback_metrics))
+        # callback_metrics keeps validation's last values too: they are not this step's
+        logged = {k: v for k, v in scalar_metrics(dict(trainer.callback_metrics)).items() if k not in self._val_keys}
         self._train_keys.update(logged)
         for key, value in logged.items():
             metrics.setdefault(key, value)
@@ -103,6 +105,7 @@ class JupyterDistCallback(Callback):  # type: ignore[misc]
             return
         metrics = {k: v for k, v in scalar_metrics(dict(trainer.callback_metrics)).items()
                    if k not in self._train_keys}  # fmt: skip
+        self._val_keys.update(metrics)
         if metrics:
             self._jd().log(int(trainer.global_step), **metrics)
 
@@ -128,3 +131,12 @@ def install(module: ModuleType) -> None:
 
     load_with_jupyter_dist._jupyter_dist = True  # type: ignore[attr-defined]
     module._load_external_callbacks = load_with_jupyter_dist  # type: ignore[attr-defined]
+
+
+def _install_late() -> None:
+    from . import install_late
+
+    install_late(__name__)
+
+
+_install_late()
