@@ -92,10 +92,12 @@ class DryRun:
 
 
 PRELUDE = """\
-# --- added by jupyter-dist: the worker API is bound as `jd` ---
-import jupyter_dist.worker as jd  # noqa: E402
+# --- added by jupyter-dist: the worker API is bound as `jd`; HF / Lightning Trainers log to it (JD_AUTO_CALLBACKS) ---
+import jupyter_dist.worker as jd; __import__("jupyter_dist.integrations", fromlist=["_"]).autoattach()  # noqa
 # --- the cell ---
 """
+"""Three lines (the hang and early-exit reports count script lines): binds ``jd`` and arms
+:func:`jupyter_dist.integrations.autoattach` (HF ``Trainer`` / Lightning callbacks attach themselves when imported)."""
 
 
 def _ship(rd: RunDir, objects: dict[str, Any]) -> None:

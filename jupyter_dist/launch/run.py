@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +165,8 @@ class Run:
         self._skip_display = False
         self.router: LogRouter | None = None
         """Where a remote job's output stream goes (``None`` for local runs)."""
+        self.sinks: Any = None
+        """The :class:`~jupyter_dist.telemetry.sinks.SinkForwarder` of :meth:`log_to` (``None`` without one)."""
         if self._meta.get("status") in FINAL:
             self._done.set()
         elif isinstance(launcher, RemoteLauncher):
@@ -289,6 +292,39 @@ class Run:
         if not frame.empty and "step" in frame:
             frame = frame.sort_values(["step", "rank"]).reset_index(drop=True)
         return frame
+
+    def log_to(self, sinks: str | Iterable[str], *, secrets: Iterable[str] = (), project: str = "jupyter-dist",
+               interval: float = 1.0) -> Any:  # fmt: skip
+        """Forward this run's ``step`` records to TensorBoard, W&B, MLflow or Trackio from the kernel.
+
+        Returns the :class:`~jupyter_dist.telemetry.sinks.SinkForwarder` (also kept as :attr:`sinks`).
+
+        ``sinks`` is ``"tensorboard,wandb"`` or a list of names; ``secrets`` names environment variables of this
+        kernel the sinks need (checked now, never written). A thread follows the run's telemetry and closes the
+        sinks when the run ends (a finished run: at once, after forwarding everything). See
+        :mod:`jupyter_dist.telemetry.sinks`.
+        """
+        from ..telemetry.sinks import SINKS, SinkContext, SinkForwarder, check_sinks, parse_log_to
+
+        names = parse_log_to(sinks)
+        if not names:
+            raise JupyterDistError(f"log_to: name at least one sink; valid: {', '.join(SINKS)}")
+        secrets = tuple(secrets)
+        check_sinks(names, secrets)
+        if self.sinks is not None and not self.sinks.finished.is_set():
+            raise JupyterDistError(f"run {self.name} already forwards its metrics ({', '.join(self.sinks.names)})")
+        config = {k: self._meta.get(k) for k in ("strategy", "candidate", "world_size", "nproc", "nodes")
+                  if self._meta.get(k) is not None}  # fmt: skip
+        ctx = SinkContext(run_name=self.name, run_dir=self.dir, project=project, config=config, secrets=secrets)
+        self.sinks = SinkForwarder(self._rd.telemetry, names, ctx, done=self._done.is_set, interval=interval)
+        with self._lock:
+            self._meta["log_to"] = list(names)
+            self._meta["sink_secrets"] = list(secrets)  # names only
+            try:
+                self._rd.write_meta(self._meta)
+            except OSError:  # a deleted or read-only run directory: the forwarder still reads what is there
+                pass
+        return self.sinks.start()
 
     # ---- control --------------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> RunStatus:
@@ -596,6 +632,8 @@ class Run:
             lines.append(f"  {self._meta['meta_error']}")
         if self._meta.get("reason"):
             lines.append(f"  why: {self._meta['reason']}")
+        if self.sinks is not None:
+            lines.append(f"  {self.sinks.describe()}")
         if self._meta.get("strays_killed"):
             lines.append(f"  ended {len(self._meta['strays_killed'])} process(es) the ranks left behind: "
                          f"pids {self._meta['strays_killed']}")  # fmt: skip

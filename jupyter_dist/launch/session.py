@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,8 @@ def start_run(
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
     port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
     cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
-    sp: bool | None = None, worker: dict[str, Any] | None = None,
+    sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
+    secrets: Iterable[str] = (),
 ) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
@@ -57,8 +59,34 @@ def start_run(
     planner prints (``fsdp2+tp2+sp``); ``tp``/``pp``/``cp``/``ep``/``sp`` override its degrees. ``worker`` sets
     other :class:`~jupyter_dist.worker._env.WorkerEnv` fields (``checkpoint_every``, ``heartbeat_s``, ...).
     ``backend="slurm"`` or ``"skypilot"`` submits it to a cluster instead (``cluster``: a
-    :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.backends.cluster`.
+    :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.backends.cluster`. ``log_to``
+    (``"tensorboard,wandb"``) forwards the run's metrics from this process to those sinks, ``secrets`` naming the
+    environment variables they need (:meth:`Run.log_to`); both are checked before anything is launched.
     """
+    from ..telemetry.sinks import check_sinks, parse_log_to
+
+    sinks = parse_log_to(log_to)
+    secrets = tuple(secrets)
+    check_sinks(sinks, secrets)
+    result = _start_run(
+        code, nproc=nproc, nodes=nodes, strategy=strategy, plan=plan, launcher=launcher, name=name, ship=ship,
+        max_restarts=max_restarts, timeout=timeout, env=env, runs_dir=runs_dir, port=port, dry_run=dry_run,
+        hang_timeout=hang_timeout, backend=backend, cluster=cluster, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, worker=worker,
+    )  # fmt: skip
+    if sinks and isinstance(result, DryRun):
+        result.notes.append(f"metrics forwarded from this kernel to: {', '.join(sinks)}")
+    elif sinks:
+        result.log_to(sinks, secrets=secrets)
+    return result
+
+
+def _start_run(
+    code: str, *, nproc: int | None, nodes: int, strategy: str, plan: Any, launcher: str, name: str,
+    ship: dict[str, Any] | None, max_restarts: int, timeout: float | None, env: dict[str, str] | None,
+    runs_dir: str | os.PathLike[str], port: int | None, dry_run: bool, hang_timeout: float | None, backend: str,
+    cluster: Any, tp: int | None, pp: int | None, cp: int | None, ep: int | None, sp: bool | None,
+    worker: dict[str, Any] | None,
+) -> Run | DryRun:  # fmt: skip
     degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
     if backend != "local":
         from .backends.cluster import ClusterOptions, start_cluster_run

@@ -70,6 +70,9 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
     p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
     p.add_argument("--no-dashboard", action="store_true", help="do not show live panels under the cell")
+    p.add_argument("--log-to", metavar="SINKS",
+                   help="forward the run's metrics from this kernel to tensorboard,wandb,mlflow,trackio "
+                        "(comma-separated; credentials by name with --secret)")  # fmt: skip
     p.add_argument(
         "--telemetry-interval",
         type=float_arg(0.0, 3600.0),
@@ -141,7 +144,8 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="pass this environment variable's value to the job by name (never written to files)",
+        help="pass this environment variable's value by name (never written to files): to a cluster job, and to the "
+        "--log-to sinks, which read it in this kernel",
     )
 
 
@@ -234,6 +238,9 @@ class DistMagics(Magics):
                ...: ...
             In [5]: %%dist_train --backend skypilot --nodes 4 --gpus H100:8 --infra aws --down --secret HF_TOKEN
                ...: ...
+            In [6]: %%dist_train --nproc 2 --log-to tensorboard,wandb --secret WANDB_API_KEY
+               ...: trainer = transformers.Trainer(model=model, args=args, train_dataset=ds)  # logs to jd by itself
+               ...: trainer.train()
         """
         args = self._parse(self.train_parser, line)
         if args is None:
@@ -300,7 +307,8 @@ class DistMagics(Magics):
                 name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
                 hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
-                ep=args.ep, sp=args.sp, worker=worker,
+                ep=args.ep, sp=args.sp, worker=worker, log_to=args.log_to,
+                secrets=tuple(args.secret) if args.log_to else (),
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
@@ -330,7 +338,8 @@ class DistMagics(Magics):
                                 ("--infra", args.infra), ("--spot", args.spot), ("--idle-minutes", args.idle_minutes),
                                 ("--down", args.down), ("--managed", args.managed), ("--setup", args.setup),
                                 ("--checkpoint-dir", args.checkpoint_dir),
-                                ("--secret", args.secret)) if v not in (None, False, [])]  # fmt: skip
+                                ("--secret", [] if args.log_to else args.secret))  # --log-to's sinks read them here
+                 if v not in (None, False, [])]  # fmt: skip
         if backend == "local":
             if given:
                 raise JupyterDistError(f"{', '.join(given)} need --backend slurm or skypilot")
