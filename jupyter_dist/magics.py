@@ -97,6 +97,12 @@ def _train_parser() -> MagicArgumentParser:
         help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints",
     )
     p.add_argument(
+        "--profile",
+        metavar="STEPS",
+        help="torch.profiler trace per rank of steps START:STOP (e.g. 5:8: steps 5-7) or one STEP; run.profile() "
+        "summarises it",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=float_arg(0.0, MAX_SECONDS, lo_open=True),
         metavar="S",
@@ -274,6 +280,14 @@ class DistMagics(Magics):
             worker[fld] = value
         if args.async_save:
             worker["async_save"] = True
+        if args.profile is not None:
+            from .worker._profile import parse_window
+
+            try:
+                start, stop = parse_window(args.profile.strip("'\""))
+            except JupyterDistError as exc:
+                raise UsageError(f"--profile: {exc}") from None
+            worker["profile"] = f"{start}:{stop}"
         if args.resume:
             from pathlib import Path
 

@@ -272,6 +272,14 @@ class Run:
         except OSError as exc:
             raise JupyterDistError(f"cannot write {self._rd.annotations}: {exc.strerror or exc}") from None
 
+    def profile(self) -> Any:
+        """The per-rank summary of the profiled window (``--profile`` / ``jd.profile``): compute, communication and
+        idle time per step, top operators, who waits on whom (:class:`~jupyter_dist.telemetry.profile.ProfileSummary`).
+        """
+        from ..telemetry.profile import profile_summary
+
+        return profile_summary(self.dir)
+
     def run_summary(self) -> dict[str, Any]:
         """Steps, last and best loss, throughput, peak memory per rank, restarts (``summary.json`` once it ended)."""
         from ..telemetry.summary import read_summary, summarize_dir
@@ -747,6 +755,11 @@ class Run:
                 card += static(self)
             except Exception as exc:  # never let a damaged telemetry file hide the run's card
                 card += f"<p>(panels unavailable: {html.escape(str(exc))})</p>"
+        if self.done and any(self._rd.profile.glob("rank-*.pt.trace.json")):
+            try:  # the profiled window, summarised
+                card += self.profile().html()
+            except Exception as exc:
+                card += f"<p>(profile summary unavailable: {html.escape(str(exc))})</p>"
         return {"text/plain": self.summary(), "text/html": card}
 
     def __repr__(self) -> str:

@@ -104,6 +104,9 @@ class WorkerEnv:
     ac: str = "none"
     """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
     recomputed) or ``full`` (each block is recomputed in backward)."""
+    profile: str = ""
+    """``JD_PROFILE``: the steps whose ``torch.profiler`` trace each rank writes, ``START:STOP`` or ``STEP``
+    (``""``: no profiler; see :mod:`jupyter_dist.worker._profile`)."""
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
@@ -139,6 +142,13 @@ class WorkerEnv:
                 f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = {model} "
                 f"does not divide WORLD_SIZE={self.world_size}; launch a multiple of {model} processes"
             )
+        if self.profile:
+            from ._profile import parse_window
+
+            try:
+                parse_window(self.profile)
+            except WorkerError as e:
+                raise WorkerError(f"JD_PROFILE: {e}") from None
         if self.telemetry_interval_s < 0:
             raise WorkerError(
                 f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
@@ -191,6 +201,7 @@ class WorkerEnv:
             pp_schedule=(env.get("JD_PP_SCHEDULE", "").strip().lower() or "1f1b"),
             pp_virtual=_int(env, "JD_PP_VIRTUAL", 0),
             microbatches=_int(env, "JD_MICROBATCHES", 0),
+            profile=env.get("JD_PROFILE", "").strip(),
         )
 
     @classmethod
@@ -243,6 +254,7 @@ ENV_VARS: dict[str, str] = {
     "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
     "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
+    "profile": "JD_PROFILE",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 
