@@ -186,6 +186,20 @@ def _wizard_parser() -> MagicArgumentParser:
     return p
 
 
+def _runs_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_runs", add_help=False, description="The runs under a runs folder as a sortable, filterable table."
+    )
+    p.add_argument("folder", nargs="?", help="the runs folder (default: the DistMagics.runs_dir setting)")
+    p.add_argument("--sort", default="started", metavar="COL", help="column to sort by; -COL for descending")
+    p.add_argument("--filter", dest="text", metavar="TEXT", help="keep runs whose name, strategy, status, tags or "
+                   "notes contain TEXT")  # fmt: skip
+    p.add_argument("--tag", help="keep runs with this tag")
+    p.add_argument("--status", help="keep runs with this status (running, succeeded, failed, ...)")
+    p.add_argument("--table", action="store_true", help="show the HTML table, not the widget")
+    return p
+
+
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
     p.add_argument("--rank", type=int_arg(0, MAX_COUNT), help="rank to show (default: the failing rank, else 0)")
@@ -211,6 +225,7 @@ class DistMagics(Magics):
     train_parser = _train_parser()
     logs_parser = _rank_parser()
     check_parser = _check_parser()
+    runs_parser = _runs_parser()
     wizard_parser = _wizard_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
@@ -372,6 +387,39 @@ class DistMagics(Magics):
         if self.last_run is None:
             raise UsageError("no run yet in this kernel: start one with %%dist_train, or %dist_attach RUN_DIR")
         return self.last_run
+
+    @line_magic
+    def dist_runs(self, line: str) -> Any:
+        """The runs under the runs folder: a table to sort, filter, open and compare (``jupyter_dist.runs()``).
+
+        Examples
+        --------
+        ::
+
+            In [1]: %dist_runs
+            In [2]: %dist_runs runs --sort best_loss --filter fsdp2 --status succeeded
+            In [3]: t = %dist_runs --table
+            In [4]: t.open(0)                      # the newest run's panels
+        """
+        args = self._parse(self.runs_parser, line)
+        if args is None:
+            return None
+        from .launch.runs import runs
+
+        try:
+            table = runs(args.folder.strip("'\"") if args.folder else self.runs_dir)
+            if args.text:
+                table = table.filter(text=args.text.strip("'\""))
+            if args.tag:
+                table = table.filter(tag=args.tag.strip("'\""))
+            if args.status:
+                table = table.filter(status=args.status.strip("'\""))
+            table = table.sort(args.sort)
+            if not args.table and self._want_dashboard():
+                return table.widget()
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        return table
 
     @line_magic
     def dist_status(self, line: str) -> Any:

@@ -235,8 +235,9 @@ def _rank_profile(rank: int, trace: dict[str, Any]) -> tuple[RankProfile, list[t
         comm_iv = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels
                           if _is_comm(str(e.get("name", "")))] + [(t, t + d) for _, t, d in collectives])  # fmt: skip
     else:
-        ops = [e for e in events if e.get("tid") == main_tid and e.get("cat") in ("cpu_op", "user_annotation")
-               and not _STEP.match(str(e.get("name", "")))]  # fmt: skip
+        # operators only: annotations (``FSDP::post_backward_reduce``, ``DistributedDataParallel.forward``) are
+        # containers that also span the waits inside them
+        ops = [e for e in events if e.get("tid") == main_tid and e.get("cat") == "cpu_op"]
         compute_iv = _union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops
                             if not _is_comm(str(e.get("name", ""))))  # fmt: skip
         comm_iv = _union([(t, t + d) for _, t, d in collectives] + [

@@ -106,9 +106,10 @@ class CompareModel:
     def _x(self, s: _RunSeries, step: int, t: float) -> float:
         return float(step) if self.x == "step" else t - (s.t0 or t)
 
-    def _step_at(self, s: _RunSeries, t: float) -> float | None:
+    def _step_at(self, s: _RunSeries, t: float) -> float:
+        """The last step logged at or before ``t`` (0 before the first)."""
         i = bisect.bisect_right(s.steps_t, (t, math.inf))
-        return float(s.steps_t[i - 1][1]) if i else None
+        return float(s.steps_t[i - 1][1]) if i else 0.0
 
     def _trace(self, s: _RunSeries, xs: list[float], ys: list[float]) -> dict[str, Any]:
         xs, ys = decimate_minmax(xs, ys, self.max_points)
@@ -151,10 +152,7 @@ class CompareModel:
             peak: dict[int, float] = {}
             for t, rank, value in sorted(s.mem):
                 peak[rank] = max(peak.get(rank, 0.0), value)
-                x = self._step_at(s, t) if self.x == "step" else t - (s.t0 or t)
-                if x is None:
-                    continue
-                xs.append(x)
+                xs.append(self._step_at(s, t) if self.x == "step" else t - (s.t0 or t))
                 ys.append(max(peak.values()) / GIB)
             traces.append(self._trace(s, xs, ys))
         return {"id": "cmp-memory", "kind": "line", "title": "Peak memory (largest rank)", "x_title": self._x_title(),
