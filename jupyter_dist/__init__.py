@@ -57,6 +57,7 @@ def _static_panels(run: Any) -> str:
 # (run.dashboard(), a finished run's card), and jupyter_dist.launch never imports jupyter_dist.ui.
 from .launch import views as _views  # noqa: E402
 
+
 def _runs_widget(table: Any) -> Any:
     from .ui.runs_view import RunsWidget
 

@@ -1,6 +1,8 @@
 """IPython magics: thin wrappers that parse a line, call the layers and display the result.
 
 ``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
+
+Planned split: a ``jupyter_dist/magics/`` package, one module per group of magics (runs, planning, the runs table).
 """
 
 from __future__ import annotations

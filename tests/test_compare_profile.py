@@ -180,3 +180,71 @@ def test_compare_model_by_step_and_time() -> None:
     mt = CompareModel(["a"], x="time")
     mt.ingest(0, [make_record("step", rank=0, seq=s, t=50.0 + 2 * s, step=s, loss=1.0) for s in range(3)])
     assert mt.loss_figure()["traces"][0]["x"] == [0.0, 2.0, 4.0]
+
+
+# ---- the worker side, in this process ---------------------------------------------------------------------------
+def _runtime(tmp_path: Path, **fields: Any) -> Any:
+    from jupyter_dist.worker._env import WorkerEnv
+    from jupyter_dist.worker._runtime import Runtime
+
+    (tmp_path / "telemetry").mkdir(exist_ok=True)
+    return Runtime(WorkerEnv(distributed=False, run_dir=str(tmp_path), heartbeat_s=0.0, **fields))
+
+
+def _steps_in(path: Path) -> list[int]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted(int(m.group(1)) for e in events if (m := re.match(r"ProfilerStep#(\d+)$", e.get("name", ""))))
+
+
+def test_jd_profile_records_only_its_window(tmp_path: Path) -> None:
+    import torch
+
+    rt = _runtime(tmp_path)
+    assert rt.profiler is None  # no window asked: no profiler object at all
+    prof = rt.profile("2:4")
+    x = torch.randn(32, 32)
+    for step in range(6):
+        (x @ x).sum()
+        rt.log(step, {"loss": 1.0})
+        assert prof.active == (step in (1, 2)), step  # started after step 1's log, stopped at step 3's
+    trace = tmp_path / "profile" / "rank-0.pt.trace.json"
+    assert prof.written == str(trace) and _steps_in(trace) == [2, 3]
+    with rt.profile() as block:  # a block: each jd.log inside marks a step
+        (x @ x).sum()
+        rt.log(6, {"loss": 1.0})
+        (x @ x).sum()
+    block_trace = Path(block.written)
+    assert block_trace.name == "rank-0.block-6.pt.trace.json" and _steps_in(block_trace) == [6, 7]
+    rt.emitter.close()
+
+
+def test_a_window_from_env_starts_at_wrap_for_step_zero_and_bad_windows_are_one_line(tmp_path: Path) -> None:
+    import torch
+
+    from jupyter_dist.worker._env import WorkerEnv, WorkerError
+    from jupyter_dist.worker._profile import parse_window
+
+    rt = _runtime(tmp_path, profile="0:1")
+    model, _ = rt.wrap(torch.nn.Linear(4, 4))
+    assert rt.profiler.active  # from step 0: recording since jd.wrap returned
+    model(torch.randn(2, 4)).sum().backward()
+    rt.log(0, {"loss": 0.5})
+    assert not rt.profiler.active and _steps_in(tmp_path / "profile" / "rank-0.pt.trace.json") == [0]
+    rt.emitter.close()
+    assert parse_window("5:8") == (5, 8) and parse_window(3) == (3, 4) and parse_window(range(2, 4)) == (2, 4)
+    for bad, msg in (("8:5", "STOP must be > START"), ("a:b", "give STEP"), ("0:5000", "at most 1000"),
+                     (-1, "STOP must be > START")):  # fmt: skip
+        with pytest.raises(WorkerError, match=msg):
+            parse_window(bad)
+    with pytest.raises(WorkerError, match="JD_PROFILE: profile window 'x' is not valid"):
+        WorkerEnv.from_environ({"JD_PROFILE": "x"})
+    assert WorkerEnv.from_environ({"JD_PROFILE": "5:8"}).to_environ()["JD_PROFILE"] == "5:8"
+
+
+def test_dist_train_profile_flag(ip: Any, tmp_path: Path) -> None:
+    from IPython.core.error import UsageError
+
+    dry = ip.run_cell_magic("dist_train", f"--nproc 2 --profile 3 --dry-run --runs-dir {tmp_path}", "pass")
+    assert "JD_PROFILE=3:4" in str(dry._repr_mimebundle_()["text/plain"])
+    with pytest.raises(UsageError, match="--profile: profile window 5:2 is empty or negative: STOP must be > START"):
+        ip.run_cell_magic("dist_train", f"--nproc 2 --profile 5:2 --dry-run --runs-dir {tmp_path}", "pass")

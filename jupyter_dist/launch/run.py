@@ -273,8 +273,10 @@ class Run:
             raise JupyterDistError(f"cannot write {self._rd.annotations}: {exc.strerror or exc}") from None
 
     def profile(self) -> Any:
-        """The per-rank summary of the profiled window (``--profile`` / ``jd.profile``): compute, communication and
-        idle time per step, top operators, who waits on whom (:class:`~jupyter_dist.telemetry.profile.ProfileSummary`).
+        """The per-rank summary of the profiled window (``--profile`` / ``jd.profile``).
+
+        Compute, communication and idle time per step, top operators, who waits on whom
+        (:class:`~jupyter_dist.telemetry.profile.ProfileSummary`).
         """
         from ..telemetry.profile import profile_summary
 

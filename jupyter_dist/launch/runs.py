@@ -116,7 +116,8 @@ def _row(path: Path, now: float) -> RunRow | None:
     world = int(meta.get("world_size") or summary.get("ranks") or 0)
     return RunRow(
         name=path.name, path=str(path), backend=str(launcher.get("kind") or "local"),
-        strategy=str(meta.get("strategy") or "none"), candidate=str(meta.get("candidate") or meta.get("strategy") or ""),
+        strategy=str(meta.get("strategy") or "none"),
+        candidate=str(meta.get("candidate") or meta.get("strategy") or ""),
         mesh=notes[0] if notes else "", status=status, world_size=world, steps=int(summary.get("steps") or 0),
         last_loss=summary.get("last_loss"), best_loss=summary.get("best_loss"), throughput=summary.get("throughput"),
         throughput_unit=summary.get("throughput_unit"),

@@ -105,14 +105,14 @@ class ProfileSummary:
     @property
     def slowest(self) -> int | None:
         """The rank the others waited on the longest (``None`` when nobody waited more than 1 ms a step)."""
-        per: Counter[int] = Counter()
+        per: dict[int, float] = {}
         for w in self.waits:
-            per[w.on] += w.seconds
+            per[w.on] = per.get(w.on, 0.0) + w.seconds
         steps = max((len(r.steps) for r in self.ranks), default=0) or 1
         if not per:
             return None
-        rank, seconds = per.most_common(1)[0]
-        return rank if seconds / steps > 1e-3 else None
+        rank = max(per, key=lambda k: per[k])
+        return rank if per[rank] / steps > 1e-3 else None
 
     def verdict(self) -> str:
         """One or two sentences: who is slow and who waits for it in which collective."""
@@ -135,8 +135,10 @@ class ProfileSummary:
         lines = [self.verdict(), "", "rank  steps  step ms  compute ms  comm ms  idle ms  top operators"]
         for r in self.ranks:
             top = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s, _ in r.top_ops[:3])
-            lines.append(f"{r.rank:<4}  {len(r.steps):<5}  {r.mean('total') * 1e3:7.1f}  {r.mean('compute') * 1e3:10.1f}"
-                         f"  {r.mean('comm') * 1e3:7.1f}  {r.mean('idle') * 1e3:7.1f}  {top}")  # fmt: skip
+            ms = [r.mean(k) * 1e3 for k in ("total", "compute", "comm", "idle")]
+            lines.append(
+                f"{r.rank:<4}  {len(r.steps):<5}  {ms[0]:7.1f}  {ms[1]:10.1f}  {ms[2]:7.1f}  {ms[3]:7.1f}  {top}"
+            )
         if self.files:
             lines += ["", "traces (Perfetto: ui.perfetto.dev; TensorBoard: tensorboard --logdir <run dir>):"]
             lines += [f"  rank {k}: {v}" for k, v in sorted(self.files.items())]
@@ -152,8 +154,11 @@ class ProfileSummary:
             top = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s, _ in r.top_ops[:4])
             waits = "; ".join(f"on rank {w.on} in {w.collective}: {w.seconds * 1e3:.0f} ms" for w in self.waits
                               if w.rank == r.rank)  # fmt: skip
-            cells = [str(r.rank), str(len(r.steps))] + [f"{r.mean(k) * 1e3:.1f}" for k in ("total", "compute", "comm",
-                                                                                          "idle")] + [top, waits or "-"]
+            cells = (
+                [str(r.rank), str(len(r.steps))]
+                + [f"{r.mean(k) * 1e3:.1f}" for k in ("total", "compute", "comm", "idle")]
+                + [top, waits or "-"]
+            )
             rows.append("<tr>" + "".join(f'<td style="padding:2px 6px">{html.escape(c)}</td>' for c in cells) + "</tr>")
         return (f'<div class="jd-profile"><b>{html.escape(self.verdict())}</b><table style="border-collapse:'
                 f'collapse;font-size:12px"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
@@ -240,8 +245,10 @@ def _rank_profile(rank: int, trace: dict[str, Any]) -> tuple[RankProfile, list[t
         ops = [e for e in events if e.get("tid") == main_tid and e.get("cat") == "cpu_op"]
         compute_iv = _union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops
                             if not _is_comm(str(e.get("name", ""))))  # fmt: skip
-        comm_iv = _union([(t, t + d) for _, t, d in collectives] + [
-            (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops if _is_comm(str(e.get("name", "")))])
+        comm_iv = _union(
+            [(t, t + d) for _, t, d in collectives]
+            + [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops if _is_comm(str(e.get("name", "")))]
+        )
     comm_only = _minus(comm_iv, compute_iv)
     times = []
     for step, lo, hi, _tid in steps:
@@ -319,10 +326,9 @@ def profile_summary(run_dir: str | os.PathLike[str]) -> ProfileSummary:
     folder = root / "profile" if (root / "profile").is_dir() else root
     files: dict[int, str] = {}
     for p in sorted(folder.glob(_TRACE_GLOB)):
-        stem = p.name.split(".", 1)[0]  # rank-<k>
-        k = stem.split("-", 1)[1] if "-" in stem else ""
-        if k.isdigit() and ".steps-" not in p.name:
-            files[int(k)] = str(p)
+        m = re.fullmatch(r"rank-(\d+)\.pt\.trace\.json", p.name)  # the first window (later ones: rank-<k>.<tag>...)
+        if m:
+            files[int(m.group(1))] = str(p)
     if not files:
         raise JupyterDistError(f"no profiler traces in {folder} (rank-<k>.pt.trace.json); run with --profile "
                                "START:STOP or call jd.profile(...) in the script")  # fmt: skip

@@ -13,7 +13,6 @@ import bisect
 import html
 import math
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path

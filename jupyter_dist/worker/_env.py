@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,7 +12,9 @@ from ..errors import JupyterDistError
 from ..plan.strategies import get_strategy
 from ..plan.training import Precision
 
-__all__ = ["ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+__all__ = [
+    "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
+]  # fmt: skip
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Values of ``JD_PP_SCHEDULE``: GPipe (all forwards, then all backwards), 1F1B and interleaved 1F1B."""
@@ -45,6 +48,41 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise WorkerError(f"{name}={raw!r} is not a number") from None
+
+
+_WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+MAX_WINDOW = 1000
+"""Most steps one window may hold (a trace grows with every operator of every step)."""
+
+
+def parse_window(text: str | int | tuple[int, int] | range) -> tuple[int, int]:
+    """``"5:8"`` -> ``(5, 8)`` (steps 5, 6, 7); ``"3"`` or ``3`` -> ``(3, 4)``; a ``range(5, 8)`` or ``(5, 8)``.
+
+    Raises
+    ------
+    WorkerError
+        For anything else, saying what is valid.
+    """
+    if isinstance(text, range):
+        if text.step != 1:
+            raise WorkerError(f"profile window {text!r} must have step 1")
+        start, stop = text.start, text.stop
+    elif isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
+        start, stop = text
+    elif isinstance(text, int) and not isinstance(text, bool):
+        start, stop = text, text + 1
+    elif isinstance(text, str) and (m := _WINDOW.match(text)):
+        start = int(m.group(1))
+        stop = int(m.group(2)) if m.group(2) is not None else start + 1
+    else:
+        raise WorkerError(f"profile window {text!r} is not valid: give STEP (e.g. 3) or START:STOP (e.g. 5:8, steps "
+                          "5 to 7)")  # fmt: skip
+    if start < 0 or stop <= start:
+        raise WorkerError(f"profile window {start}:{stop} is empty or negative: STOP must be > START >= 0")
+    if stop - start > MAX_WINDOW:
+        raise WorkerError(f"profile window {start}:{stop} holds {stop - start} steps; at most {MAX_WINDOW}")
+    return start, stop
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,8 +181,6 @@ class WorkerEnv:
                 f"does not divide WORLD_SIZE={self.world_size}; launch a multiple of {model} processes"
             )
         if self.profile:
-            from ._profile import parse_window
-
             try:
                 parse_window(self.profile)
             except WorkerError as e:

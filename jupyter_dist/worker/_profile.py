@@ -14,46 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any
 
-from ._env import WorkerError
+from ._env import MAX_WINDOW, parse_window
 
-__all__ = ["parse_window", "StepProfiler", "trace_path"]
+__all__ = ["parse_window", "StepProfiler", "trace_path", "MAX_WINDOW"]
 
 _log = logging.getLogger("jupyter_dist.worker")
-_WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
-MAX_WINDOW = 1000
-"""Most steps one window may hold (a trace grows with every operator of every step)."""
-
-
-def parse_window(text: str | int | tuple[int, int] | range) -> tuple[int, int]:
-    """``"5:8"`` -> ``(5, 8)`` (steps 5, 6, 7); ``"3"`` or ``3`` -> ``(3, 4)``; a ``range(5, 8)`` or ``(5, 8)``.
-
-    Raises
-    ------
-    WorkerError
-        For anything else, saying what is valid.
-    """
-    if isinstance(text, range):
-        if text.step != 1:
-            raise WorkerError(f"profile window {text!r} must have step 1")
-        start, stop = text.start, text.stop
-    elif isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
-        start, stop = text
-    elif isinstance(text, int) and not isinstance(text, bool):
-        start, stop = text, text + 1
-    elif isinstance(text, str) and (m := _WINDOW.match(text)):
-        start = int(m.group(1))
-        stop = int(m.group(2)) if m.group(2) is not None else start + 1
-    else:
-        raise WorkerError(f"profile window {text!r} is not valid: give STEP (e.g. 3) or START:STOP (e.g. 5:8, steps "
-                          "5 to 7)")  # fmt: skip
-    if start < 0 or stop <= start:
-        raise WorkerError(f"profile window {start}:{stop} is empty or negative: STOP must be > START >= 0")
-    if stop - start > MAX_WINDOW:
-        raise WorkerError(f"profile window {start}:{stop} holds {stop - start} steps; at most {MAX_WINDOW}")
-    return start, stop
 
 
 def trace_path(run_dir: str, rank: int) -> str:

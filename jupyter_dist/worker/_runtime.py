@@ -490,8 +490,10 @@ class Runtime:
         return record
 
     def profile(self, steps: Any = None) -> Any:
-        """Arm a profiling window (``"5:8"``, ``3``, ``range(5, 8)``) or, with ``None``, a window that a ``with``
-        block bounds; see :func:`jupyter_dist.worker.profile`. Returns the :class:`StepProfiler`."""
+        """Arm a profiling window; see :func:`jupyter_dist.worker.profile`. Returns the :class:`StepProfiler`.
+
+        ``steps``: ``"5:8"``, ``3``, ``range(5, 8)``, or ``None`` for a window that a ``with`` block bounds.
+        """
         from ._profile import MAX_WINDOW, StepProfiler, parse_window, trace_path
 
         if steps is None:
@@ -503,8 +505,9 @@ class Runtime:
             raise WorkerError(f"jd.profile: a window (steps {self.profiler.start}:{self.profiler.stop}) is being "
                               "recorded; one at a time")  # fmt: skip
         path = trace_path(self.env.run_dir, self.env.rank) if self.env.run_dir else None
-        if path is not None and self.profiler is not None and self.profiler.written:
-            path = path.replace(".pt.trace.json", f".steps-{window[0]}-{window[1]}.pt.trace.json")
+        if path is not None and self.profiler is not None and self.profiler.written:  # a second window: its own file
+            tag = f"steps-{window[0]}-{window[1]}" if steps is not None else f"block-{window[0]}"
+            path = path.replace(".pt.trace.json", f".{tag}.pt.trace.json")
         self.profiler = StepProfiler(window, path)
         if steps is not None and window[0] == 0 and self.model is not None and self._last_step is None:
             self.profiler.begin(0)
