@@ -279,7 +279,7 @@ class RunTable(Sequence[RunRow]):
         """An HTML table (escaped text; no scripts), ``max_rows`` rows at most."""
         head = ("name", "backend", "strategy / mesh", "status", "steps", "last loss", "best loss", "throughput",
                 "peak mem / rank", "duration", "restarts", "tags")  # fmt: skip
-        th = "".join(f'<th style="text-align:left;padding:2px 6px">{h}</th>' for h in head)
+        th = "".join(f'<th style="text-align:left;padding:2px 6px;white-space:nowrap">{h}</th>' for h in head)
         body = []
         for r in self.rows[:max_rows]:
             c = _cells(r)
@@ -289,7 +289,7 @@ class RunTable(Sequence[RunRow]):
             body.append(f'<tr data-run="{html.escape(r.name)}">{tds}</tr>')
         more = len(self.rows) - max_rows
         tail = f"<p>... and {more} more runs</p>" if more > 0 else ""
-        cap = f"{len(self.rows)} runs in {html.escape(self.folder)}"
+        cap = f"{len(self.rows)} run{'' if len(self.rows) == 1 else 's'} in {html.escape(self.folder)}"
         if self.skipped:
             cap += f" ({self.skipped} unreadable skipped)"
         return (f'<div class="jd-runs-table"><div style="color:#555">{cap}</div><table style="border-collapse:'
