@@ -40,8 +40,12 @@ def test_runs_table_and_comparison_render(jupyterlab: JupyterLabServer, browser_
     from playwright.sync_api import expect
 
     page = browser_page
-    cells = ["%load_ext jupyter_dist", MAKE_RUNS, "%dist_runs runs",
-             "import jupyter_dist\njupyter_dist.compare(*jupyter_dist.runs('runs').filter(strategy=['ddp', 'fsdp2']))"]
+    cells = [
+        "%load_ext jupyter_dist",
+        MAKE_RUNS,
+        "%dist_runs runs",
+        "import jupyter_dist\njupyter_dist.compare(*jupyter_dist.runs('runs').filter(strategy=['ddp', 'fsdp2']))",
+    ]
     write_notebook(jupyterlab.root_dir / "runs.ipynb", cells)
     open_notebook_and_run_all(page, jupyterlab, "runs.ipynb", timeout=120)
 
@@ -62,7 +66,7 @@ def test_runs_table_and_comparison_render(jupyterlab: JupyterLabServer, browser_
     screenshot_cell(page, 2, artifacts / "runs-table.png")
     box.locator("input[type=text]").first.fill("fsdp2")
     box.locator("input[type=text]").first.press("Enter")
-    page.wait_for_function(f"() => document.querySelectorAll('.jd-runs-widget .jd-runs-table tbody tr').length === 1")
+    page.wait_for_function("() => document.querySelectorAll('.jd-runs-widget .jd-runs-table tbody tr').length === 1")
     box.locator("select").last.select_option(["fsdp2-run-20261121"])
     box.get_by_role("button", name="compare").click()
     expect(box.locator(".jd-compare svg").first).to_be_attached(timeout=30_000)
