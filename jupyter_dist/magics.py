@@ -351,6 +351,13 @@ class DistMagics(Magics):
             result.wait()
             if result.shown_dashboard is not None:
                 result.shown_dashboard.finished.wait(10.0)
+                if args.profile is not None:  # the panels replaced the card: show the profile summary here
+                    from IPython.display import display
+
+                    try:
+                        display(result.profile())
+                    except JupyterDistError as exc:
+                        print(f"(no profile summary: {exc})")
         return result
 
     @staticmethod

@@ -200,3 +200,24 @@ def test_the_widget_filters_sorts_and_opens(folder: Path) -> None:
     assert [r.name for r in box.shown] == ["fsdp-b", "live-d"]
     pick = box.children[2].children[0]
     assert list(pick.options) == ["fsdp-b", "live-d"]
+
+
+def test_a_comparison_follows_a_run_that_is_still_writing(folder: Path) -> None:
+    from jupyter_dist.ui.compare import compare
+
+    live = open_run(folder / "live-d")  # "running" in its run.json: the comparison keeps following it
+    cmp = compare(live, folder / "ddp-a", interval=0.05)
+    assert cmp.live and [len(t["x"]) for t in cmp.figures()[0]["traces"]] == [2, 20]
+    cmp.start()
+    try:
+        line = encode(make_record("step", rank=0, seq=500, t=1.79e9 + 400, step=2, loss=0.1, step_time=0.5))
+        with open(folder / "live-d" / "telemetry" / "rank-0.jsonl", "a") as fh:
+            fh.write(line + "\n")
+        import time
+
+        deadline = time.monotonic() + 10
+        while len(cmp.figures()[0]["traces"][0]["x"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cmp.figures()[0]["traces"][0]["x"] == [0.0, 1.0, 2.0]
+    finally:
+        cmp.stop()
