@@ -2,7 +2,8 @@
 
 The notebook writes three run directories record by record with the telemetry encoder (the rendering is what is
 tested here; real 2-process runs feed the same table and comparison in tests/test_compare_profile.py), then shows
-``%dist_runs`` (the widget: filter, sort, choose, compare) and ``jupyter_dist.compare(...)`` (static SVG panels).
+``%dist_runs`` (the widget: filter, sort, choose, compare, open a run's panels) and ``jupyter_dist.compare(...)``
+(static SVG panels).
 """
 
 from __future__ import annotations
@@ -72,3 +73,9 @@ def test_runs_table_and_comparison_render(jupyterlab: JupyterLabServer, browser_
     expect(box.locator(".jd-compare svg").first).to_be_attached(timeout=30_000)
     expect(box.locator(".jd-compare")).to_contain_text("fsdp2-run-20261121")
     screenshot_cell(page, 2, artifacts / "runs-table-compare.png")
+    # "open panels": the chosen run's dashboard (plotly.js from the kernel) under the table
+    box.get_by_role("button", name="open panels").click()
+    dash = box.locator(".jd-dash")
+    expect(dash).to_have_attribute("data-ready", "1", timeout=60_000)
+    expect(dash.locator('.jd-panel[data-figure="loss"] .main-svg').first).to_be_attached()
+    screenshot_cell(page, 2, artifacts / "runs-table-open.png")

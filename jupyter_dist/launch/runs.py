@@ -285,7 +285,8 @@ class RunTable(Sequence[RunRow]):
             c = _cells(r)
             c[2] = f"{r.candidate or r.strategy}" + (f" ({r.mesh})" if r.mesh else "")
             c[8] = " / ".join(_gib(b) for b in r.peak_mem) or "-"
-            tds = "".join(f'<td style="padding:2px 6px">{html.escape(x)}</td>' for x in c)
+            tds = "".join(f'<td style="padding:2px 6px{";white-space:nowrap" if i in (0, 4, 7) else ""}">'
+                          f"{html.escape(x)}</td>" for i, x in enumerate(c))  # fmt: skip
             body.append(f'<tr data-run="{html.escape(r.name)}">{tds}</tr>')
         more = len(self.rows) - max_rows
         tail = f"<p>... and {more} more runs</p>" if more > 0 else ""
