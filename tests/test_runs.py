@@ -221,3 +221,25 @@ def test_a_comparison_follows_a_run_that_is_still_writing(folder: Path) -> None:
         assert cmp.figures()[0]["traces"][0]["x"] == [0.0, 1.0, 2.0]
     finally:
         cmp.stop()
+
+
+def test_a_live_run_is_read_incrementally(folder: Path) -> None:
+    from jupyter_dist.launch import runs as runs_mod
+
+    first = runs(folder)["live-d"]
+    assert first.steps == 2
+    live = runs_mod._LIVE[str((folder / "live-d").resolve())]
+    read = live.follower._offsets.copy()
+    with open(folder / "live-d" / "telemetry" / "rank-1.jsonl", "a") as fh:
+        fh.write(encode(make_record("step", rank=1, seq=900, t=1.79e9 + 310, step=5, loss=0.25)) + "\n")
+    again = runs(folder)["live-d"]
+    assert again.steps == 6 and live.builder.n == first_records(folder) + 1  # only the new line was parsed
+    assert live.follower._offsets != read
+    meta = json.loads((folder / "live-d" / "run.json").read_text())
+    (folder / "live-d" / "run.json").write_text(json.dumps({**meta, "status": "succeeded", "ended": 1.79e9 + 320}))
+    assert runs(folder)["live-d"].status == "succeeded"
+    assert str((folder / "live-d").resolve()) not in runs_mod._LIVE  # ended: no longer followed
+
+
+def first_records(folder: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (folder / "live-d" / "telemetry").glob("*.jsonl")) - 1

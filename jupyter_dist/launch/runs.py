@@ -1,17 +1,20 @@
 """The runs under a runs folder as one table: sortable, filterable, one call to open a run's panels.
 
 :func:`runs` reads, per run directory, ``run.json`` (a few KiB), ``annotations.json`` (tags, notes) and the small
-``summary.json`` a run writes when it ends (:mod:`jupyter_dist.telemetry.summary`); only a run that is still going,
-or one that ended before summaries existed, has its telemetry read (and a finished one's summary is then saved, so
-the next table does not read it again). :class:`RunTable` is a plain value (no pandas): ``.sort("best_loss")``,
-``.filter(status="succeeded", tag="baseline")``, ``.open("run-2026...")``; it displays itself as an HTML table,
-and ``.widget()`` gives the interactive view the notebook front-end subscribed (``jupyter_dist.ui.runs_view``).
+``summary.json`` a run writes when it ends (:mod:`jupyter_dist.telemetry.summary`). A run that is still going has
+its telemetry followed: each table reads only the lines written since the previous one (kept per run directory in
+this process); one that ended before summaries existed is read once and its summary saved.
+
+:class:`RunTable` is a plain value (no pandas): ``.sort("best_loss")``, ``.filter(status="succeeded",
+tag="baseline")``, ``.open("run-2026...")``; it displays itself as an HTML table, and ``.widget()`` gives the
+interactive view the notebook front-end subscribed (``jupyter_dist.ui.runs_view``).
 """
 
 from __future__ import annotations
 
 import html
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -19,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
-from ..telemetry.summary import read_summary, summarize_dir, write_summary
+from ..telemetry.reader import FileFollower, RecordSet
+from ..telemetry.summary import SummaryBuilder, read_summary, summarize_dir, write_summary
 from .rundir import RunDir
 
 __all__ = ["RunRow", "RunTable", "runs", "COLUMNS", "FINAL_STATES"]
@@ -89,6 +93,31 @@ COLUMNS = tuple(f.name for f in fields(RunRow))
 _SORTABLE = (*COLUMNS, "peak_mem_max")
 
 
+class _LiveSummary:
+    """A run still going: its telemetry followed from where the last table stopped reading (new lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.follower = FileFollower(path / "telemetry")
+        self.records = RecordSet()
+        self.builder = SummaryBuilder()
+
+    def update(self) -> dict[str, Any]:
+        self.builder.add(self.records.parse(self.follower.poll()))
+        return self.builder.result()
+
+
+_LIVE: dict[str, _LiveSummary] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def _live_summary(path: Path) -> dict[str, Any]:
+    with _LIVE_LOCK:
+        live = _LIVE.get(str(path))
+        if live is None:
+            live = _LIVE[str(path)] = _LiveSummary(path)
+        return live.update()
+
+
 def _row(path: Path, now: float) -> RunRow | None:
     rd = RunDir(path)
     try:
@@ -97,13 +126,17 @@ def _row(path: Path, now: float) -> RunRow | None:
         return None
     status = str(meta.get("status") or "pending")
     summary = read_summary(path)
-    if summary is None:
+    if summary is None and status not in FINAL_STATES:  # still going: read only what was written since last time
+        summary = _live_summary(path)
+    elif summary is None:  # a finished run predating summaries: read it once, save its summary
         summary = summarize_dir(path)
-        if status in FINAL_STATES:  # a finished run predating summaries: save it once
-            try:
-                write_summary(path, summary)
-            except OSError:
-                pass
+        try:
+            write_summary(path, summary)
+        except OSError:
+            pass
+    if status in FINAL_STATES:
+        with _LIVE_LOCK:
+            _LIVE.pop(str(path), None)
     ann = rd.read_annotations()
     launcher = meta.get("launcher") or {}
     notes = [str(n) for n in meta.get("notes") or []]

@@ -17,7 +17,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUMMARY_FILE", "SUMMARY_VERSION", "summarize_records", "summarize_dir", "write_summary", "read_summary"]
+__all__ = [
+    "SUMMARY_FILE",
+    "SUMMARY_VERSION",
+    "SummaryBuilder",
+    "summarize_records",
+    "summarize_dir",
+    "write_summary",
+    "read_summary",
+]
 
 SUMMARY_FILE = "summary.json"
 """The summary's file name inside a run directory."""
@@ -32,6 +40,89 @@ def _finite(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
+class SummaryBuilder:
+    """The summary built record by record: :meth:`add` batches as they arrive (a live run), :meth:`result` any time.
+
+    Memory grows with the logged steps (one float per step and rank), not with other records.
+    """
+
+    def __init__(self, *, metric: str = "loss") -> None:
+        self.metric = metric
+        self.by_step: dict[int, list[float]] = {}
+        self.rates: dict[str, dict[int, list[float]]] = {}
+        self.step_times: dict[int, list[float]] = {}
+        self.peaks: dict[int, float] = {}
+        self.starts: dict[int, int] = {}
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.max_step: int | None = None
+        self.n = 0
+        self.ranks: set[int] = set()
+
+    def add(self, records: Iterable[dict[str, Any]]) -> SummaryBuilder:
+        """Take records (any order, any ranks); returns self."""
+        for rec in records:
+            self.n += 1
+            try:
+                rank = int(rec["rank"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            self.ranks.add(rank)
+            t = _finite(rec.get("t"))
+            if t is not None:
+                self.first_t = t if self.first_t is None else min(self.first_t, t)
+                self.last_t = t if self.last_t is None else max(self.last_t, t)
+            kind = rec.get("kind")
+            if kind == "step" and isinstance(rec.get("step"), int):
+                step = rec["step"]
+                self.max_step = step if self.max_step is None else max(self.max_step, step)
+                value = _finite(rec.get(self.metric))
+                if value is not None:
+                    self.by_step.setdefault(step, []).append(value)
+                for key, _unit in _RATES:
+                    rate = _finite(rec.get(key))
+                    if rate is not None:
+                        self.rates.setdefault(key, {}).setdefault(rank, []).append(rate)
+                st = _finite(rec.get("step_time"))
+                if st is not None and st > 0:
+                    self.step_times.setdefault(rank, []).append(1.0 / st)
+            elif kind == "mem":
+                peak = max((_finite(rec.get(k)) or 0.0) for k in ("peak_active", "peak_allocated", "max_rss", "rss"))
+                self.peaks[rank] = max(self.peaks.get(rank, 0.0), peak)
+            elif kind == "start":
+                self.starts[rank] = self.starts.get(rank, 0) + 1
+        return self
+
+    def result(self) -> dict[str, Any]:
+        """The summary of everything added so far (see :func:`summarize_records`)."""
+        means = {s: sum(v) / len(v) for s, v in self.by_step.items()}
+        last_step = max(means, default=None)
+        best_step = min(means, key=lambda s: (means[s], s), default=None)
+        throughput, unit = None, None
+        for key, name in _RATES:
+            if self.rates.get(key):
+                throughput, unit = sum(statistics.median(v) for v in self.rates[key].values()), name
+                break
+        if throughput is None and self.step_times:
+            per_rank = [statistics.median(v) for v in self.step_times.values()]
+            throughput, unit = sum(per_rank) / len(per_rank), "steps/s"
+        return {
+            "v": SUMMARY_VERSION,
+            "steps": self.max_step + 1 if self.max_step is not None else 0,
+            "last_loss": means[last_step] if last_step is not None else None,
+            "best_loss": means[best_step] if best_step is not None else None,
+            "best_step": best_step,
+            "throughput": throughput,
+            "throughput_unit": unit,
+            "peak_mem": {str(r): int(b) for r, b in sorted(self.peaks.items())},
+            "first_t": self.first_t,
+            "last_t": self.last_t,
+            "restarts": max((c - 1 for c in self.starts.values()), default=0),
+            "ranks": len(self.ranks),
+            "records": self.n,
+        }
+
+
 def summarize_records(records: Iterable[dict[str, Any]], *, metric: str = "loss") -> dict[str, Any]:
     """The summary of one run's records (any order, any ranks).
 
@@ -39,69 +130,7 @@ def summarize_records(records: Iterable[dict[str, Any]], *, metric: str = "loss"
     ``throughput`` and ``throughput_unit``, ``peak_mem`` (``{rank: bytes}``, keys as strings), ``first_t`` and
     ``last_t`` (unix seconds), ``restarts``, ``ranks`` and ``records``. Absent figures are ``None``.
     """
-    by_step: dict[int, list[float]] = {}
-    rates: dict[str, dict[int, list[float]]] = {}
-    step_times: dict[int, list[float]] = {}
-    peaks: dict[int, float] = {}
-    starts: dict[int, int] = {}
-    first_t = last_t = max_step = None
-    n = 0
-    ranks: set[int] = set()
-    for rec in records:
-        n += 1
-        try:
-            rank = int(rec["rank"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        ranks.add(rank)
-        t = _finite(rec.get("t"))
-        if t is not None:
-            first_t = t if first_t is None else min(first_t, t)
-            last_t = t if last_t is None else max(last_t, t)
-        kind = rec.get("kind")
-        if kind == "step" and isinstance(rec.get("step"), int):
-            max_step = rec["step"] if max_step is None else max(max_step, rec["step"])
-            value = _finite(rec.get(metric))
-            if value is not None:
-                by_step.setdefault(rec["step"], []).append(value)
-            for key, _unit in _RATES:
-                rate = _finite(rec.get(key))
-                if rate is not None:
-                    rates.setdefault(key, {}).setdefault(rank, []).append(rate)
-            st = _finite(rec.get("step_time"))
-            if st is not None and st > 0:
-                step_times.setdefault(rank, []).append(1.0 / st)
-        elif kind == "mem":
-            peak = max((_finite(rec.get(k)) or 0.0) for k in ("peak_active", "peak_allocated", "max_rss", "rss"))
-            peaks[rank] = max(peaks.get(rank, 0.0), peak)
-        elif kind == "start":
-            starts[rank] = starts.get(rank, 0) + 1
-    means = {s: sum(v) / len(v) for s, v in by_step.items()}
-    last_step = max(means, default=None)
-    best_step = min(means, key=lambda s: (means[s], s), default=None)
-    throughput, unit = None, None
-    for key, name in _RATES:
-        if rates.get(key):
-            throughput, unit = sum(statistics.median(v) for v in rates[key].values()), name
-            break
-    if throughput is None and step_times:
-        per_rank = [statistics.median(v) for v in step_times.values()]
-        throughput, unit = sum(per_rank) / len(per_rank), "steps/s"
-    return {
-        "v": SUMMARY_VERSION,
-        "steps": max_step + 1 if max_step is not None else 0,
-        "last_loss": means[last_step] if last_step is not None else None,
-        "best_loss": means[best_step] if best_step is not None else None,
-        "best_step": best_step,
-        "throughput": throughput,
-        "throughput_unit": unit,
-        "peak_mem": {str(r): int(b) for r, b in sorted(peaks.items())},
-        "first_t": first_t,
-        "last_t": last_t,
-        "restarts": max((c - 1 for c in starts.values()), default=0),
-        "ranks": len(ranks),
-        "records": n,
-    }
+    return SummaryBuilder(metric=metric).add(records).result()
 
 
 def summarize_dir(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
