@@ -20,6 +20,8 @@ _LAZY: dict[str, str] = {
     "start_run": "jupyter_dist.launch.session", "DryRun": "jupyter_dist.launch.session",
     "Bundle": "jupyter_dist.render.bundle", "render_bundle": "jupyter_dist.render.bundle",
     "Dashboard": "jupyter_dist.ui.dashboard", "Wizard": "jupyter_dist.ui.wizard",
+    "runs": "jupyter_dist.launch.runs", "RunTable": "jupyter_dist.launch.runs", "compare": "jupyter_dist.ui.compare",
+    "Comparison": "jupyter_dist.ui.compare", "profile_summary": "jupyter_dist.telemetry.profile",
 }  # fmt: skip
 """Public name -> the module that owns it; imported on first attribute access (PEP 562), so ``isinstance`` works."""
 
@@ -55,7 +57,14 @@ def _static_panels(run: Any) -> str:
 # (run.dashboard(), a finished run's card), and jupyter_dist.launch never imports jupyter_dist.ui.
 from .launch import views as _views  # noqa: E402
 
-_views.subscribe(live=_live_panels, static=_static_panels)
+
+def _runs_widget(table: Any) -> Any:
+    from .ui.runs_view import RunsWidget
+
+    return RunsWidget(table)
+
+
+_views.subscribe(live=_live_panels, static=_static_panels, table=_runs_widget)
 
 
 def load_ipython_extension(ipython: Any) -> None:

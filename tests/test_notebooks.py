@@ -16,7 +16,7 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 TESTS = Path(__file__).resolve().parent
 EXECUTED_HERE = ("plan_large_models.ipynb", "communication_health.ipynb", "strategies_memory.ipynb",
-                 "tensor_parallel.ipynb", "parallelism_3d.ipynb")  # fmt: skip
+                 "tensor_parallel.ipynb", "parallelism_3d.ipynb", "compare_and_profile.ipynb")  # fmt: skip
 EXECUTED_ELSEWHERE = {"quickstart.ipynb": "test_demo.py", "pool_quickstart.ipynb": "test_pool.py",
                       "cluster_slurm.ipynb": "test_slurm.py", "cluster_skypilot.ipynb": "test_skypilot.py"}  # fmt: skip
 
@@ -120,3 +120,17 @@ def test_parallelism_3d_notebook_runs_fsdp2_tp2_pp2_on_8_processes_as_planned(tm
     assert "fsdp2+tp2+pp2+sp: dp=2 x tp=2 x pp=2, 4 micro-batches, blocks per stage [4, 4]" in text
     assert "mesh pp=2 x dp_shard=2 x tp=2" in text
     assert "the worst stage holds exactly the planned bytes" in text
+
+
+@pytest.mark.slow
+def test_compare_and_profile_notebook_compares_two_strategies_and_finds_the_slow_rank(tmp_path: Path) -> None:
+    nb = execute(NOTEBOOKS / "compare_and_profile.ipynb", tmp_path)
+    text = outputs_text(nb)
+    for s in ("ddp: succeeded, 30 steps", "fsdp2: succeeded, 30 steps"):
+        assert s in text, text[-3000:]
+    assert "baseline" in text  # the tag, in the runs table
+    assert "rank 1 is the slowest: rank 0 waits" in text, text[-3000:]
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    assert html.count('class="jd-static-dashboard jd-compare"') == 2 and "jd-profile" in html
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(runs) == 3 and all((tmp_path / "runs" / r / "profile" / "rank-1.pt.trace.json").is_file() for r in runs)

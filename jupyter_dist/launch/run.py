@@ -229,6 +229,69 @@ class Run:
         """What runs, in words: the mesh line, then a rehearsal note when a plan runs on fewer processes."""
         return [str(n) for n in self._meta.get("notes") or []]
 
+    # ---- tags and notes -------------------------------------------------------------------------------------
+    @property
+    def tags(self) -> list[str]:
+        """The run's tags (``annotations.json`` in its directory), in the order given."""
+        return list(self._rd.read_annotations()["tags"])
+
+    def tag(self, *tags: str, remove: bool = False) -> list[str]:
+        """Add (``remove=True``: remove) tags; kept in the run directory, shown and filterable in ``runs()``.
+
+        A tag is 1-64 characters without commas or newlines. Returns the tags after the change.
+        """
+        for t in tags:
+            if not isinstance(t, str) or not 0 < len(t) <= 64 or any(c in t for c in ",\n\r"):
+                raise JupyterDistError(f"tag {t!r} is not valid: give 1-64 characters without commas or newlines")
+        with self._lock:
+            data = self._rd.read_annotations()
+            current = data["tags"]
+            if remove:
+                current = [t for t in current if t not in tags]
+            else:
+                current += [t for t in dict.fromkeys(tags) if t not in current]
+            data["tags"] = current
+            self._write_annotations(data)
+        return list(current)
+
+    @property
+    def notes_text(self) -> list[str]:
+        """The notes given with :meth:`note`, oldest first."""
+        return [str(n["text"]) for n in self._rd.read_annotations()["notes"]]
+
+    def note(self, text: str) -> list[str]:
+        """Append a free-text note (what was tried, why it was stopped); returns every note, oldest first."""
+        if not isinstance(text, str) or not text.strip():
+            raise JupyterDistError("a note is a non-empty string")
+        with self._lock:
+            data = self._rd.read_annotations()
+            data["notes"].append({"t": time.time(), "text": text.strip()})
+            self._write_annotations(data)
+        return [str(n["text"]) for n in data["notes"]]
+
+    def _write_annotations(self, data: dict[str, Any]) -> None:
+        try:
+            self._rd.write_annotations(data)
+        except OSError as exc:
+            raise JupyterDistError(f"cannot write {self._rd.annotations}: {exc.strerror or exc}") from None
+
+    def profile(self) -> Any:
+        """The per-rank summary of the profiled window (``--profile`` / ``jd.profile``).
+
+        Compute, communication and idle time per step, top operators, who waits on whom
+        (:class:`~jupyter_dist.telemetry.profile.ProfileSummary`).
+        """
+        from ..telemetry.profile import profile_summary
+
+        return profile_summary(self.dir)
+
+    def run_summary(self) -> dict[str, Any]:
+        """Steps, last and best loss, throughput, peak memory per rank, restarts (``summary.json`` once it ended)."""
+        from ..telemetry.summary import read_summary, summarize_dir
+
+        saved = read_summary(self.dir) if self.done else None
+        return saved if saved is not None else summarize_dir(self.dir)
+
     @property
     def exit_codes(self) -> dict[int, int | None]:
         """Exit code per rank (None: the rank left none, e.g. it was killed)."""
@@ -620,6 +683,13 @@ class Run:
         except OSError as exc:  # deleted or read-only run directory: the status lives on in this handle
             why = "was deleted" if not self.dir.is_dir() else f"is not writable ({exc.strerror or exc})"
             self._meta["meta_error"] = f"run.json not updated: the run directory {why}"
+            return
+        try:  # the runs table reads this small file instead of every telemetry line
+            from ..telemetry.summary import write_summary
+
+            write_summary(self.dir)
+        except OSError:
+            pass
 
     # ---- display --------------------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -725,6 +795,11 @@ class Run:
                 card += static(self)
             except Exception as exc:  # never let a damaged telemetry file hide the run's card
                 card += f"<p>(panels unavailable: {html.escape(str(exc))})</p>"
+        if self.done and any(self._rd.profile.glob("rank-*.pt.trace.json")):
+            try:  # the profiled window, summarised
+                card += self.profile().html()
+            except Exception as exc:
+                card += f"<p>(profile summary unavailable: {html.escape(str(exc))})</p>"
         return {"text/plain": self.summary(), "text/html": card}
 
     def __repr__(self) -> str:

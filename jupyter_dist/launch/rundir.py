@@ -66,6 +66,34 @@ class RunDir:
         """Checkpoints written by ``jd.save``."""
         return self.path / "checkpoints"
 
+    @property
+    def annotations(self) -> Path:
+        """``annotations.json``: the tags and notes given with ``Run.tag`` / ``Run.note``."""
+        return self.path / "annotations.json"
+
+    @property
+    def profile(self) -> Path:
+        """``rank-<k>.pt.trace.json`` per rank: the ``torch.profiler`` traces of ``--profile`` / ``jd.profile``."""
+        return self.path / "profile"
+
+    def read_annotations(self) -> dict[str, Any]:
+        """``{"tags": [...], "notes": [{"t": unix s, "text": ...}]}`` (empty lists when none were written)."""
+        try:
+            data = json.loads(self.annotations.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        tags = [str(t) for t in data.get("tags") or [] if isinstance(t, str)]
+        notes = [n for n in data.get("notes") or [] if isinstance(n, dict) and isinstance(n.get("text"), str)]
+        return {"tags": tags, "notes": notes}
+
+    def write_annotations(self, data: dict[str, Any]) -> None:
+        """Atomically replace ``annotations.json``."""
+        tmp = self.annotations.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, self.annotations)
+
     def rank_log(self, rank: int) -> Path:
         """Log of one rank."""
         return self.logs / f"rank-{rank}.log"

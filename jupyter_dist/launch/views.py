@@ -14,23 +14,28 @@ from typing import Any
 
 from ..errors import JupyterDistError
 
-__all__ = ["LiveView", "StaticView", "live_view", "static_view", "subscribe"]
+__all__ = ["LiveView", "StaticView", "TableView", "live_view", "static_view", "table_view", "subscribe"]
 
 LiveView = Callable[..., Any]
 """``(run, **kwargs) -> panels``: an object with ``start()`` that follows the run (displayed by the caller)."""
 StaticView = Callable[[Any], str]
 """``(run) -> html``: the final panels of a finished run, drawn without JavaScript (they survive export)."""
+TableView = Callable[[Any], Any]
+"""``(run table) -> widget``: the interactive runs table (:meth:`.runs.RunTable.widget`)."""
 
-_views: dict[str, Any] = {"live": None, "static": None}
+_views: dict[str, Any] = {"live": None, "static": None, "table": None}
 
 
-def subscribe(*, live: LiveView | None = None, static: StaticView | None = None) -> dict[str, Any]:
+def subscribe(*, live: LiveView | None = None, static: StaticView | None = None,
+              table: TableView | None = None) -> dict[str, Any]:  # fmt: skip
     """Subscribe the views a Run shows (``None`` leaves one as it is); returns the previous ones (to restore them)."""
     previous = dict(_views)
     if live is not None:
         _views["live"] = live
     if static is not None:
         _views["static"] = static
+    if table is not None:
+        _views["table"] = table
     return previous
 
 
@@ -51,3 +56,12 @@ def live_view() -> LiveView:
 def static_view() -> StaticView | None:
     """The subscribed static view, or ``None`` (the run's card then shows its summary only)."""
     return _views["static"]  # type: ignore[no-any-return]
+
+
+def table_view() -> TableView:
+    """The subscribed runs-table view; a one-line error when no front-end subscribed one."""
+    view = _views["table"]
+    if view is None:
+        raise JupyterDistError("no runs-table view is subscribed; import jupyter_dist (its root subscribes the "
+                               "notebook's) or call jupyter_dist.launch.views.subscribe(table=...)")  # fmt: skip
+    return view  # type: ignore[no-any-return]

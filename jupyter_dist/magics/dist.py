@@ -1,6 +1,8 @@
 """IPython magics: thin wrappers that parse a line, call the layers and display the result.
 
 ``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
+
+Planned split: a ``jupyter_dist/magics/`` package, one module per group of magics (runs, planning, the runs table).
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def _train_parser() -> MagicArgumentParser:
         help="continue a stopped run: jd.resume() loads (and jd.save writes) RUN_DIR/checkpoints",
     )
     p.add_argument(
+        "--profile",
+        metavar="STEPS",
+        help="torch.profiler trace per rank of steps START:STOP (e.g. 5:8: steps 5-7) or one STEP; run.profile() "
+        "summarises it",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=float_arg(0.0, MAX_SECONDS, lo_open=True),
         metavar="S",
@@ -184,6 +192,20 @@ def _wizard_parser() -> MagicArgumentParser:
     return p
 
 
+def _runs_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_runs", add_help=False, description="The runs under a runs folder as a sortable, filterable table."
+    )
+    p.add_argument("folder", nargs="?", help="the runs folder (default: the DistMagics.runs_dir setting)")
+    p.add_argument("--sort", default="started", metavar="COL", help="column to sort by; -COL for descending")
+    p.add_argument("--filter", dest="text", metavar="TEXT", help="keep runs whose name, strategy, status, tags or "
+                   "notes contain TEXT")  # fmt: skip
+    p.add_argument("--tag", help="keep runs with this tag")
+    p.add_argument("--status", help="keep runs with this status (running, succeeded, failed, ...)")
+    p.add_argument("--table", action="store_true", help="show the HTML table, not the widget")
+    return p
+
+
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
     p.add_argument("--rank", type=int_arg(0, MAX_COUNT), help="rank to show (default: the failing rank, else 0)")
@@ -209,6 +231,7 @@ class DistMagics(Magics):
     train_parser = _train_parser()
     logs_parser = _rank_parser()
     check_parser = _check_parser()
+    runs_parser = _runs_parser()
     wizard_parser = _wizard_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
@@ -281,6 +304,14 @@ class DistMagics(Magics):
             worker[fld] = value
         if args.async_save:
             worker["async_save"] = True
+        if args.profile is not None:
+            from ..worker._profile import parse_window
+
+            try:
+                start, stop = parse_window(args.profile.strip("'\""))
+            except JupyterDistError as exc:
+                raise UsageError(f"--profile: {exc}") from None
+            worker["profile"] = f"{start}:{stop}"
         if args.resume:
             from pathlib import Path
 
@@ -328,6 +359,13 @@ class DistMagics(Magics):
             result.wait()
             if result.shown_dashboard is not None:
                 result.shown_dashboard.finished.wait(10.0)
+                if args.profile is not None:  # the panels replaced the card: show the profile summary here
+                    from IPython.display import display
+
+                    try:
+                        display(result.profile())
+                    except JupyterDistError as exc:
+                        print(f"(no profile summary: {exc})")
         return result
 
     @staticmethod
@@ -367,6 +405,39 @@ class DistMagics(Magics):
         if self.last_run is None:
             raise UsageError("no run yet in this kernel: start one with %%dist_train, or %dist_attach RUN_DIR")
         return self.last_run
+
+    @line_magic
+    def dist_runs(self, line: str) -> Any:
+        """The runs under the runs folder: a table to sort, filter, open and compare (``jupyter_dist.runs()``).
+
+        Examples
+        --------
+        ::
+
+            In [1]: %dist_runs
+            In [2]: %dist_runs runs --sort best_loss --filter fsdp2 --status succeeded
+            In [3]: t = %dist_runs --table
+            In [4]: t.open(0)                      # the newest run's panels
+        """
+        args = self._parse(self.runs_parser, line)
+        if args is None:
+            return None
+        from ..launch.runs import runs
+
+        try:
+            table = runs(args.folder.strip("'\"") if args.folder else self.runs_dir)
+            if args.text:
+                table = table.filter(text=args.text.strip("'\""))
+            if args.tag:
+                table = table.filter(tag=args.tag.strip("'\""))
+            if args.status:
+                table = table.filter(status=args.status.strip("'\""))
+            table = table.sort(args.sort)
+            if not args.table and self._want_dashboard():
+                return table.widget()
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        return table
 
     @line_magic
     def dist_status(self, line: str) -> Any:

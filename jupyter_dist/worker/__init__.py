@@ -78,6 +78,7 @@ __all__ = [
     "ResumableSampler",
     "barrier",
     "phase",
+    "profile",
     "finish",
     "note_exit",
     "Runtime",
@@ -281,6 +282,18 @@ def start_step(state: dict[str, Any] | None = None, *, root: str | os.PathLike[s
 def phase(name: str) -> contextlib.AbstractContextManager[Any]:
     """Name what the block does in the heartbeats (``with jd.phase("eval"): ...``); the dashboard shows it."""
     return get_runtime().phase(name)
+
+
+def profile(steps: Any = None) -> Any:
+    """Record a ``torch.profiler`` trace of a window of steps on this rank (every rank should call it alike).
+
+    ``jd.profile("5:8")`` (steps 5 to 7; also ``3``, ``range(5, 8)``) arms the window: it starts when ``jd.log``
+    reports the step before it and stops at its last step's ``jd.log`` (``--profile 5:8`` on ``%%dist_train`` does
+    the same). ``with jd.profile(): ...`` records the block (each ``jd.log`` inside it marks a step). The trace goes
+    to ``<run dir>/profile/rank-<k>.pt.trace.json`` (Perfetto, TensorBoard's profiler); ``run.profile()`` in the
+    notebook summarises all ranks. Outside the window no profiler runs.
+    """
+    return get_runtime().profile(steps)
 
 
 def barrier() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,7 +12,9 @@ from ..errors import JupyterDistError
 from ..plan.strategies import get_strategy
 from ..plan.training import Precision
 
-__all__ = ["ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS"]
+__all__ = [
+    "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
+]  # fmt: skip
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Values of ``JD_PP_SCHEDULE``: GPipe (all forwards, then all backwards), 1F1B and interleaved 1F1B."""
@@ -45,6 +48,41 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise WorkerError(f"{name}={raw!r} is not a number") from None
+
+
+_WINDOW = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+MAX_WINDOW = 1000
+"""Most steps one window may hold (a trace grows with every operator of every step)."""
+
+
+def parse_window(text: str | int | tuple[int, int] | range) -> tuple[int, int]:
+    """``"5:8"`` -> ``(5, 8)`` (steps 5, 6, 7); ``"3"`` or ``3`` -> ``(3, 4)``; a ``range(5, 8)`` or ``(5, 8)``.
+
+    Raises
+    ------
+    WorkerError
+        For anything else, saying what is valid.
+    """
+    if isinstance(text, range):
+        if text.step != 1:
+            raise WorkerError(f"profile window {text!r} must have step 1")
+        start, stop = text.start, text.stop
+    elif isinstance(text, tuple) and len(text) == 2 and all(isinstance(v, int) for v in text):
+        start, stop = text
+    elif isinstance(text, int) and not isinstance(text, bool):
+        start, stop = text, text + 1
+    elif isinstance(text, str) and (m := _WINDOW.match(text)):
+        start = int(m.group(1))
+        stop = int(m.group(2)) if m.group(2) is not None else start + 1
+    else:
+        raise WorkerError(f"profile window {text!r} is not valid: give STEP (e.g. 3) or START:STOP (e.g. 5:8, steps "
+                          "5 to 7)")  # fmt: skip
+    if start < 0 or stop <= start:
+        raise WorkerError(f"profile window {start}:{stop} is empty or negative: STOP must be > START >= 0")
+    if stop - start > MAX_WINDOW:
+        raise WorkerError(f"profile window {start}:{stop} holds {stop - start} steps; at most {MAX_WINDOW}")
+    return start, stop
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,6 +142,9 @@ class WorkerEnv:
     ac: str = "none"
     """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
     recomputed) or ``full`` (each block is recomputed in backward)."""
+    profile: str = ""
+    """``JD_PROFILE``: the steps whose ``torch.profiler`` trace each rank writes, ``START:STOP`` or ``STEP``
+    (``""``: no profiler; see :mod:`jupyter_dist.worker._profile`)."""
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
@@ -139,6 +180,11 @@ class WorkerEnv:
                 f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = {model} "
                 f"does not divide WORLD_SIZE={self.world_size}; launch a multiple of {model} processes"
             )
+        if self.profile:
+            try:
+                parse_window(self.profile)
+            except WorkerError as e:
+                raise WorkerError(f"JD_PROFILE: {e}") from None
         if self.telemetry_interval_s < 0:
             raise WorkerError(
                 f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
@@ -191,6 +237,7 @@ class WorkerEnv:
             pp_schedule=(env.get("JD_PP_SCHEDULE", "").strip().lower() or "1f1b"),
             pp_virtual=_int(env, "JD_PP_VIRTUAL", 0),
             microbatches=_int(env, "JD_MICROBATCHES", 0),
+            profile=env.get("JD_PROFILE", "").strip(),
         )
 
     @classmethod
@@ -243,6 +290,7 @@ ENV_VARS: dict[str, str] = {
     "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
     "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
+    "profile": "JD_PROFILE",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 

@@ -143,6 +143,12 @@ class Runtime:
         """An async checkpoint still being written (committed at the next save, resume or clean exit)."""
         self.save_group: Any = None
         """The gloo group checkpoint saves agree on (created on the first save)."""
+        self.profiler: Any = None
+        """The :class:`~jupyter_dist.worker._profile.StepProfiler` of ``JD_PROFILE`` / :meth:`profile` (else None:
+        no profiler exists outside a requested window)."""
+        self._last_step: int | None = None
+        if env.profile:
+            self.profile(env.profile)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -364,6 +370,8 @@ class Runtime:
                                               comm_stats=self.comm_stats)  # fmt: skip
         self.model, self.optimizer = model, optimizer
         self.emitter.set_phase("forward")
+        if self.profiler is not None and self.profiler.start == 0 and self._last_step is None:
+            self.profiler.begin(0)  # a window from step 0 starts once the model is wrapped
         if self.env.precision == "fp16-mixed" and self.env.family in ("none", "ddp"):
             import torch
 
@@ -475,7 +483,35 @@ class Runtime:
         if not emitter.enabled and not self._warned_no_run_dir:
             self._warned_no_run_dir = True
             _log.debug("jupyter_dist.worker: JD_RUN_DIR is not set; jd.log records go nowhere")
-        return emitter.log(metrics, step)
+        record = emitter.log(metrics, step)
+        self._last_step = step
+        if self.profiler is not None:
+            self.profiler.on_log(step)
+        return record
+
+    def profile(self, steps: Any = None) -> Any:
+        """Arm a profiling window; see :func:`jupyter_dist.worker.profile`. Returns the :class:`StepProfiler`.
+
+        ``steps``: ``"5:8"``, ``3``, ``range(5, 8)``, or ``None`` for a window that a ``with`` block bounds.
+        """
+        from ._profile import MAX_WINDOW, StepProfiler, parse_window, trace_path
+
+        if steps is None:
+            nxt = 0 if self._last_step is None else self._last_step + 1
+            window = (nxt, nxt + MAX_WINDOW)
+        else:
+            window = parse_window(steps)
+        if self.profiler is not None and self.profiler.active:
+            raise WorkerError(f"jd.profile: a window (steps {self.profiler.start}:{self.profiler.stop}) is being "
+                              "recorded; one at a time")  # fmt: skip
+        path = trace_path(self.env.run_dir, self.env.rank) if self.env.run_dir else None
+        if path is not None and self.profiler is not None and self.profiler.written:  # a second window: its own file
+            tag = f"steps-{window[0]}-{window[1]}" if steps is not None else f"block-{window[0]}"
+            path = path.replace(".pt.trace.json", f".{tag}.pt.trace.json")
+        self.profiler = StepProfiler(window, path)
+        if steps is not None and window[0] == 0 and self.model is not None and self._last_step is None:
+            self.profiler.begin(0)
+        return self.profiler
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_root(self, root: str | os.PathLike[str] | None) -> str | None:
@@ -641,6 +677,8 @@ class Runtime:
                 commit_pending(self)
             except Exception as exc:  # the checkpoint stays uncommitted, so resume ignores it
                 _log.warning("jupyter_dist.worker: the last asynchronous checkpoint was not committed: %s", exc)
+        if self.profiler is not None and self.profiler.active:  # the script ended inside the window: keep it
+            self.profiler.end()
         self.write_exit("ok" if error is None else "error", error)
         if error is None:
             self._teardown()
