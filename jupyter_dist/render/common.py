@@ -84,6 +84,9 @@ class RenderOptions:
     """Secret names forwarded from the launching environment by reference, never by value."""
     nccl_debug: str = "WARN"
     """``NCCL_DEBUG`` level: VERSION, WARN, INFO or TRACE."""
+    node_setup: str = ""
+    """SLURM: bash each node runs before the launcher, in the job's folder (installs the job's environment when the
+    nodes do not share the submitting one; ``jupyter_dist.launch.remote_env``)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
