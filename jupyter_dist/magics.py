@@ -165,6 +165,12 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
         help="mount a bucket on the nodes, e.g. /data=s3://bucket/path (repeatable)",
     )
     g.add_argument(
+        "--steps",
+        type=int_arg(1, 10**9),
+        metavar="N",
+        help="steps the run takes: the dry run estimates its cost (plan's step time x N x hourly price)",
+    )
+    g.add_argument(
         "--ship-env",
         action="store_true",
         help="SLURM: the nodes do not share this environment: install the wheel and pins on each",
@@ -393,7 +399,7 @@ class DistMagics(Magics):
                                 ("--down", args.down), ("--managed", args.managed), ("--setup", args.setup),
                                 ("--checkpoint-dir", args.checkpoint_dir), ("--requirements", args.requirements),
                                 ("--image", args.image), ("--workdir", args.workdir), ("--mount", args.mount),
-                                ("--ship-env", args.ship_env),
+                                ("--ship-env", args.ship_env), ("--steps", args.steps),
                                 ("--secret", args.secret)) if v not in (None, False, [])]  # fmt: skip
         if backend == "local":
             if given:
@@ -407,7 +413,7 @@ class DistMagics(Magics):
             managed=args.managed, secrets=tuple(args.secret), setup=args.setup, checkpoint_dir=args.checkpoint_dir,
             max_restarts_on_errors=args.max_restarts if args.managed else 0, requirements=args.requirements,
             image=args.image, workdir=args.workdir, workdir_limit=args.workdir_limit, mounts=tuple(args.mount),
-            ship_env=args.ship_env,
+            ship_env=args.ship_env, steps=args.steps,
         )  # fmt: skip
 
     def _want_dashboard(self) -> bool:

@@ -268,3 +268,51 @@ def test_gpu_cloud_task_has_the_wheel_cuda_torch_mounts_and_image(tmp_path: Path
     assert f"torch=={public}+cu128 --index-url https://download.pytorch.org/whl/cu128" in task["setup"]
     assert any(f"torch=={public}+cu128" in n for n in dry.notes)
     sky.Task.from_yaml_config(task)
+
+
+# ---- cost before launch --------------------------------------------------------------------------------------------
+VMS = """InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone
+p5.48xlarge,H100,8,192,2048,,98.32,40.10,us-east-1,us-east-1a
+p5.48xlarge,H100,8,192,2048,,99.50,,us-west-2,us-west-2a
+p4d.24xlarge,A100,8,96,1152,,32.77,12.00,us-east-1,us-east-1a
+m6i.large,,,2,8,,0.096,0.04,us-east-1,us-east-1a
+"""
+
+
+def test_price_from_skypilots_catalog_and_says_when_unknown(tmp_path: Path) -> None:
+    from jupyter_dist.launch.cost import price_nodes
+
+    (tmp_path / "aws").mkdir()
+    (tmp_path / "aws" / "vms.csv").write_text(VMS)
+    p = price_nodes("H100", 8, 2, infra="aws", root=tmp_path)
+    assert (p.per_node_hour, p.instance, p.region, p.per_hour) == (98.32, "p5.48xlarge", "us-east-1", 196.64)
+    assert p.estimate(0.5, 7200) == pytest.approx(196.64)  # one hour of steps
+    assert "$196.64/hour for 2 x p5.48xlarge (aws us-east-1, on demand" in p.describe(0.5, 7200)
+    assert "estimated $196.64 for 7200 steps" in p.describe(0.5, 7200)
+    assert price_nodes("H100", 8, 1, infra="aws/us-west-2", root=tmp_path).per_node_hour == 99.50
+    assert price_nodes("H100", 8, 1, spot=True, root=tmp_path).per_node_hour == 40.10  # any cloud here
+    missing = price_nodes("H100", 4, 1, infra="aws", root=tmp_path)
+    assert missing.per_node_hour is None and "no H100:4 instance in SkyPilot's price list for aws" in missing.reason
+    gcp = price_nodes("H100", 8, 1, infra="gcp", root=tmp_path)
+    assert "price list for gcp is not on this machine (`sky show-gpus H100:8 --infra gcp`" in gcp.describe()
+    assert "your own cluster" in price_nodes("H100", 8, 1, infra="slurm", root=tmp_path).reason
+
+
+def test_dry_run_shows_the_price(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("sky")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from jupyter_dist.launch import cost
+
+    (tmp_path / "cat" / "aws").mkdir(parents=True)
+    (tmp_path / "cat" / "aws" / "vms.csv").write_text(VMS)
+    monkeypatch.setattr(cost, "catalog_dir", lambda: tmp_path / "cat")
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "jupyter_dist")
+    base = f"--backend skypilot --nodes 2 --gpus A100:8 --dry-run --runs-dir {tmp_path}"
+    dry = ip.run_cell_magic("dist_train", base + " --infra aws --steps 1000", "pass\n")
+    (line,) = [n for n in dry.notes if n.startswith("price")]
+    assert line.startswith("price: $65.54/hour for 2 x p4d.24xlarge (aws us-east-1, on demand") and "1000 steps" in line
+    dry = ip.run_cell_magic("dist_train", base + " --infra gcp", "pass\n")
+    assert any(n.startswith("price unknown: SkyPilot's price list for gcp is not on this machine") for n in dry.notes)
+    assert "# price unknown" in dry.to_text()

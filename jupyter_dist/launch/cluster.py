@@ -76,6 +76,8 @@ class ClusterOptions:
     """A project folder copied to the nodes (ignore rules of ``.skyignore``/``.gitignore``); importable there."""
     workdir_limit: str = "1GB"
     """Refuse a ``workdir`` bigger than this (the biggest files are named)."""
+    steps: int | None = None
+    """Optimizer steps the run will take: with the plan's step time, the dry run's cost estimate."""
     mounts: tuple[str, ...] = ()
     """SkyPilot ``DEST=SOURCE`` bucket mounts (``/data=s3://bucket/path``); see :mod:`.project`."""
     checkpoint_dir: str | None = None
@@ -107,6 +109,8 @@ class ClusterOptions:
         for spec in self.mounts:
             parse_mount(spec)
         parse_size(self.workdir_limit)
+        if self.steps is not None and self.steps < 1:
+            raise JupyterDistError(f"--steps must be >= 1, got {self.steps}")
         if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
             raise JupyterDistError(f"--workdir {self.workdir}: not a folder here")
         if self.requirements is not None and not os.path.isfile(os.path.expanduser(self.requirements)):

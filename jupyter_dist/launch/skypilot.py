@@ -401,7 +401,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
                            idle_minutes=cluster.idle_minutes, down_after=cluster.down, secrets=cluster.secrets,
                            nodes=nodes)  # fmt: skip
     if dry_run:
-        notes = _notes(renv, cluster)
+        notes = _notes(renv, cluster) + [_price_note(plan, opts, cluster, nodes)]
         return DryRun(script=script, argv=lau.args(), env=run_env, files={"task.yaml": dump_yaml(task), **files},
                       notes=notes)  # fmt: skip
     workdir = rd.path / "workdir"
@@ -458,6 +458,21 @@ def _notes(renv: Any, cluster: Any) -> list[str]:
         notes.append(f"--checkpoint-dir {cluster.checkpoint_dir} is on the node's disk: mount a bucket there "
                      "(--mount) so a recovered job finds the checkpoints")  # fmt: skip
     return notes
+
+
+def _price_note(plan: Any, opts: Any, cluster: Any, nodes: int) -> str:
+    """The nodes' hourly price from SkyPilot's catalog, and the run's estimate (plan's step time x ``--steps``)."""
+    from ..render.common import layout_of
+    from ..render.skypilot import skypilot_accelerator
+    from .cost import price_nodes
+
+    lay = layout_of(plan, opts)
+    acc = plan.hardware.accelerator
+    if acc.vendor == "cpu":
+        return "price: CPU processes, no accelerator requested (not priced)"
+    price = price_nodes(skypilot_accelerator(acc.name), lay.gpus_per_node, nodes, infra=cluster.infra,
+                        spot=cluster.spot)  # fmt: skip
+    return price.describe(lay.candidate.time.step_time_s, cluster.steps)
 
 
 _REF = re.compile(r"^([a-z][a-z0-9-]*)/(\d+)$")
