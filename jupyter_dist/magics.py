@@ -137,44 +137,9 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
         action="store_true",
         help="managed job: recovers from preemption, resumes from checkpoints keyed on the task id",
     )
-    g.add_argument(
-        "--setup",
-        metavar="CMDS",
-        help="setup commands on each node after the shipped jupyter-dist wheel (replace the version pins)",
-    )
-    g.add_argument("--requirements", metavar="FILE", help="install this requirements file instead of the version pins")
-    g.add_argument(
-        "--image", metavar="IMAGE", help="SkyPilot image_id (e.g. docker:pytorch/pytorch:...): keep its packages"
-    )
-    g.add_argument(
-        "--workdir",
-        metavar="DIR",
-        help="copy this project folder to the nodes (.skyignore/.gitignore honoured); cells import from it",
-    )
-    g.add_argument(
-        "--workdir-limit",
-        metavar="SIZE",
-        default="1GB",
-        help="refuse a --workdir bigger than this, naming the biggest files (default 1GB)",
-    )
-    g.add_argument(
-        "--mount",
-        action="append",
-        default=[],
-        metavar="DEST=SRC",
-        help="mount a bucket on the nodes, e.g. /data=s3://bucket/path (repeatable)",
-    )
-    g.add_argument(
-        "--steps",
-        type=int_arg(1, 10**9),
-        metavar="N",
-        help="steps the run takes: the dry run estimates its cost (plan's step time x N x hourly price)",
-    )
-    g.add_argument(
-        "--ship-env",
-        action="store_true",
-        help="SLURM: the nodes do not share this environment: install the wheel and pins on each",
-    )
+    from .launch.scriptrun import add_ship_arguments
+
+    add_ship_arguments(g)
     g.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
@@ -283,20 +248,12 @@ class DistMagics(Magics):
         ``%dist_train ... --script FILE [--] ARGS...`` (one ``%``) runs an existing script instead of a cell; every
         word after FILE is the script's.
         """
+        from .launch.scriptrun import split_script
+
         try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%%dist_train: {exc}") from None
-        script_file: str | None = None
-        script_args: tuple[str, ...] = ()
-        if "--script" in argv:
-            i = argv.index("--script")
-            if i + 1 >= len(argv):
-                raise UsageError("--script needs a file: %dist_train --script train.py [--] ARGS...")
-            script_file, rest = argv[i + 1], argv[i + 2 :]
-            script_args = tuple(rest[1:] if rest[:1] == ["--"] else rest)
-            argv = argv[:i]
-            line = shlex.join(argv)
+            line, script_file, script_args = split_script(line)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
         if script_file is None and cell is None:
             raise UsageError("%dist_train (one %) runs a script: %dist_train --script train.py [ARGS]; "
                              "%%dist_train runs the cell")  # fmt: skip

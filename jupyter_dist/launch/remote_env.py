@@ -114,11 +114,9 @@ def package_wheel(cache_dir: str | Path | None = None, *, package_dir: str | Pat
     The wheel holds those files as they are (no build step runs), its metadata (the package's dependencies) and the
     ``jupyter-dist`` console script.
     """
-    import jupyter_dist
-
     from .._version import __version__
 
-    root = Path(package_dir) if package_dir is not None else Path(jupyter_dist.__file__).resolve().parent
+    root = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parents[1]  # jupyter_dist/
     files = _package_files(root)
     if not files:
         raise JupyterDistError(f"no jupyter_dist files under {root}: cannot build the wheel the job installs")

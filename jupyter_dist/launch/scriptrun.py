@@ -13,7 +13,81 @@ import argparse
 import sys
 from typing import Any
 
-__all__ = ["add_launch_arguments", "cmd_launch"]
+__all__ = ["add_launch_arguments", "add_ship_arguments", "cmd_launch", "split_script"]
+
+
+def add_ship_arguments(g: Any) -> None:
+    """What travels with a cluster job (``%%dist_train`` and ``jupyter-dist launch``; see remote_env/project)."""
+    g.add_argument(
+        "--setup",
+        metavar="CMDS",
+        help="setup commands on each node after the shipped jupyter-dist wheel (replace the version pins)",
+    )
+    g.add_argument("--requirements", metavar="FILE", help="install this requirements file instead of the version pins")
+    g.add_argument(
+        "--image", metavar="IMAGE", help="SkyPilot image_id (e.g. docker:pytorch/pytorch:...): keep its packages"
+    )
+    g.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="copy this project folder to the nodes (.skyignore/.gitignore honoured); cells import from it",
+    )
+    g.add_argument(
+        "--workdir-limit",
+        metavar="SIZE",
+        default="1GB",
+        help="refuse a --workdir bigger than this, naming the biggest files (default 1GB)",
+    )
+    g.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="DEST=SRC",
+        help="mount a bucket on the nodes, e.g. /data=s3://bucket/path (repeatable)",
+    )
+    g.add_argument(
+        "--steps",
+        type=_positive,
+        metavar="N",
+        help="steps the run takes: the dry run estimates its cost (plan's step time x N x hourly price)",
+    )
+    g.add_argument(
+        "--ship-env",
+        action="store_true",
+        help="SLURM: the nodes do not share this environment: install the wheel and pins on each",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a whole number >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def split_script(line: str) -> tuple[str, str | None, tuple[str, ...]]:
+    """``"--nproc 2 --script t.py -- --lr 1"`` -> ``("--nproc 2", "t.py", ("--lr", "1"))``.
+
+    Every word after the script's name is the script's (a ``--`` right after it is dropped).
+    """
+    import shlex
+
+    from ..errors import JupyterDistError
+
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise JupyterDistError(f"%dist_train: {exc}") from None
+    if "--script" not in argv:
+        return line, None, ()
+    i = argv.index("--script")
+    if i + 1 >= len(argv):
+        raise JupyterDistError("--script needs a file: %dist_train --script train.py [--] ARGS...")
+    rest = argv[i + 2 :]
+    return shlex.join(argv[:i]), argv[i + 1], tuple(rest[1:] if rest[:1] == ["--"] else rest)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,16 +105,14 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
     p.add_argument("--detach", action="store_true", help="return once the run started")
     g = p.add_argument_group("clusters (see %%dist_train --help)")
-    for flag in ("--partition", "--account", "--gpus", "--cluster", "--infra", "--setup", "--requirements", "--image",
-                 "--workdir", "--checkpoint-dir"):  # fmt: skip
+    for flag in ("--partition", "--account", "--gpus", "--cluster", "--infra", "--checkpoint-dir"):
         g.add_argument(flag)
     g.add_argument("--time", dest="time_limit")
-    g.add_argument("--workdir-limit", default="1GB")
     g.add_argument("--idle-minutes", type=int)
-    for flag in ("--spot", "--down", "--managed", "--ship-env"):
+    for flag in ("--spot", "--down", "--managed"):
         g.add_argument(flag, action="store_true")
-    g.add_argument("--mount", action="append", default=[], metavar="DEST=SRC")
     g.add_argument("--secret", action="append", default=[], metavar="NAME")
+    add_ship_arguments(g)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -65,7 +137,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             cluster=args.cluster, infra=args.infra, spot=args.spot, idle_minutes=args.idle_minutes, down=args.down,
             managed=args.managed, secrets=tuple(args.secret), setup=args.setup, checkpoint_dir=args.checkpoint_dir,
             requirements=args.requirements, image=args.image, workdir=args.workdir, workdir_limit=args.workdir_limit,
-            mounts=tuple(args.mount), ship_env=args.ship_env,
+            mounts=tuple(args.mount), ship_env=args.ship_env, steps=args.steps,
         )  # fmt: skip
     result = start_run("", script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
                        strategy=args.strategy, name=args.name, timeout=args.timeout, env=env, runs_dir=args.runs_dir,
