@@ -171,6 +171,7 @@ def test_default_setup_installs_the_shipped_wheel_and_the_kernels_versions(
     (proj / "helpers.py").write_text("def scaled(rank):\n    return 10 * (rank + 1)\n")
     (proj / ".gitignore").write_text("*.ckpt\n")
     (proj / "big.ckpt").write_bytes(b"\0" * 1000)
+    wheel = package_wheel()  # what the launch ships (the package as it is now)
     registry = _Registry()
     try:
         path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
@@ -182,7 +183,6 @@ def test_default_setup_installs_the_shipped_wheel_and_the_kernels_versions(
     finally:
         registry.close()
     assert registry.requests == []  # not jupyter-dist, not a pin: nothing was asked of the index
-    wheel = package_wheel()
     task = (run.dir / "task.yaml").read_text()
     assert f".jd/{wheel.name}" in task and "--no-index" in task and f"torch=={torch.__version__}" in task
     assert not (run.dir / "workdir" / "big.ckpt").exists() and (run.dir / "workdir" / "helpers.py").exists()
