@@ -189,7 +189,7 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
     g.add_argument("--cloud", help="SkyPilot infra/cloud (aws, gcp, azure, kubernetes, slurm, ...)")
     g.add_argument("--spot", action="store_true", help="SkyPilot spot instances")
-    g.add_argument("--setup", help="SkyPilot setup commands (default: pip install -U jupyter-dist)")
+    g.add_argument("--setup", help="SkyPilot setup commands (default: pip install torch [deepspeed|accelerate])")
     g.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment (repeatable)")
     g.add_argument(
         "--secret",

@@ -76,8 +76,10 @@ class RenderOptions:
     """SkyPilot cloud/infra (``aws``, ``gcp``, ``slurm``...); ``None`` lets SkyPilot choose."""
     use_spot: bool = False
     """SkyPilot spot/preemptible instances."""
-    setup: str = "pip install -U jupyter-dist"
-    """SkyPilot setup commands run once per node."""
+    setup: str | None = None
+    """SkyPilot setup commands run once per node; ``None``: install what the generated script imports (torch, and
+    deepspeed or accelerate when they launch it). ``%%dist_train`` ships the kernel's jupyter-dist wheel and pins the
+    kernel's versions instead (``jupyter_dist.launch.remote_env``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment variables (name, value) for every process; secrets are refused here."""
     secrets: tuple[str, ...] = ("WANDB_API_KEY", "HF_TOKEN")
