@@ -203,11 +203,12 @@ def start_cluster_run(
     if backend == "slurm" and not cluster.ship_env and (cluster.setup is not None or cluster.requirements):
         raise JupyterDistError("--setup/--requirements on SLURM install on the nodes: add --ship-env (the nodes "
                                "do not share this kernel's environment)")  # fmt: skip
-    if backend == "skypilot" and (cluster.partition or cluster.account or cluster.time_limit or cluster.ship_env):
+    if backend == "skypilot" and (cluster.partition or cluster.account or cluster.time_limit):
         raise JupyterDistError(
-            "--partition/--account/--time/--ship-env are SLURM options; SkyPilot on a SLURM cluster takes --infra "
-            "slurm (and always ships the environment)"
+            "--partition/--account/--time are SLURM options; SkyPilot on a SLURM cluster takes --infra slurm"
         )
+    if backend == "skypilot" and cluster.ship_env:
+        raise JupyterDistError("--ship-env is a SLURM option: SkyPilot jobs always install the shipped environment")
     gpus = parse_gpus(cluster.gpus) if cluster.gpus else None
     if gpus is not None:
         if nproc is not None and nproc != gpus[1]:
