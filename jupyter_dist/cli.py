@@ -189,7 +189,7 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
     g.add_argument("--cloud", help="SkyPilot infra/cloud (aws, gcp, azure, kubernetes, slurm, ...)")
     g.add_argument("--spot", action="store_true", help="SkyPilot spot instances")
-    g.add_argument("--setup", help="SkyPilot setup commands (default: pip install -U jupyter-dist)")
+    g.add_argument("--setup", help="SkyPilot setup commands (default: pip install torch [deepspeed|accelerate])")
     g.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment (repeatable)")
     g.add_argument(
         "--secret",
@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
                                    "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
     add_check_arguments(k)
+    from .launch.scriptrun import add_launch_arguments
+
+    la = sub.add_parser("launch", help="run an existing training script on fresh ranks (local, SLURM, SkyPilot)",
+                        description="Run SCRIPT unmodified on every rank (plain torch.distributed or using jd), "
+                                    "follow it to the end and print its summary; exit 0 when it succeeded. "
+                                    "Everything after SCRIPT is the script's.")  # fmt: skip
+    add_launch_arguments(la)
     return parser
 
 
@@ -480,7 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check}
+        from .launch.scriptrun import cmd_launch
+
+        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
+                    "launch": cmd_launch}  # fmt: skip
         return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)

@@ -40,9 +40,6 @@ def line(extra: str = "") -> str:
             f"--env PATH={path} --telemetry-interval 0 {extra}")  # fmt: skip
 
 
-
-
-
 @pytest.fixture(scope="module")
 def sky_cluster(slurm_cluster: Any) -> Iterator[Any]:
     """SkyPilot on the local SLURM cluster for this module; the cluster is taken down after (``sky.down``)."""
@@ -120,3 +117,117 @@ def test_deepspeed_zero2_job_reattached_and_stopped(ip: InteractiveShell, runs: 
     assert str(status[int(run.job_id)]).endswith("CANCELLED"), status
     wait_until(lambda: not [p for p in user_processes(USER) if "torch" in " ".join(p.cmdline())], 30,
                "the job's ranks ending")  # fmt: skip
+
+
+class _Registry:
+    """A package index that records every request (and has nothing): the job must not ask it for anything."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[str] = []
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                seen.append(self.path)
+                self.send_error(404)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/simple"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SHIP_CELL = """import importlib.metadata
+import jupyter_dist, helpers
+print("JD_FILE", jupyter_dist.__file__)
+print("JD_VERSION", importlib.metadata.version("jupyter-dist"))
+import torch
+print("TORCH", torch.__version__)
+print("HELPER", helpers.scaled(jd.rank))
+"""
+
+
+@pytest.mark.slow
+def test_default_setup_installs_the_shipped_wheel_and_the_kernels_versions(
+    ip: InteractiveShell, runs: Path, sky_cluster: Any, tmp_path: Path
+) -> None:
+    """No --setup: the job installs jupyter-dist from the wheel in its files (never asking a registry), pins the
+    kernel's versions (already there: nothing downloaded), and a cell imports a helper from --workdir on both nodes."""
+    import torch
+
+    from jupyter_dist.launch.remote_env import kernel_version, package_wheel
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "helpers.py").write_text("def scaled(rank):\n    return 10 * (rank + 1)\n")
+    (proj / ".gitignore").write_text("*.ckpt\n")
+    (proj / "big.ckpt").write_bytes(b"\0" * 1000)
+    wheel = package_wheel()  # what the launch ships (the package as it is now)
+    registry = _Registry()
+    try:
+        path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
+        opts = (f"--backend skypilot --nodes 2 --nproc 1 --cluster {CLUSTER} --infra slurm --env PATH={path} "
+                f"--env PIP_INDEX_URL={registry.url} --env PIP_RETRIES=0 --telemetry-interval 0 "
+                f"--workdir {proj}")  # fmt: skip
+        run = ip.run_cell_magic("dist_train", opts, SHIP_CELL + cluster_train(steps=10))
+        assert run.wait(400) == "succeeded", run.summary() + run.launcher_log()[-3000:]
+    finally:
+        registry.close()
+    assert registry.requests == []  # not jupyter-dist, not a pin: nothing was asked of the index
+    task = (run.dir / "task.yaml").read_text()
+    assert f".jd/{wheel.name}" in task and "--no-index" in task and f"torch=={torch.__version__}" in task
+    assert not (run.dir / "workdir" / "big.ckpt").exists() and (run.dir / "workdir" / "helpers.py").exists()
+    for rank in (0, 1):
+        log = run.logs(rank)
+        values = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in log.splitlines() if " " in ln}
+        assert values["JD_FILE"].endswith(f"sky_workdir/{wheel.site}/jupyter_dist/__init__.py"), values["JD_FILE"]
+        assert values["JD_VERSION"] == wheel.version and values["TORCH"] == torch.__version__
+        assert values["TORCH"] == kernel_version("torch")
+        assert values["HELPER"] == str(10 * (rank + 1))
+        assert "version mismatch" not in log and "on 2 ranks" in log
+    assert set(run.metrics()["rank"]) == {0, 1}
+
+
+PLAIN_SCRIPT = """import argparse
+import torch
+import torch.distributed as dist
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=2)
+a = p.parse_args()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(a.steps):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(f"plain rank {rank}/{world} steps {a.steps} allreduce {t.item()}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_plain_torch_distributed_script_on_two_skypilot_nodes(ip: InteractiveShell, runs: Path, sky_cluster: Any,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    script = tmp_path / "plain_ddp.py"
+    script.write_text(PLAIN_SCRIPT)
+    run = ip.run_line_magic("dist_train", line(f"--script {script} -- --steps 3"))
+    assert run.wait(400) == "succeeded", run.summary() + run.launcher_log()[-3000:]
+    assert run.exit_codes == {0: 0, 1: 0}
+    for rank in (0, 1):
+        assert f"plain rank {rank}/2 steps 3 allreduce 3.0" in run.logs(rank)
+    assert (run.dir / "workdir" / "plain_ddp.py").read_text() == PLAIN_SCRIPT  # shipped unmodified

@@ -213,7 +213,9 @@ def test_launch_streams_metrics_back_sdk_boundary(ip: InteractiveShell, runs: Pa
     assert isinstance(task, sky.Task) and task.num_nodes == 2
     assert task.secrets["HF_TOKEN"].get_secret_value() == SECRET_VALUE  # the value reaches SkyPilot, no file
     assert Path(task.workdir) == run.dir / "workdir" and (run.dir / "workdir" / "script.py").exists()
-    assert {p.name for p in (run.dir / "workdir").iterdir()} == {"script.py", "jd_bootstrap.py", "shipped.pkl"}
+    assert {p.name for p in (run.dir / "workdir").iterdir()} == {"script.py", "jd_bootstrap.py", "shipped.pkl", ".jd"}
+    (wheel,) = (run.dir / "workdir" / ".jd").iterdir()  # the kernel's jupyter-dist, installed by the task's setup
+    assert wheel.name.startswith("jupyter_dist-0.1.0+jd.") and f".jd/{wheel.name}" in task.setup
     assert rec.named("tail_logs")[0][0] == ("jd-t", 3)
     frame = run.metrics()
     assert set(frame["rank"]) == {0, 1} and len(frame) == 10  # the replayed record was dropped

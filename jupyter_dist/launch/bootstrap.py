@@ -118,6 +118,21 @@ def _record_os_exit(run_dir: Path, rank: int, script: str) -> None:
     os._exit = _exit  # type: ignore[assignment]
 
 
+def _check_versions() -> None:
+    """Before the cell: one line per package whose version differs from the kernel's (``JD_VERSIONS``)."""
+    expected = os.environ.get("JD_VERSIONS", "").strip()
+    if not expected:
+        return
+    from .remote_env import parse_versions, version_mismatches
+
+    try:
+        lines = version_mismatches(parse_versions(expected))
+    except Exception as exc:  # noqa: BLE001 - a check must never stop the run
+        lines = [f"jupyter-dist: could not compare versions with the kernel's: {exc}"]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``argv[0]`` as this rank's script; return its exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -133,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(faulthandler, "register"):  # SIGUSR1 dumps every thread's stack into the log (hang diagnosis)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     _record_os_exit(run_dir, rank, args[0])
+    _check_versions()
     code, error = 0, None
     try:
         init = _shipped(run_dir)

@@ -51,7 +51,7 @@ def start_run(
     port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
     cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
     sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
-    secrets: Iterable[str] = (),
+    secrets: Iterable[str] = (), script: str | None = None, script_args: tuple[str, ...] = (),
 ) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
@@ -72,6 +72,7 @@ def start_run(
         code, nproc=nproc, nodes=nodes, strategy=strategy, plan=plan, launcher=launcher, name=name, ship=ship,
         max_restarts=max_restarts, timeout=timeout, env=env, runs_dir=runs_dir, port=port, dry_run=dry_run,
         hang_timeout=hang_timeout, backend=backend, cluster=cluster, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, worker=worker,
+        script=script, script_args=tuple(script_args),
     )  # fmt: skip
     if sinks and isinstance(result, DryRun):
         result.notes.append(f"metrics forwarded from this kernel to: {', '.join(sinks)}")
@@ -85,9 +86,15 @@ def _start_run(
     ship: dict[str, Any] | None, max_restarts: int, timeout: float | None, env: dict[str, str] | None,
     runs_dir: str | os.PathLike[str], port: int | None, dry_run: bool, hang_timeout: float | None, backend: str,
     cluster: Any, tp: int | None, pp: int | None, cp: int | None, ep: int | None, sp: bool | None,
-    worker: dict[str, Any] | None,
+    worker: dict[str, Any] | None, script: str | None, script_args: tuple[str, ...],
 ) -> Run | DryRun:  # fmt: skip
     degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
+    if script is not None:  # an existing script instead of a cell (project.script_runner is the job's script.py)
+        path = Path(script).expanduser()
+        if not path.is_file():
+            raise JupyterDistError(f"--script {script}: no such file")
+        if code.strip():
+            raise JupyterDistError("give either the cell's code or --script, not both")
     if backend != "local":
         from .backends.cluster import ClusterOptions, start_cluster_run
 
@@ -97,6 +104,7 @@ def _start_run(
             code, backend=backend, cluster=cluster or ClusterOptions(), nproc=nproc, nodes=nodes, strategy=strategy,
             plan=plan, launcher=launcher, name=name, ship=ship, max_restarts=max_restarts, timeout=timeout,
             env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run, degrees=degrees, worker=worker,
+            script_file=script, script_args=tuple(script_args),
         )  # fmt: skip
         return result
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
@@ -128,7 +136,12 @@ def _start_run(
         extra_env = {**{"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher],
                      **extra_env}  # fmt: skip
     jd_env = {**contract.to_environ(), **extra_env}
-    script = PRELUDE + code
+    if script is not None:
+        from .project import script_runner
+
+        script = script_runner(str(Path(script).expanduser().resolve()), tuple(script_args))
+    else:
+        script = PRELUDE + code
     if dry_run:
         rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
         lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,

@@ -14,7 +14,7 @@ from typing import Any
 
 import traitlets
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from ..cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
@@ -51,14 +51,21 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--strategy", default="auto",
                    help=f"one of {', '.join(STRATEGY_CHOICES)} or a candidate name the planner prints, e.g. "
                         "fsdp2+tp2+sp (default auto: the plan's recommended candidate)")  # fmt: skip
-    p.add_argument("--plan", metavar="VAR",
-                   help="a Plan object from the notebook (sets the candidate with its degrees, precision, configs)")
+    p.add_argument(
+        "--plan",
+        metavar="VAR",
+        help="a Plan object from the notebook (sets the candidate with its degrees, precision, configs)",
+    )
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("cp", "context-parallel"),
                       ("ep", "expert-parallel")):  # fmt: skip
         p.add_argument(f"--{dim}", type=int_arg(1, 1024), metavar="N",
                        help=f"{what} degree (overrides the strategy's/plan's)")  # fmt: skip
-    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism with tensor parallelism (--no-sp turns a candidate's off)")
+    p.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism with tensor parallelism (--no-sp turns a candidate's off)",
+    )
     p.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
     p.add_argument("--name", metavar="NAME", help="bind the Run to this notebook variable (and name the run dir)")
     p.add_argument("--ship", metavar="VAR[,VAR...]", help="send notebook objects to the workers (cloudpickle)")
@@ -141,7 +148,9 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
         action="store_true",
         help="managed job: recovers from preemption, resumes from checkpoints keyed on the task id",
     )
-    g.add_argument("--setup", metavar="CMDS", help="setup commands on each node (default: pip install jupyter-dist)")
+    from ..launch.scriptrun import add_ship_arguments
+
+    add_ship_arguments(g)
     g.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
@@ -241,8 +250,8 @@ class DistMagics(Magics):
     def _parse(self, parser: MagicArgumentParser, line: str) -> Any:
         return parse_magic_line(parser, line)
 
-    @cell_magic
-    def dist_train(self, line: str, cell: str) -> Any:
+    @line_cell_magic
+    def dist_train(self, line: str, cell: str | None = None) -> Any:
         """Run the cell as a distributed training job on fresh processes (torchrun), without blocking the kernel.
 
         Inside the cell the worker API is bound as ``jd`` (``jd.rank``, ``jd.wrap``, ``jd.log``, ``jd.save``).
@@ -261,10 +270,26 @@ class DistMagics(Magics):
                ...: ...
             In [5]: %%dist_train --backend skypilot --nodes 4 --gpus H100:8 --infra aws --down --secret HF_TOKEN
                ...: ...
-            In [6]: %%dist_train --nproc 2 --log-to tensorboard,wandb --secret WANDB_API_KEY
+            In [6]: %dist_train --nproc 2 --script train.py -- --epochs 3
+
+            In [7]: %%dist_train --nproc 2 --log-to tensorboard,wandb --secret WANDB_API_KEY
                ...: trainer = transformers.Trainer(model=model, args=args, train_dataset=ds)  # logs to jd by itself
                ...: trainer.train()
+
+        ``%dist_train ... --script FILE [--] ARGS...`` (one ``%``) runs an existing script instead of a cell; every
+        word after FILE is the script's.
         """
+        from ..launch.scriptrun import split_script
+
+        try:
+            line, script_file, script_args = split_script(line)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        if script_file is None and cell is None:
+            raise UsageError("%dist_train (one %) runs a script: %dist_train --script train.py [ARGS]; "
+                             "%%dist_train runs the cell")  # fmt: skip
+        if script_file is not None and cell is not None and cell.strip():
+            raise UsageError("--script runs a file: use %dist_train (one %), or drop --script to run the cell")
         args = self._parse(self.train_parser, line)
         if args is None:
             return None
@@ -334,7 +359,8 @@ class DistMagics(Magics):
         try:
             cluster = self._cluster_options(args, backend)
             result = start_run(
-                cell, nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
+                cell or "", script=script_file, script_args=script_args,
+                nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
                 name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
                 hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
@@ -375,7 +401,9 @@ class DistMagics(Magics):
                                 ("--time", args.time_limit), ("--gpus", args.gpus), ("--cluster", args.cluster),
                                 ("--infra", args.infra), ("--spot", args.spot), ("--idle-minutes", args.idle_minutes),
                                 ("--down", args.down), ("--managed", args.managed), ("--setup", args.setup),
-                                ("--checkpoint-dir", args.checkpoint_dir),
+                                ("--checkpoint-dir", args.checkpoint_dir), ("--requirements", args.requirements),
+                                ("--image", args.image), ("--workdir", args.workdir), ("--mount", args.mount),
+                                ("--ship-env", args.ship_env), ("--steps", args.steps),
                                 ("--secret", [] if args.log_to else args.secret))  # --log-to's sinks read them here
                  if v not in (None, False, [])]  # fmt: skip
         if backend == "local":
@@ -388,7 +416,9 @@ class DistMagics(Magics):
             partition=args.partition, account=args.account, time_limit=args.time_limit, gpus=args.gpus,
             cluster=args.cluster, infra=args.infra, spot=args.spot, idle_minutes=args.idle_minutes, down=args.down,
             managed=args.managed, secrets=tuple(args.secret), setup=args.setup, checkpoint_dir=args.checkpoint_dir,
-            max_restarts_on_errors=args.max_restarts if args.managed else 0,
+            max_restarts_on_errors=args.max_restarts if args.managed else 0, requirements=args.requirements,
+            image=args.image, workdir=args.workdir, workdir_limit=args.workdir_limit, mounts=tuple(args.mount),
+            ship_env=args.ship_env, steps=args.steps,
         )  # fmt: skip
 
     def _want_dashboard(self) -> bool:

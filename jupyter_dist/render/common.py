@@ -76,14 +76,19 @@ class RenderOptions:
     """SkyPilot cloud/infra (``aws``, ``gcp``, ``slurm``...); ``None`` lets SkyPilot choose."""
     use_spot: bool = False
     """SkyPilot spot/preemptible instances."""
-    setup: str = "pip install -U jupyter-dist"
-    """SkyPilot setup commands run once per node."""
+    setup: str | None = None
+    """SkyPilot setup commands run once per node; ``None``: install what the generated script imports (torch, and
+    deepspeed or accelerate when they launch it). ``%%dist_train`` ships the kernel's jupyter-dist wheel and pins the
+    kernel's versions instead (``jupyter_dist.launch.remote_env``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment variables (name, value) for every process; secrets are refused here."""
     secrets: tuple[str, ...] = ("WANDB_API_KEY", "HF_TOKEN")
     """Secret names forwarded from the launching environment by reference, never by value."""
     nccl_debug: str = "WARN"
     """``NCCL_DEBUG`` level: VERSION, WARN, INFO or TRACE."""
+    node_setup: str = ""
+    """SLURM: bash each node runs before the launcher, in the job's folder (installs the job's environment when the
+    nodes do not share the submitting one; ``jupyter_dist.launch.remote_env``)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

@@ -162,6 +162,20 @@ def render_skypilot_run(plan: Plan, opts: RenderOptions | None = None, *, layout
     return "\n".join(lines) + "\n"
 
 
+def default_setup(lay: Layout, opts: RenderOptions) -> str:
+    """What the generated ``train.py`` imports, from PyPI: torch, plus deepspeed (ZeRO or its launcher) or accelerate.
+
+    Pin the versions you tested with (``--setup 'pip install torch==2.7.1 ...'``); a cell launched with
+    ``%%dist_train`` pins the kernel's versions and ships jupyter-dist itself as a wheel.
+    """
+    pkgs = ["torch"]
+    if lay.strategy.family == "deepspeed" or opts.launcher == "deepspeed":
+        pkgs.append("deepspeed")
+    if opts.launcher == "accelerate":
+        pkgs.append("accelerate")
+    return "pip install " + " ".join(pkgs)
+
+
 def render_skypilot_task(
     plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None
 ) -> dict[str, Any]:
@@ -195,8 +209,9 @@ def render_skypilot_task(
         "resources": resources,
         "workdir": ".",
     }
-    if opts.setup.strip():
-        task["setup"] = opts.setup
+    setup = opts.setup if opts.setup is not None else default_setup(lay, opts)
+    if setup.strip():
+        task["setup"] = setup
     task["envs"] = render_nccl_env(plan, opts, layout=lay)  # the launch command's env: NCCL + opts.env
     if opts.secrets:
         task["secrets"] = {name: None for name in opts.secrets}

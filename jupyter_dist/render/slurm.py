@@ -110,6 +110,8 @@ def render_sbatch(
         names = " ".join(shlex.quote(s) for s in opts.secrets)
         body.append(f'for s in {names}; do [ -n "${{!s:-}}" ] || echo "jupyter-dist: warning: $s is not set" >&2; done')
     inner = "exec " + cmd.shell(with_env=False)
+    if opts.node_setup.strip():  # each node installs its environment first (--ship-env)
+        inner = opts.node_setup.rstrip("\n") + "\n" + inner
     # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it again.
     cpus = f" --cpus-per-task={cpus_per_task}" if cpus_per_task is not None else ""
     body += [

@@ -148,6 +148,9 @@ class WorkerEnv:
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
+    versions: str = ""
+    """``JD_VERSIONS``: the kernel's package versions (``torch=2.13.0,cloudpickle=3.1.1``) that each rank of a cluster
+    run compares with its own before the cell runs (``jupyter_dist.launch.remote_env``); empty: no check."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -238,6 +241,7 @@ class WorkerEnv:
             pp_virtual=_int(env, "JD_PP_VIRTUAL", 0),
             microbatches=_int(env, "JD_MICROBATCHES", 0),
             profile=env.get("JD_PROFILE", "").strip(),
+            versions=env.get("JD_VERSIONS", "").strip(),
         )
 
     @classmethod
@@ -291,6 +295,7 @@ ENV_VARS: dict[str, str] = {
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
     "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
     "profile": "JD_PROFILE",
+    "versions": "JD_VERSIONS",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""
 

@@ -63,7 +63,23 @@ class ClusterOptions:
     secrets: tuple[str, ...] = ()
     """Environment variable names whose values go to the job from this kernel's environment (never into files)."""
     setup: str | None = None
-    """SkyPilot ``setup`` commands (default: ``pip install -U jupyter-dist``)."""
+    """Set-up commands on each node after the jupyter-dist wheel is installed (replace the version pins; default:
+    the kernel's versions, see :mod:`.remote_env`)."""
+    requirements: str | None = None
+    """A requirements file installed on each node instead of the kernel's version pins."""
+    image: str | None = None
+    """SkyPilot ``image_id`` (e.g. ``docker:pytorch/pytorch:2.7.0-cuda12.8-cudnn9-runtime``): its packages are kept."""
+    ship_env: bool = False
+    """SLURM: the nodes do not share this kernel's environment: install the wheel and the pins on each node first
+    (SkyPilot jobs always do)."""
+    workdir: str | None = None
+    """A project folder copied to the nodes (ignore rules of ``.skyignore``/``.gitignore``); importable there."""
+    workdir_limit: str = "1GB"
+    """Refuse a ``workdir`` bigger than this (the biggest files are named)."""
+    steps: int | None = None
+    """Optimizer steps the run will take: with the plan's step time, the dry run's cost estimate."""
+    mounts: tuple[str, ...] = ()
+    """SkyPilot ``DEST=SOURCE`` bucket mounts (``/data=s3://bucket/path``); see :mod:`.project`."""
     checkpoint_dir: str | None = None
     """SkyPilot: checkpoint root on the nodes (a bucket mount for managed jobs); the job's folder is keyed on
     ``SKYPILOT_TASK_ID`` under it. Default ``checkpoints`` in the workdir."""
@@ -88,7 +104,19 @@ class ClusterOptions:
                 "--idle-minutes and --down"
             )
         from ...render.common import _SLURM_TIME_RE
+        from ..project import parse_mount, parse_size
 
+        for spec in self.mounts:
+            parse_mount(spec)
+        parse_size(self.workdir_limit)
+        if self.steps is not None and self.steps < 1:
+            raise JupyterDistError(f"--steps must be >= 1, got {self.steps}")
+        if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
+            raise JupyterDistError(f"--workdir {self.workdir}: not a folder here")
+        if self.requirements is not None and not os.path.isfile(os.path.expanduser(self.requirements)):
+            raise JupyterDistError(f"--requirements {self.requirements}: no such file here")
+        if self.setup is not None and self.requirements is not None:
+            raise JupyterDistError("--setup and --requirements both replace the version pins: give one")
         if self.time_limit is not None and not _SLURM_TIME_RE.match(self.time_limit):
             raise JupyterDistError(f"--time {self.time_limit!r}: write HH:MM:SS, MM, HH:MM or D-HH:MM:SS")
         for flag, value in (("--partition", self.partition), ("--account", self.account)):
@@ -143,7 +171,8 @@ def start_cluster_run(
     code: str, *, backend: str, cluster: ClusterOptions, nproc: int | None, nodes: int, strategy: str, plan: Any,
     launcher: str, name: str, ship: dict[str, Any] | None, max_restarts: int, timeout: float | None,
     env: dict[str, str], runs_dir: str | Path, port: int | None, dry_run: bool,
-    degrees: dict[str, Any] | None = None, worker: dict[str, Any] | None = None,
+    degrees: dict[str, Any] | None = None, worker: dict[str, Any] | None = None, script_file: str | None = None,
+    script_args: tuple[str, ...] = (),
 ) -> Any:  # fmt: skip
     """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``).
 
@@ -164,17 +193,22 @@ def start_cluster_run(
             "under it); drop --launcher"
         )
     if backend == "slurm" and (cluster.gpus or cluster.cluster or cluster.infra or cluster.spot or cluster.managed
-                               or cluster.idle_minutes is not None or cluster.down or cluster.setup is not None
-                               or cluster.checkpoint_dir is not None):  # fmt: skip
+                               or cluster.idle_minutes is not None or cluster.down or cluster.image
+                               or cluster.mounts or cluster.checkpoint_dir is not None):  # fmt: skip
         raise JupyterDistError(
-            "--gpus/--cluster/--infra/--spot/--idle-minutes/--down/--managed/--setup/--checkpoint-dir are SkyPilot "
-            "options; with "
+            "--gpus/--cluster/--infra/--spot/--idle-minutes/--down/--managed/--image/--mount/--checkpoint-dir are "
+            "SkyPilot options; with "
             "--backend slurm use --partition/--account/--time (and --nproc for processes per node)"
         )
+    if backend == "slurm" and not cluster.ship_env and (cluster.setup is not None or cluster.requirements):
+        raise JupyterDistError("--setup/--requirements on SLURM install on the nodes: add --ship-env (the nodes "
+                               "do not share this kernel's environment)")  # fmt: skip
     if backend == "skypilot" and (cluster.partition or cluster.account or cluster.time_limit):
         raise JupyterDistError(
             "--partition/--account/--time are SLURM options; SkyPilot on a SLURM cluster takes --infra slurm"
         )
+    if backend == "skypilot" and cluster.ship_env:
+        raise JupyterDistError("--ship-env is a SLURM option: SkyPilot jobs always install the shipped environment")
     gpus = parse_gpus(cluster.gpus) if cluster.gpus else None
     if gpus is not None:
         if nproc is not None and nproc != gpus[1]:
@@ -213,6 +247,26 @@ def start_cluster_run(
 
     layout = layout_of(the_plan, RenderOptions(candidate=candidate))  # once per run: every artifact below uses it
     files: dict[str, str] = {}
+    renv = None
+    if backend == "skypilot" or cluster.ship_env:  # the kernel's jupyter-dist and versions travel with the job
+        from ..remote_env import DIST_NAME, RemoteEnv, kernel_pins, package_wheel, torch_variant, versions_env
+
+        wheel = package_wheel()
+        pins = kernel_pins(strategy=strat)
+        acc = the_plan.hardware.accelerator
+        site = wheel.site if backend == "skypilot" else f"{wheel.site}-node${{SLURM_NODEID}}"
+        variant = torch_variant(pins.get("torch", ""), acc.name, acc.vendor)
+        renv = RemoteEnv(wheel=wheel, pins=pins, torch_variant=variant,
+                         requirements=".jd/requirements.txt" if cluster.requirements else None, image=cluster.image,
+                         site=site)  # fmt: skip
+        import platform
+
+        checked = {**pins, DIST_NAME: wheel.version, "python": platform.python_version()}
+        contract = replace(contract, versions=versions_env(checked))
+    if cluster.workdir is not None:
+        from ..project import check_workdir, parse_size
+
+        check_workdir(cluster.workdir, parse_size(cluster.workdir_limit))
     if strat.startswith("zero"):
         from ...render.deepspeed import render_deepspeed_json
 
@@ -221,21 +275,43 @@ def start_cluster_run(
     if backend == "skypilot":  # the job runs in its workdir and its records travel on the log stream
         contract = replace(contract, run_dir=".", telemetry_stdout=True)
     extras = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+    if renv is not None and backend == "skypilot":
+        extras["JD_SITE"] = renv.site  # relative to the job's workdir; jd_bootstrap.py puts it first on sys.path
+    if cluster.workdir is not None and backend == "slurm":  # a shared filesystem: import from the folder itself
+        path = str(Path(cluster.workdir).expanduser().resolve())
+        extras["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH", "")]))
     jd_env = {**contract.to_environ(), **extras}
     script = PRELUDE + code
+    script_copy = None
+    if script_file is not None:  # --script: an existing script runs as the job's __main__ (project.script_runner)
+        from ..project import RESERVED, script_runner
+
+        src = Path(script_file).expanduser().resolve()
+        job_path = str(src)
+        if backend == "skypilot":  # the nodes see the workdir: a path inside it, else the file copied in
+            root = Path(cluster.workdir).expanduser().resolve() if cluster.workdir else None
+            if root is not None and src.is_relative_to(root):
+                job_path = src.relative_to(root).as_posix()
+            elif src.name in RESERVED:
+                raise JupyterDistError(
+                    f"--script {script_file}: rename it ({src.name} is the name of the job's own file)"
+                )
+            else:
+                job_path, script_copy = src.name, src
+        script = script_runner(job_path, script_args)
     if backend == "slurm":
         return _start_slurm(
             script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
             nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship,
             timeout=timeout, runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
-            dry_cls=DryRun, ship_fn=_ship, layout=layout,
+            dry_cls=DryRun, ship_fn=_ship, layout=layout, renv=renv,
         )  # fmt: skip
     from .skypilot import start_skypilot
 
     return start_skypilot(
         script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
         nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout, runs_dir=runs_dir,
-        port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout,
+        port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout, renv=renv, script_copy=script_copy,
     )  # fmt: skip
 
 
@@ -243,7 +319,7 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
                  cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
                  extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
                  port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
-                 ship_fn: Any, layout: Any) -> Any:  # fmt: skip
+                 ship_fn: Any, layout: Any, renv: Any = None) -> Any:  # fmt: skip
     from ...render.common import RenderOptions
     from ...render.slurm import render_sbatch
     from .local import _free_port
@@ -260,7 +336,7 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
         rdzv="static", master_port=port or (29500 if dry_run else _free_port()), max_restarts=max_restarts,
         checkpoint_dir=str(rd.checkpoints), partition=cluster.partition, account=cluster.account,
         time_limit=cluster.time_limit or "24:00:00", env=tuple(run_env.items()), secrets=cluster.secrets,
-        nccl_debug="WARN",
+        nccl_debug="WARN", node_setup=renv.setup_script(cluster.setup) if renv is not None else "",
     )  # fmt: skip
     try:
         sbatch = render_sbatch(plan, opts, layout=layout)
@@ -269,8 +345,13 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
     lau = SlurmLauncher(run_dir=rd, script=sbatch, job_name=job, nodes=nodes, nproc=nproc,
                         partition=cluster.partition)  # fmt: skip
     if dry_run:
-        return dry_cls(script=script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **files})
+        notes = renv.notes() if renv is not None else ["the nodes share this kernel's environment (no --ship-env)"]
+        return dry_cls(script=script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **files}, notes=notes)
     rd.script.write_text(script, encoding="utf-8")
+    if renv is not None:
+        from ..remote_env import stage_files
+
+        stage_files(renv, rd.path, cluster.requirements)
     for fname, text in files.items():
         (rd.path / fname).write_text(text, encoding="utf-8")
     if ship:

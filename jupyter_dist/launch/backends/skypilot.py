@@ -368,7 +368,8 @@ def down(cluster: str, timeout: float = 300.0) -> float:
 def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
                    cluster: Any, nproc: int, nodes: int, job: str, name: str, strat: str, jd_env: dict[str, str],
                    ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path, port: int | None,
-                   dry_run: bool, max_restarts: int, layout: Any = None) -> Any:  # fmt: skip
+                   dry_run: bool, max_restarts: int, layout: Any = None, renv: Any = None,
+                   script_copy: Path | None = None) -> Any:  # fmt: skip
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
     from ...render.common import RenderOptions
     from ...render.skypilot import dump_yaml, render_skypilot_task
@@ -377,7 +378,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
     run_env = {"JD_LOG_STREAM": "1", **jd_env}  # jd_env: WorkerEnv.to_environ() (JD_RUN_DIR=., telemetry on stdout)
-    setup = cluster.setup if cluster.setup is not None else "pip install -U jupyter-dist"
+    setup = renv.setup_script(cluster.setup) if renv is not None else (cluster.setup or "")
     opts = RenderOptions(
         candidate=candidate, name=job, script="jd_bootstrap.py", script_args=("script.py",), rdzv="static",
         master_port=port or 29500, max_restarts=max_restarts if not cluster.managed else 0,
@@ -386,6 +387,12 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
     )  # fmt: skip
     task = render_skypilot_task(plan, opts, layout=layout)
     task["workdir"] = str(rd.path / "workdir")
+    if cluster.image is not None:
+        task["resources"]["image_id"] = cluster.image
+    if cluster.mounts:
+        from ..project import mount_config, parse_mount
+
+        task["file_mounts"] = mount_config(tuple(parse_mount(m) for m in cluster.mounts), cluster.checkpoint_dir)
     if cluster.managed:
         task["resources"]["job_recovery"] = {"strategy": "FAILOVER",
                                              "max_restarts_on_errors": cluster.max_restarts_on_errors}  # fmt: skip
@@ -394,9 +401,23 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
                            idle_minutes=cluster.idle_minutes, down_after=cluster.down, secrets=cluster.secrets,
                            nodes=nodes)  # fmt: skip
     if dry_run:
-        return DryRun(script=script, argv=lau.args(), env=run_env, files={"task.yaml": dump_yaml(task), **files})
+        notes = _notes(renv, cluster) + [_price_note(plan, opts, cluster, nodes, layout)]
+        return DryRun(script=script, argv=lau.args(), env=run_env, files={"task.yaml": dump_yaml(task), **files},
+                      notes=notes)  # fmt: skip
     workdir = rd.path / "workdir"
-    workdir.mkdir()
+    if cluster.workdir is not None:  # the user's project first; the job's own files next to it
+        from ..project import sync_workdir
+
+        sync_workdir(cluster.workdir, workdir)
+    workdir.mkdir(exist_ok=True)
+    if renv is not None:
+        from ..remote_env import stage_files
+
+        stage_files(renv, workdir, cluster.requirements)
+    if script_copy is not None:
+        import shutil
+
+        shutil.copyfile(script_copy, workdir / script_copy.name)
     (workdir / "script.py").write_text(script, encoding="utf-8")
     (workdir / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB, encoding="utf-8")
     for fname, text in files.items():
@@ -422,6 +443,36 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
     meta.update(started=time.time(), launcher=lau.to_dict())
     rd.write_meta(meta)
     return Run(rd, meta, launcher=lau, timeout=timeout, plan=user_plan)
+
+
+def _notes(renv: Any, cluster: Any) -> list[str]:
+    """What the dry run says about the remote side: what is installed where, the project folder, the mounts."""
+    notes = list(renv.notes()) if renv is not None else []
+    if cluster.workdir is not None:
+        from ..project import check_workdir, parse_size
+
+        count, size = check_workdir(cluster.workdir, parse_size(cluster.workdir_limit))
+        notes.append(f"copies --workdir {cluster.workdir} ({count} files, {size / 2**20:.1f} MB after .skyignore/"
+                     ".gitignore) into the job's folder, importable on every node")  # fmt: skip
+    if cluster.managed and cluster.checkpoint_dir and not cluster.mounts:
+        notes.append(f"--checkpoint-dir {cluster.checkpoint_dir} is on the node's disk: mount a bucket there "
+                     "(--mount) so a recovered job finds the checkpoints")  # fmt: skip
+    return notes
+
+
+def _price_note(plan: Any, opts: Any, cluster: Any, nodes: int, layout: Any = None) -> str:
+    """The nodes' hourly price from SkyPilot's catalog, and the run's estimate (plan's step time x ``--steps``)."""
+    from ...render.common import layout_of
+    from ...render.skypilot import skypilot_accelerator
+    from ..cost import price_nodes
+
+    lay = layout or layout_of(plan, opts)
+    acc = plan.hardware.accelerator
+    if acc.vendor == "cpu":
+        return "price: CPU processes, no accelerator requested (not priced)"
+    price = price_nodes(skypilot_accelerator(acc.name), lay.gpus_per_node, nodes, infra=cluster.infra,
+                        spot=cluster.spot)  # fmt: skip
+    return price.describe(lay.candidate.time.step_time_s, cluster.steps)
 
 
 _REF = re.compile(r"^([a-z][a-z0-9-]*)/(\d+)$")

@@ -39,9 +39,13 @@ SLURM_INSTALL_HINT = (
 BOOTSTRAP_STUB = """\
 # Written by jupyter-dist: runs the cell (script.py) under the jupyter-dist bootstrap on every rank
 # (rank logs, shipped notebook objects, exit codes).
+import os
 import sys
 
-from jupyter_dist.launch.bootstrap import main
+if os.environ.get("JD_SITE"):  # the jupyter-dist wheel this job installed (the kernel's own code) comes first
+    sys.path.insert(0, os.path.abspath(os.environ["JD_SITE"]))
+
+from jupyter_dist.launch.bootstrap import main  # noqa: E402
 
 sys.exit(main())
 """
