@@ -176,7 +176,7 @@ def test_compare_model_by_step_and_time() -> None:
     thr = m.throughput_figure()
     assert thr["y_title"] == "steps/s" and thr["traces"][0]["y"][0] == pytest.approx(2.0)  # mean over ranks
     mem = m.memory_figure()["traces"]
-    assert mem[1]["x"] == [2.0] and mem[1]["y"] == [pytest.approx(2.0)]  # the step logged before the record
+    assert mem[1]["x"] == [2.0, 3.0] and mem[1]["y"] == [pytest.approx(2.0)] * 2  # from the step before, held
     mt = CompareModel(["a"], x="time")
     mt.ingest(0, [make_record("step", rank=0, seq=s, t=50.0 + 2 * s, step=s, loss=1.0) for s in range(3)])
     assert mt.loss_figure()["traces"][0]["x"] == [0.0, 2.0, 4.0]
