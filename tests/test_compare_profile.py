@@ -176,7 +176,7 @@ def test_compare_model_by_step_and_time() -> None:
     thr = m.throughput_figure()
     assert thr["y_title"] == "steps/s" and thr["traces"][0]["y"][0] == pytest.approx(2.0)  # mean over ranks
     mem = m.memory_figure()["traces"]
-    assert mem[1]["x"] == [2.0] and mem[1]["y"] == [pytest.approx(2.0)]  # the step logged before the record
+    assert mem[1]["x"] == [2.0, 3.0] and mem[1]["y"] == [pytest.approx(2.0)] * 2  # from the step before, held
     mt = CompareModel(["a"], x="time")
     mt.ingest(0, [make_record("step", rank=0, seq=s, t=50.0 + 2 * s, step=s, loss=1.0) for s in range(3)])
     assert mt.loss_figure()["traces"][0]["x"] == [0.0, 2.0, 4.0]
@@ -248,3 +248,19 @@ def test_dist_train_profile_flag(ip: Any, tmp_path: Path) -> None:
     assert "JD_PROFILE=3:4" in str(dry._repr_mimebundle_()["text/plain"])
     with pytest.raises(UsageError, match="--profile: profile window 5:2 is empty or negative: STOP must be > START"):
         ip.run_cell_magic("dist_train", f"--nproc 2 --profile 5:2 --dry-run --runs-dir {tmp_path}", "pass")
+
+
+def test_a_profiler_that_cannot_start_leaves_training_alone_and_a_bare_profile_waits_for_with(tmp_path: Path) -> None:
+    import torch
+
+    rt = _runtime(tmp_path)
+    bare = rt.profile()  # no steps and no `with`: nothing is recorded
+    for step in range(3):
+        rt.log(step, {"loss": 1.0})
+    assert not bare.active and not bare.done and not (tmp_path / "profile").exists()
+    with torch.profiler.profile():  # the script's own profiler holds the process's profiler
+        prof = rt.profile("4:6")
+        for step in range(3, 7):
+            rt.log(step, {"loss": 1.0})  # no exception reaches the training loop
+    assert prof.done and prof.written is None and not (tmp_path / "profile").exists()
+    rt.emitter.close()

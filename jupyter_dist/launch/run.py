@@ -167,6 +167,7 @@ class Run:
         """Where a remote job's output stream goes (``None`` for local runs)."""
         self.sinks: Any = None
         """The :class:`~jupyter_dist.telemetry.sinks.SinkForwarder` of :meth:`log_to` (``None`` without one)."""
+        self._profile_cache: tuple[Any, Any] | None = None
         if self._meta.get("status") in FINAL:
             self._done.set()
         elif isinstance(launcher, RemoteLauncher):
@@ -283,7 +284,14 @@ class Run:
         """
         from ..telemetry.profile import profile_summary
 
-        return profile_summary(self.dir)
+        files = sorted(self._rd.profile.glob("rank-*.pt.trace.json"))
+        key = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+        cached = self._profile_cache
+        if cached is not None and cached[0] == key:  # the card is drawn again on every display: parse traces once
+            return cached[1]
+        summary = profile_summary(self.dir)
+        self._profile_cache = (key, summary)
+        return summary
 
     def run_summary(self) -> dict[str, Any]:
         """Steps, last and best loss, throughput, peak memory per rank, restarts (``summary.json`` once it ended)."""

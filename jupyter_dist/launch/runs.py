@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -282,7 +282,7 @@ class RunTable(Sequence[RunRow]):
         return [r.open() for r in self.rows]
 
     def refresh(self) -> RunTable:
-        """The same folder read again (same rows' order is not kept: newest first)."""
+        """The same folder read again (newest first; sorting and filters are not kept)."""
         return runs(self.folder)
 
     def with_rows(self, rows: Sequence[RunRow]) -> RunTable:
@@ -335,10 +335,6 @@ class RunTable(Sequence[RunRow]):
 
     def __repr__(self) -> str:
         return f"RunTable({len(self.rows)} runs in {self.folder!r})"
-
-    def replace_row(self, name: str, **changes: Any) -> RunTable:
-        """A table with one row changed (e.g. after a tag); the run directory is not touched."""
-        return self.with_rows([replace(r, **changes) if r.name == name else r for r in self.rows])
 
 
 def _sort_key(value: Any) -> Any:

@@ -153,6 +153,13 @@ class CompareModel:
                 peak[rank] = max(peak.get(rank, 0.0), value)
                 xs.append(self._step_at(s, t) if self.x == "step" else t - (s.t0 or t))
                 ys.append(max(peak.values()) / GIB)
+            if xs:  # the peak so far holds until the run's last step (or record): a level line, not a lone dot
+                end = float(s.steps_t[-1][1]) if self.x == "step" and s.steps_t else xs[-1]
+                if self.x == "time" and s.steps_t:
+                    end = s.steps_t[-1][0] - (s.t0 or s.steps_t[-1][0])
+                if end > xs[-1]:
+                    xs.append(end)
+                    ys.append(ys[-1])
             traces.append(self._trace(s, xs, ys))
         return {"id": "cmp-memory", "kind": "line", "title": "Peak memory (largest rank)", "x_title": self._x_title(),
                 "y_title": "GiB", "traces": traces, "note": "no memory records yet"}  # fmt: skip

@@ -41,10 +41,13 @@ class StepProfiler:
         Also record CUDA kernels (default: when this process has initialised CUDA).
     """
 
-    def __init__(self, window: tuple[int, int], path: str | None, *, cuda: bool | None = None) -> None:
+    def __init__(self, window: tuple[int, int], path: str | None, *, cuda: bool | None = None,
+                 manual: bool = False) -> None:  # fmt: skip
         self.start, self.stop = window
         self.path = path
         self.cuda = cuda
+        self.manual = manual
+        """Started only by ``with`` (``jd.profile()`` without steps), never by :meth:`on_log`."""
         self.prof: Any = None
         self._marker: Any = None
         self.step: int | None = None
@@ -71,8 +74,20 @@ class StepProfiler:
         cuda = self.cuda if self.cuda is not None else torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
             activities.append(ProfilerActivity.CUDA)
-        self.prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
-        self.prof.start()
+        if torch.autograd._profiler_enabled():  # the script runs a profiler of its own: a second one would end it
+            _log.warning("jupyter_dist.worker: a profiler is already running; no trace for steps %d:%d", self.start,
+                         self.stop)  # fmt: skip
+            self.done = True
+            return
+        prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+        try:
+            prof.start()
+        except Exception as exc:  # never end the training for a trace
+            _log.warning("jupyter_dist.worker: the profiler did not start (%s); no trace for steps %d:%d", exc,
+                         self.start, self.stop)  # fmt: skip
+            self.done = True
+            return
+        self.prof = prof
         self._open(self.start if step is None else step)
 
     def _open(self, step: int) -> None:
@@ -92,6 +107,8 @@ class StepProfiler:
         if self.done:
             return
         if not self.active:
+            if self.manual:
+                return
             if step == self.start - 1:
                 self.begin(self.start)
             elif self.start <= step < self.stop - 1:  # armed late (jd.profile inside the window): start now

@@ -508,7 +508,7 @@ class Runtime:
         if path is not None and self.profiler is not None and self.profiler.written:  # a second window: its own file
             tag = f"steps-{window[0]}-{window[1]}" if steps is not None else f"block-{window[0]}"
             path = path.replace(".pt.trace.json", f".{tag}.pt.trace.json")
-        self.profiler = StepProfiler(window, path)
+        self.profiler = StepProfiler(window, path, manual=steps is None)
         if steps is not None and window[0] == 0 and self.model is not None and self._last_step is None:
             self.profiler.begin(0)
         return self.profiler
