@@ -350,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
                                    "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
     add_check_arguments(k)
+    s = sub.add_parser("log-to", help="forward a run's metrics to tensorboard, wandb, mlflow, trackio",
+                       description="Forward the step records of a run directory to metric sinks from this process (a "
+                                   "finished run at once; a running one until it ends), as %%%%dist_train --log-to "
+                                   "does from the notebook.")  # fmt: skip
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a jupyter-dist run directory (with run.json)")
+    s.add_argument("sinks", metavar="SINKS", help="comma-separated: tensorboard, wandb, mlflow, trackio")
+    s.add_argument("--secret", action="append", default=[], metavar="NAME",
+                   help="an environment variable the sinks need (checked, read by name, never written)")  # fmt: skip
     return parser
 
 
@@ -472,6 +480,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return {"healthy": 0, "degraded": 1}.get(report.verdict, 3)
 
 
+def _cmd_log_to(args: argparse.Namespace) -> int:
+    from .launch.run import open_run
+
+    run = open_run(args.run_dir)
+    forwarder = run.log_to(args.sinks, secrets=args.secret)
+    forwarder.wait()
+    print(f"{run.name}: {forwarder.describe()}")
+    return 1 if forwarder.errors else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jupyter-dist`` console script."""
     parser = build_parser()
@@ -480,7 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check}
+        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
+                    "log-to": _cmd_log_to}  # fmt: skip
         return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)

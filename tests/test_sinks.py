@@ -271,3 +271,56 @@ def test_non_finite_losses_are_kept_for_the_sinks(tmp_path: Path) -> None:
 def test_module_names_every_sink_it_builds() -> None:
     assert set(sinks_mod._CLASSES) == set(SINKS) == {"tensorboard", "wandb", "mlflow", "trackio"}
     assert os.environ.get("JD_RUN_DIR") is None  # the kernel side: never a launched worker
+
+
+# ---------------------------------------------------------------------------------------------- CLI and Run
+def recorded_run_dir(tmp_path: Path, status: str = "succeeded") -> tuple[Path, dict[int, float]]:
+    from jupyter_dist.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path / "cli-run").create()
+    rd.write_meta({"name": "cli-run", "status": status, "world_size": 2, "strategy": "ddp"})
+    return rd.path, write_run(rd.path)
+
+
+def test_cli_log_to_forwards_a_recorded_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    need("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jupyter_dist.cli import main
+
+    path, losses = recorded_run_dir(tmp_path)
+    assert main(["log-to", str(path), "tensorboard"]) == 0
+    assert capsys.readouterr().out.strip() == f"cli-run: metrics -> tensorboard ({STEPS} step records)"
+    acc = EventAccumulator(str(path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx([losses[s] for s in range(STEPS)])
+    assert json.loads((path / "run.json").read_text())["log_to"] == ["tensorboard"]
+
+
+def test_cli_log_to_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from jupyter_dist.cli import main
+
+    path, _ = recorded_run_dir(tmp_path)
+    assert main(["log-to", str(path), "tensorboard,neptune"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("jupyter-dist log-to: error: --log-to: unknown sink 'neptune'; valid: tensorboard, wandb, mlflow, "
+                   "trackio (comma-separated)")  # fmt: skip
+    assert main(["log-to", str(tmp_path / "nowhere"), "tensorboard"]) == 2
+    assert "is not a jupyter-dist run directory" in capsys.readouterr().err
+
+
+def test_run_log_to_refuses_a_second_forwarder_while_one_runs(tmp_path: Path) -> None:
+    need("tensorboard")
+    from jupyter_dist.launch.run import open_run
+
+    path, _ = recorded_run_dir(tmp_path, status="running")  # no pids: the run never ends by itself here
+    run = open_run(path)
+    try:
+        fwd = run.log_to("tensorboard", interval=0.05)
+        with pytest.raises(JupyterDistError, match="already forwards its metrics"):
+            run.log_to("tensorboard")
+        with pytest.raises(JupyterDistError, match="name at least one sink"):
+            run.log_to([])
+    finally:
+        run.sinks.stop()
+    assert fwd.finished.is_set() and fwd.forwarded == STEPS
