@@ -3,8 +3,8 @@
 The telemetry the forwarder follows is written by the real in-worker ``Emitter`` (one process per rank is not needed
 to test the kernel side: the files are the contract). TensorBoard is read back with its own ``EventAccumulator``,
 MLflow's local file store with ``MlflowClient``, Trackio's local database with its own storage reader, W&B's offline
-run with its own datastore reader. wandb and mlflow are heavy optional extras, not in the ``test`` extra: those tests
-skip with the reason when the library is missing.
+run with its own datastore reader. wandb is an optional extra, not in the ``test`` extra: its test skips with the
+reason when the library is missing (the ``test`` extra has mlflow-skinny: the SQLite-store case needs full mlflow).
 """
 
 from __future__ import annotations
@@ -189,6 +189,9 @@ def test_mlflow_local_store_read_back_with_mlflows_client(store: str, tmp_path: 
         uri = (tmp_path / "mlruns").as_uri()
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     else:
+        for module in ("sqlalchemy", "alembic"):
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"MLflow's SQLite store needs {module} (full mlflow; the test extra has mlflow-skinny)")
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "jd-sinks-test")
