@@ -29,6 +29,7 @@ Each sink's library is an optional extra: a missing one fails at once with its i
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import math
@@ -36,6 +37,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,8 +322,9 @@ class SinkForwarder:
         self._thread: threading.Thread | None = None
 
     def start(self) -> SinkForwarder:
-        """Open the sinks and follow the run on a daemon thread."""
+        """Open the sinks and follow the run on a daemon thread (closed at interpreter exit at the latest)."""
         if self._thread is None:
+            _LIVE.add(self)
             self._thread = threading.Thread(target=self._run, name="jupyter-dist-sinks", daemon=True)
             self._thread.start()
         return self
@@ -389,3 +392,13 @@ class SinkForwarder:
         if self.errors:
             text += "; off: " + "; ".join(f"{k} ({v})" for k, v in self.errors.items())
         return text
+
+
+_LIVE: weakref.WeakSet[SinkForwarder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_forwarders() -> None:  # the kernel is going away: forward what was written, close the sinks' runs
+    for forwarder in list(_LIVE):
+        if not forwarder.finished.is_set():
+            forwarder.stop(timeout=10.0)
