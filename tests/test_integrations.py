@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import descendants_gone
 from IPython.core.error import UsageError
 
 from jupyter_dist.integrations import auto_enabled
@@ -247,6 +248,7 @@ def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tenso
     run = ip.run_cell_magic("dist_train", line, hf_cell(8))
     run.wait(420)
     assert run.status == "succeeded", run.summary()
+    assert descendants_gone(run)
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
         assert [r["step"] for r in recs if "loss" in r] == [2, 4, 6, 8], f"rank {rank}: {recs}"
@@ -274,6 +276,7 @@ def test_lightning_ddp_on_two_processes_under_dist_train_fills_the_panels(ip: An
     run = ip.run_cell_magic("dist_train", line, lightning_cell(2, '"ddp"'))
     run.wait(420)
     assert run.status == "succeeded", run.summary() + run.logs(0, tail=40)
+    assert descendants_gone(run)
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
         train = [r for r in recs if "loss" in r]

@@ -150,6 +150,27 @@ def test_forwarder_follows_a_live_run_and_a_failing_sink_leaves_the_others_going
     assert fwd.forwarded == STEPS and "off: broken" in fwd.describe()
 
 
+def test_a_slow_tracking_service_never_blocks_the_caller(tmp_path: Path) -> None:
+    """Opening (a W&B login) and logging happen on the forwarder's thread: start() returns at once."""
+    import time
+
+    write_run(tmp_path / "r")
+    release = threading.Event()
+    rec = Recorder()
+
+    def opener(name: str, ctx: SinkContext) -> Any:
+        release.wait(30)
+        return rec
+
+    fwd = SinkForwarder(tmp_path / "r" / "telemetry", ["recorder"], SinkContext(run_name="r", run_dir=tmp_path / "r"),
+                        done=lambda: True, interval=0.05, opener=opener)  # fmt: skip
+    t0 = time.perf_counter()
+    fwd.start()
+    assert time.perf_counter() - t0 < 0.5 and not fwd.finished.is_set()
+    release.set()
+    assert fwd.wait(10) and len(rec.logged) == STEPS
+
+
 def test_a_sink_that_cannot_open_is_reported_and_the_forwarder_still_ends(tmp_path: Path) -> None:
     write_run(tmp_path / "r")
 
