@@ -23,8 +23,9 @@ batches also has ``flush()``, called after each poll's records:
     ``TRACKIO_*`` variables name.
 
 Credentials are passed by name: ``--secret WANDB_API_KEY`` says the sink needs that variable of the kernel's
-environment. :func:`check_sinks` checks it is set before anything is launched; its value stays in the kernel's memory
-(the libraries read it from the environment there), never in ``run.json`` and never on the ranks of a local run.
+environment. :func:`check_sinks` checks it is set before anything is launched; the libraries read the value from the
+kernel's environment, and jupyter-dist writes it nowhere (``run.json`` keeps the names only; a local run's ranks
+inherit the kernel's environment as they always do, a cluster job gets it only through ``--secret``).
 Each sink's library is an optional extra: a missing one fails at once with its install hint.
 """
 
