@@ -239,12 +239,16 @@ def loss_panel(run: Any) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tensorboard(ip: Any, runs: Path) -> None:
+def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tensorboard(
+    ip: Any, runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    line = "--nproc 2 --name hf_run --log-to tensorboard --telemetry-interval 0 --timeout 400"
+    monkeypatch.setenv("JD_TEST_SINK_SECRET", "hunter2-d4e1c0")
+    line = "--nproc 2 --name hf_run --log-to tensorboard --secret JD_TEST_SINK_SECRET --telemetry-interval 0 "
+    line += "--timeout 400"
     run = ip.run_cell_magic("dist_train", line, hf_cell(8))
     run.wait(420)
     assert run.status == "succeeded", run.summary()
@@ -265,7 +269,10 @@ def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tenso
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in rank0], rel=1e-6)
-    assert json.loads((run.dir / "run.json").read_text())["log_to"] == ["tensorboard"]
+    meta = json.loads((run.dir / "run.json").read_text())
+    assert meta["log_to"] == ["tensorboard"] and meta["sink_secrets"] == ["JD_TEST_SINK_SECRET"]
+    written = [p for p in run.dir.rglob("*") if p.is_file() and b"hunter2-d4e1c0" in p.read_bytes()]
+    assert written == []  # the secret's value is in no file of the run
     assert "metrics -> tensorboard" in run.summary()
 
 
