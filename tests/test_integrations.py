@@ -164,6 +164,7 @@ def test_a_missing_framework_gives_the_install_hint(sub: str, mod: str, extra: s
     assert f'pip install "jupyter-dist[{extra}]"' in line, out.stderr
 
 
+@pytest.mark.slow
 def test_hf_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Path) -> None:
     """Prelude + an unmodified Trainer (plus a hand-added callback): one jd.log per step, its logs in the records."""
     pytest.importorskip("transformers")
@@ -189,6 +190,7 @@ def test_hf_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Pat
     assert summary["step"] == 6 and summary["train_runtime"] > 0
 
 
+@pytest.mark.slow
 def test_hf_autoattach_can_be_turned_off(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = run_prelude_script("import transformers.trainer as t\nprint('DEFAULTS', len(t.DEFAULT_CALLBACKS))\n",
@@ -197,6 +199,7 @@ def test_hf_autoattach_can_be_turned_off(tmp_path: Path) -> None:
     assert "DEFAULTS 1" in out.stdout
 
 
+@pytest.mark.slow
 def test_lightning_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     cell = "from jupyter_dist.integrations.lightning import JupyterDistCallback\n"
