@@ -166,7 +166,7 @@ def test_a_slow_tracking_service_never_blocks_the_caller(tmp_path: Path) -> None
                         done=lambda: True, interval=0.05, opener=opener)  # fmt: skip
     t0 = time.perf_counter()
     fwd.start()
-    assert time.perf_counter() - t0 < 0.5 and not fwd.finished.is_set()
+    assert time.perf_counter() - t0 < 2.0 and not fwd.finished.is_set()  # the opener blocks for up to 30 s
     release.set()
     assert fwd.wait(10) and len(rec.logged) == STEPS
 
