@@ -357,6 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "follow it to the end and print its summary; exit 0 when it succeeded. "
                                     "Everything after SCRIPT is the script's.")  # fmt: skip
     add_launch_arguments(la)
+
+    s = sub.add_parser("log-to", help="forward a run's metrics to tensorboard, wandb, mlflow, trackio",
+                       description="Forward the step records of a run directory to metric sinks from this process (a "
+                                   "finished run at once; a running one until it ends), as %%%%dist_train --log-to "
+                                   "does from the notebook.")  # fmt: skip
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a jupyter-dist run directory (with run.json)")
+    s.add_argument("sinks", metavar="SINKS", help="comma-separated: tensorboard, wandb, mlflow, trackio")
+    s.add_argument("--secret", action="append", default=[], metavar="NAME",
+                   help="an environment variable the sinks need (checked, read by name, never written)")  # fmt: skip
     return parser
 
 
@@ -479,6 +488,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return {"healthy": 0, "degraded": 1}.get(report.verdict, 3)
 
 
+def _cmd_log_to(args: argparse.Namespace) -> int:
+    from .launch.run import open_run
+
+    run = open_run(args.run_dir)
+    forwarder = run.log_to(args.sinks, secrets=args.secret)
+    forwarder.wait()
+    print(f"{run.name}: {forwarder.describe()}")
+    return 1 if forwarder.errors else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jupyter-dist`` console script."""
     parser = build_parser()
@@ -490,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .launch.scriptrun import cmd_launch
 
         commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
-                    "launch": cmd_launch}  # fmt: skip
+                    "launch": cmd_launch, "log-to": _cmd_log_to}  # fmt: skip
         return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import descendants_gone
 from IPython.core.error import UsageError
 
 from jupyter_dist.integrations import auto_enabled
@@ -163,6 +164,7 @@ def test_a_missing_framework_gives_the_install_hint(sub: str, mod: str, extra: s
     assert f'pip install "jupyter-dist[{extra}]"' in line, out.stderr
 
 
+@pytest.mark.slow
 def test_hf_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Path) -> None:
     """Prelude + an unmodified Trainer (plus a hand-added callback): one jd.log per step, its logs in the records."""
     pytest.importorskip("transformers")
@@ -188,6 +190,7 @@ def test_hf_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Pat
     assert summary["step"] == 6 and summary["train_runtime"] > 0
 
 
+@pytest.mark.slow
 def test_hf_autoattach_can_be_turned_off(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = run_prelude_script("import transformers.trainer as t\nprint('DEFAULTS', len(t.DEFAULT_CALLBACKS))\n",
@@ -196,6 +199,7 @@ def test_hf_autoattach_can_be_turned_off(tmp_path: Path) -> None:
     assert "DEFAULTS 1" in out.stdout
 
 
+@pytest.mark.slow
 def test_lightning_trainer_gets_the_callback_once_even_when_added_by_hand(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     cell = "from jupyter_dist.integrations.lightning import JupyterDistCallback\n"
@@ -238,15 +242,20 @@ def loss_panel(run: Any) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tensorboard(ip: Any, runs: Path) -> None:
+def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tensorboard(
+    ip: Any, runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    line = "--nproc 2 --name hf_run --log-to tensorboard --telemetry-interval 0 --timeout 400"
+    monkeypatch.setenv("JD_TEST_SINK_SECRET", "hunter2-d4e1c0")
+    line = "--nproc 2 --name hf_run --log-to tensorboard --secret JD_TEST_SINK_SECRET --telemetry-interval 0 "
+    line += "--timeout 400"
     run = ip.run_cell_magic("dist_train", line, hf_cell(8))
     run.wait(420)
     assert run.status == "succeeded", run.summary()
+    assert descendants_gone(run)
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
         assert [r["step"] for r in recs if "loss" in r] == [2, 4, 6, 8], f"rank {rank}: {recs}"
@@ -263,7 +272,10 @@ def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tenso
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in rank0], rel=1e-6)
-    assert json.loads((run.dir / "run.json").read_text())["log_to"] == ["tensorboard"]
+    meta = json.loads((run.dir / "run.json").read_text())
+    assert meta["log_to"] == ["tensorboard"] and meta["sink_secrets"] == ["JD_TEST_SINK_SECRET"]
+    written = [p for p in run.dir.rglob("*") if p.is_file() and b"hunter2-d4e1c0" in p.read_bytes()]
+    assert written == []  # the secret's value is in no file of the run
     assert "metrics -> tensorboard" in run.summary()
 
 
@@ -274,6 +286,7 @@ def test_lightning_ddp_on_two_processes_under_dist_train_fills_the_panels(ip: An
     run = ip.run_cell_magic("dist_train", line, lightning_cell(2, '"ddp"'))
     run.wait(420)
     assert run.status == "succeeded", run.summary() + run.logs(0, tail=40)
+    assert descendants_gone(run)
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
         train = [r for r in recs if "loss" in r]

@@ -3,8 +3,8 @@
 The telemetry the forwarder follows is written by the real in-worker ``Emitter`` (one process per rank is not needed
 to test the kernel side: the files are the contract). TensorBoard is read back with its own ``EventAccumulator``,
 MLflow's local file store with ``MlflowClient``, Trackio's local database with its own storage reader, W&B's offline
-run with its own datastore reader. wandb and mlflow are heavy optional extras, not in the ``test`` extra: those tests
-skip with the reason when the library is missing.
+run with its own datastore reader. wandb is an optional extra, not in the ``test`` extra: its test skips with the
+reason when the library is missing (the ``test`` extra has mlflow-skinny: the SQLite-store case needs full mlflow).
 """
 
 from __future__ import annotations
@@ -150,6 +150,27 @@ def test_forwarder_follows_a_live_run_and_a_failing_sink_leaves_the_others_going
     assert fwd.forwarded == STEPS and "off: broken" in fwd.describe()
 
 
+def test_a_slow_tracking_service_never_blocks_the_caller(tmp_path: Path) -> None:
+    """Opening (a W&B login) and logging happen on the forwarder's thread: start() returns at once."""
+    import time
+
+    write_run(tmp_path / "r")
+    release = threading.Event()
+    rec = Recorder()
+
+    def opener(name: str, ctx: SinkContext) -> Any:
+        release.wait(30)
+        return rec
+
+    fwd = SinkForwarder(tmp_path / "r" / "telemetry", ["recorder"], SinkContext(run_name="r", run_dir=tmp_path / "r"),
+                        done=lambda: True, interval=0.05, opener=opener)  # fmt: skip
+    t0 = time.perf_counter()
+    fwd.start()
+    assert time.perf_counter() - t0 < 2.0 and not fwd.finished.is_set()  # the opener blocks for up to 30 s
+    release.set()
+    assert fwd.wait(10) and len(rec.logged) == STEPS
+
+
 def test_a_sink_that_cannot_open_is_reported_and_the_forwarder_still_ends(tmp_path: Path) -> None:
     write_run(tmp_path / "r")
 
@@ -189,6 +210,9 @@ def test_mlflow_local_store_read_back_with_mlflows_client(store: str, tmp_path: 
         uri = (tmp_path / "mlruns").as_uri()
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     else:
+        for module in ("sqlalchemy", "alembic"):
+            if importlib.util.find_spec(module) is None:
+                pytest.skip(f"MLflow's SQLite store needs {module} (full mlflow; the test extra has mlflow-skinny)")
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "jd-sinks-test")
@@ -271,3 +295,56 @@ def test_non_finite_losses_are_kept_for_the_sinks(tmp_path: Path) -> None:
 def test_module_names_every_sink_it_builds() -> None:
     assert set(sinks_mod._CLASSES) == set(SINKS) == {"tensorboard", "wandb", "mlflow", "trackio"}
     assert os.environ.get("JD_RUN_DIR") is None  # the kernel side: never a launched worker
+
+
+# ---------------------------------------------------------------------------------------------- CLI and Run
+def recorded_run_dir(tmp_path: Path, status: str = "succeeded") -> tuple[Path, dict[int, float]]:
+    from jupyter_dist.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path / "cli-run").create()
+    rd.write_meta({"name": "cli-run", "status": status, "world_size": 2, "strategy": "ddp"})
+    return rd.path, write_run(rd.path)
+
+
+def test_cli_log_to_forwards_a_recorded_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    need("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jupyter_dist.cli import main
+
+    path, losses = recorded_run_dir(tmp_path)
+    assert main(["log-to", str(path), "tensorboard"]) == 0
+    assert capsys.readouterr().out.strip() == f"cli-run: metrics -> tensorboard ({STEPS} step records)"
+    acc = EventAccumulator(str(path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx([losses[s] for s in range(STEPS)])
+    assert json.loads((path / "run.json").read_text())["log_to"] == ["tensorboard"]
+
+
+def test_cli_log_to_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from jupyter_dist.cli import main
+
+    path, _ = recorded_run_dir(tmp_path)
+    assert main(["log-to", str(path), "tensorboard,neptune"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("jupyter-dist log-to: error: --log-to: unknown sink 'neptune'; valid: tensorboard, wandb, mlflow, "
+                   "trackio (comma-separated)")  # fmt: skip
+    assert main(["log-to", str(tmp_path / "nowhere"), "tensorboard"]) == 2
+    assert "is not a jupyter-dist run directory" in capsys.readouterr().err
+
+
+def test_run_log_to_refuses_a_second_forwarder_while_one_runs(tmp_path: Path) -> None:
+    need("tensorboard")
+    from jupyter_dist.launch.run import open_run
+
+    path, _ = recorded_run_dir(tmp_path, status="running")  # no pids: the run never ends by itself here
+    run = open_run(path)
+    try:
+        fwd = run.log_to("tensorboard", interval=0.05)
+        with pytest.raises(JupyterDistError, match="already forwards its metrics"):
+            run.log_to("tensorboard")
+        with pytest.raises(JupyterDistError, match="name at least one sink"):
+            run.log_to([])
+    finally:
+        run.sinks.stop()
+    assert fwd.finished.is_set() and fwd.forwarded == STEPS

@@ -2,7 +2,9 @@
 
 ``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
 
-Planned split: a ``jupyter_dist/magics/`` package, one module per group of magics (runs, planning, the runs table).
+One piece (about 650 lines): :class:`DistMagics` is one IPython ``Magics`` class whose magics share its state (the
+last run that ``%dist_status``/``%dist_stop`` act on, the runs folder); the pool's magics (:mod:`.pool`) and the line
+parser (:mod:`.args`) are apart.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ same files the panels read, written locally or routed from a cluster job's log s
 of rank 0 to every sink. The ranks never talk to a tracking service, so training never waits on one; a sink that
 fails is switched off with its error kept in :attr:`SinkForwarder.errors`, and the others go on.
 
-Every sink implements the two-method protocol ``log(metrics, step)`` / ``close()`` (:class:`MetricSink`):
+Every sink implements the two-method protocol ``log(metrics, step)`` / ``close()`` (:class:`MetricSink`); one that
+batches also has ``flush()``, called after each poll's records:
 
 ``tensorboard``
     event files in ``<run dir>/tensorboard/`` (``JD_TENSORBOARD_DIR`` overrides), written with TensorBoard's own
@@ -22,13 +23,15 @@ Every sink implements the two-method protocol ``log(metrics, step)`` / ``close()
     ``TRACKIO_*`` variables name.
 
 Credentials are passed by name: ``--secret WANDB_API_KEY`` says the sink needs that variable of the kernel's
-environment. :func:`check_sinks` checks it is set before anything is launched; its value stays in the kernel's memory
-(the libraries read it from the environment there), never in ``run.json`` and never on the ranks of a local run.
+environment. :func:`check_sinks` checks it is set before anything is launched; the libraries read the value from the
+kernel's environment, and jupyter-dist writes it nowhere (``run.json`` keeps the names only; a local run's ranks
+inherit the kernel's environment as they always do, a cluster job gets it only through ``--secret``).
 Each sink's library is an optional extra: a missing one fails at once with its install hint.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import math
@@ -36,6 +39,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,17 +228,25 @@ class MlflowSink:
         exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
         run = self.client.create_run(exp_id, run_name=ctx.run_name, tags={"jupyter_dist.run_dir": str(ctx.run_dir)})
         self.run_id: str = run.info.run_id
+        self._pending: list[Any] = []
         for key, value in ctx.config.items():
             self.client.log_param(self.run_id, key, value)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """One ``log_batch`` with every metric at ``step``."""
+        """Queue every metric at ``step``; :meth:`flush` sends them."""
         now = int(time.time() * 1000)
-        batch = [self._metric(key=_mlflow_key(k), value=v, timestamp=now, step=step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        metric = self._metric
+        self._pending += [metric(key=_mlflow_key(k), value=v, timestamp=now, step=step) for k, v in metrics.items()]
+
+    def flush(self) -> None:
+        """Send what is queued in ``log_batch`` calls of up to 1000 metrics (MLflow's limit per call)."""
+        while self._pending:
+            batch, self._pending = self._pending[:1000], self._pending[1000:]
+            self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self) -> None:
-        """Mark the run finished."""
+        """Send what is queued and mark the run finished."""
+        self.flush()
         self.client.set_terminated(self.run_id)
 
 
@@ -320,8 +332,9 @@ class SinkForwarder:
         self._thread: threading.Thread | None = None
 
     def start(self) -> SinkForwarder:
-        """Open the sinks and follow the run on a daemon thread."""
+        """Open the sinks and follow the run on a daemon thread (closed at interpreter exit at the latest)."""
         if self._thread is None:
+            _LIVE.add(self)
             self._thread = threading.Thread(target=self._run, name="jupyter-dist-sinks", daemon=True)
             self._thread.start()
         return self
@@ -365,13 +378,21 @@ class SinkForwarder:
             step, metrics = got
             metrics = {k: v for k, v in metrics.items() if math.isfinite(v) or k == "loss"}
             self.forwarded += 1
-            for sink in list(self.sinks):
-                if sink.name in self.errors:
-                    continue
+            for sink in self._working():
                 try:
                     sink.log(metrics, step)
                 except Exception as exc:
                     self._fail(sink.name, exc)
+        for sink in self._working():  # sinks that batch (MLflow) send once per poll
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                try:
+                    flush()
+                except Exception as exc:
+                    self._fail(sink.name, exc)
+
+    def _working(self) -> list[MetricSink]:
+        return [s for s in self.sinks if s.name not in self.errors]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the sinks are closed (after the run ended); returns whether they are."""
@@ -389,3 +410,13 @@ class SinkForwarder:
         if self.errors:
             text += "; off: " + "; ".join(f"{k} ({v})" for k, v in self.errors.items())
         return text
+
+
+_LIVE: weakref.WeakSet[SinkForwarder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_forwarders() -> None:  # the kernel is going away: forward what was written, close the sinks' runs
+    for forwarder in list(_LIVE):
+        if not forwarder.finished.is_set():
+            forwarder.stop(timeout=10.0)
