@@ -153,7 +153,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--efficiency",
         type=float_arg(0.0, 1.0, lo_open=True),
-        help="assumed fraction of peak FLOPs matmuls reach (0.5)",
+        help="fraction of peak FLOPs the matmuls reach (default: the GPU's published figure, or its calibration)",
     )
 
 
@@ -293,6 +293,8 @@ def plan_from_args(args: argparse.Namespace) -> Any:
             raise JupyterDistError(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
         acc = replace(acc, bf16_flops=args.gpu_tflops * 1e12 if acc.supports_bf16 else 0.0,
                       fp16_flops=args.gpu_tflops * 1e12)  # fmt: skip
+    if args.efficiency is not None:
+        acc = replace(acc, matmul_efficiency=args.efficiency, calibration="--efficiency")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise JupyterDistError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
     hardware = Hardware.from_names(acc, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
@@ -305,8 +307,6 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     assume: dict[str, Any] = {}
     if args.min_headroom is not None:
         assume["min_headroom"] = args.min_headroom
-    if args.efficiency is not None:
-        assume["compute_efficiency"] = args.efficiency
     return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                 sp=args.sp, assumptions=Assumptions(**assume))  # fmt: skip
 

@@ -11,7 +11,7 @@ from .hardware import Hardware
 from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per_param
 from .model import ModelSpec, get_preset
 from .parallel import ParallelDims
-from .perf import estimate_time
+from .perf import estimate_time, matmul_efficiency
 from .plan import Candidate, Plan
 from .strategies import STRATEGIES, StrategySpec, get_strategy
 from .training import Checkpointing, Precision, TrainingShape
@@ -334,8 +334,20 @@ def _reasons(
         out.append(
             f"Recommended {best.name}: the fastest of {pool} candidate(s) that fit with >= "
             f"{100 * a.min_headroom:.0f}% headroom (simplest within 3%): {tm.step_time_s:.3g} s/step, "
-            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}% (at an assumed "
-            f"{100 * a.compute_efficiency:.0f}% of peak for matmuls), bound by {tm.bound_label}."
+            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}%, bound by {tm.bound_label}; the step is "
+            f"{tm.describe()}."
+        )
+        acc = hw.accelerator
+        rate = matmul_efficiency(acc.matmul_efficiency, model.hidden)
+        if acc.calibration.startswith("--"):
+            source = f"as given with {acc.calibration}"
+        elif acc.calibration:
+            source = f"calibrated on this hardware: {acc.calibration}"
+        else:
+            source = f"from published measured utilisation on {acc.label}; %dist_tune measures it here"
+        out.append(
+            f"Matmuls at {100 * rate:.0f}% of the {acc.peak_flops(t.precision.compute_dtype) / 1e12:.0f} TFLOP/s peak "
+            f"({source})."
         )
         dp = best.dims.dp
         gbatch = t.micro_batch * best.grad_accum * dp
