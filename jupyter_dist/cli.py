@@ -155,6 +155,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         type=float_arg(0.0, 1.0, lo_open=True),
         help="fraction of peak FLOPs the matmuls reach (default: the GPU's published figure, or its calibration)",
     )
+    _bool_flag(par, "calibration", True, "use this hardware's %%dist_tune calibration when one is saved (default on)")
 
 
 def add_render_arguments(p: argparse.ArgumentParser) -> None:
@@ -307,8 +308,13 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     assume: dict[str, Any] = {}
     if args.min_headroom is not None:
         assume["min_headroom"] = args.min_headroom
+    calibration = None
+    if getattr(args, "calibration", True) and args.efficiency is None:  # --efficiency wins over a measurement
+        from .plan.calibration import load_calibration
+
+        calibration = load_calibration(acc.name)
     return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                sp=args.sp, assumptions=Assumptions(**assume))  # fmt: skip
+                sp=args.sp, assumptions=Assumptions(**assume), calibration=calibration)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
