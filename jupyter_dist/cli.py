@@ -356,6 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
                                    "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
     add_check_arguments(k)
+    from .launch.tune import add_tune_arguments
+
+    t = sub.add_parser("tune", help="measure the plan's top candidates on this hardware; save a calibration",
+                       description="Plan (same flags as `plan`), run the top candidates (and micro-batch sizes around "
+                                   "the planned one) for a few steps each on fresh torchrun processes, show predicted "
+                                   "against measured step time, tokens/s and peak memory per rank, and save a "
+                                   "calibration that later plans on this hardware use.")  # fmt: skip
+    add_plan_arguments(t)
+    add_tune_arguments(t)
+    t.add_argument("--script", metavar="FILE", help="the training script (default: the reference transformer)")
+    t.add_argument("--json", action="store_true", help="print one JSON object: trials, calibration, plan")
     return parser
 
 
@@ -472,6 +483,47 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run.status == "succeeded" else 1
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .launch.tune import tune_from_args
+
+    code = None
+    if args.script:
+        try:
+            code = open(args.script, encoding="utf-8").read()
+        except OSError as exc:
+            raise JupyterDistError(f"--script {args.script}: {exc.strerror}") from None
+    shown = [0]
+
+    def progress(result: Any) -> None:  # a line per finished trial
+        for trial in result.trials[shown[0] :]:
+            if not args.json:
+                print(f"  {trial.label}: {trial.status}" + (f" ({trial.error})" if trial.error else ""), flush=True)
+        shown[0] = len(result.trials)
+
+    result = tune_from_args(args, code=code, on_trial=progress)
+    if args.json:
+        print(json.dumps({
+            "trials": [{"candidate": t.candidate, "micro_batch": t.micro_batch, "status": t.status, "error": t.error,
+                        "predicted": {"step_time_s": t.predicted.time.step_time_s,
+                                      "tokens_per_s": t.predicted.time.tokens_per_s,
+                                      "peak_bytes": t.predicted.memory.total},
+                        "measured": None if t.measured is None else {
+                            "step_time_s": t.measured.step_time_s, "tokens_per_s": t.measured.tokens_per_s,
+                            "peak_bytes": {str(k): v for k, v in t.measured.peak_bytes.items()},
+                            "memory_kind": t.measured.memory_kind},
+                        "run_dir": t.run_dir} for t in result.trials],
+            "calibration": result.calibration.to_dict() if result.calibration is not None else None,
+            "calibration_path": result.calibration_path or None,
+            "plan": result.plan.to_dict() if result.plan is not None else None,
+        }, indent=2))  # fmt: skip
+    else:
+        print(result.to_text())
+        if result.plan is not None:
+            print()
+            print(result.plan.to_text())
+    return 0 if result.plan is not None else 1
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     report: Any = check_from_args(args)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
@@ -486,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check}
+        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
+                    "tune": _cmd_tune}  # fmt: skip
         return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)

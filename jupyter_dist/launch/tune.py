@@ -28,7 +28,18 @@ from typing import Any
 
 from ..errors import JupyterDistError
 
-__all__ = ["TUNE_CELL", "Measured", "Trial", "TuneResult", "measure_run", "fit_calibration", "tune"]
+__all__ = [
+    "TUNE_CELL",
+    "Measured",
+    "Trial",
+    "TuneResult",
+    "add_tune_arguments",
+    "fit_calibration",
+    "measure_run",
+    "trial_grid",
+    "tune",
+    "tune_from_args",
+]
 
 TUNE_CELL = """
 import os
@@ -276,59 +287,73 @@ class TuneResult:
 # ---------------------------------------------------------------------------------------------------------------
 # Calibration fit
 # ---------------------------------------------------------------------------------------------------------------
-def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
-    """Fit the matmul rate and per-operator cost to the trials' measured step times; ``None`` without a measurement.
+COMM_PARTS = ("dp_comm", "tp_comm", "pp_p2p", "cp_comm", "ep_comm", "offload")
+"""Breakdown parts that scale with the links' speed (the calibration's ``comm_scale``)."""
 
-    Each trial's predicted parts are split into the matmul part ``a`` (at the published rate ``e0``), the overhead part
-    ``b`` (at the published per-operator cost ``o0``) and the rest ``c``; the measured time ``T = a x + b y + c`` is
-    solved by least squares for ``x = e0 / e`` and ``y = o / o0`` (one of them alone when the trials cannot tell the
-    two apart).
+
+def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
+    """Fit the matmul rate, per-operator cost and communication speed to the trials' measured step times.
+
+    Each trial's predicted step is split into the matmul part ``a`` (at the published rate), the overhead part ``b``
+    (at the published per-operator cost), the communication parts ``c`` and the rest ``d``; the measured time
+    ``T = a x + b y + c z + d`` is solved by least squares for the three scales, with a weak pull towards 1 (the
+    published figures), so that trials which cannot tell two parts apart share the correction between them.
+    ``None`` when no trial measured a step.
     """
     from ..plan.calibration import Calibration, hardware_key
 
-    ok = [t for t in trials if t.ok]
+    ok = [t for t in trials if t.ok and t.accelerator is not None]
     if not ok:
         return None
     acc = ok[0].accelerator
-    if acc is None:
-        return None
     rows = []
     for t in ok:
         bd = t.predicted.time.breakdown
         a, b = bd.get("matmul", 0.0), bd.get("overhead", 0.0)
-        c = t.predicted.time.step_time_s - a - b
-        rows.append((a, b, max(0.0, t.measured.step_time_s - c)))  # type: ignore[union-attr]
-    x, y = _least_squares(rows)
-    eff = min(1.0, max(1e-4, acc.matmul_efficiency / x)) if x > 0 else acc.matmul_efficiency
-    over = max(0.0, acc.op_overhead_s * y)
+        c = sum(bd.get(k, 0.0) for k in COMM_PARTS)
+        d = t.predicted.time.step_time_s - a - b - c
+        rows.append(([a, b, c], t.measured.step_time_s - d))  # type: ignore[union-attr]
+    x, y, z = _ridge(rows)
     errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
-    offsets = [t.measured.peak - t.predicted.memory.total for t in ok if t.measured and t.measured.peak]  # type: ignore[union-attr]
+    offsets = [t.measured.peak - t.predicted.memory.total for t in ok if t.measured and t.measured.peak]
     return Calibration(
-        hardware_key=hardware_key(acc.name), accelerator=acc.name, matmul_efficiency=eff, op_overhead_s=over,
-        memory_offset_bytes=int(max(offsets, default=0)), trials=len(ok), step_error=statistics.fmean(errors),
-        measured_at=time.time(), source=source,
+        hardware_key=hardware_key(acc.name), accelerator=acc.name,
+        matmul_efficiency=min(1.0, max(1e-4, acc.matmul_efficiency / x)), op_overhead_s=acc.op_overhead_s * y,
+        comm_scale=z, memory_offset_bytes=int(max(offsets, default=0)), trials=len(ok),
+        step_error=statistics.fmean(errors), measured_at=time.time(), source=source,
     )  # fmt: skip
 
 
-def _least_squares(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Non-negative ``(x, y)`` minimising ``sum (a x + b y - r)^2`` over ``(a, b, r)`` rows."""
-    saa = sum(a * a for a, _, _ in rows)
-    sbb = sum(b * b for _, b, _ in rows)
-    sab = sum(a * b for a, b, _ in rows)
-    sar = sum(a * r for a, _, r in rows)
-    sbr = sum(b * r for _, b, r in rows)
-    det = saa * sbb - sab * sab
-    if det > 1e-12 * max(saa * sbb, 1e-300):
-        x = (sar * sbb - sbr * sab) / det
-        y = (sbr * saa - sar * sab) / det
-        if x > 0 and y >= 0:
-            return x, y
-    # one parameter: scale the larger part alone, keep the other at its published value
-    if saa >= sbb and saa > 0:
-        return max(1e-9, (sar - sab) / saa), 1.0
-    if sbb > 0:
-        return 1.0, max(0.0, (sbr - sab) / sbb)
-    return 1.0, 1.0
+def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
+    """Scales ``s`` (one per column, in [0.01, 1e4]) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``.
+
+    ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds; a column
+    that is zero in every row keeps its scale at 1.
+    """
+    k = len(rows[0][0])
+    norm = [sum(r[0][i] ** 2 for r in rows) for i in range(k)]
+    m = [[sum(r[0][i] * r[0][j] for r in rows) + (pull * norm[i] if i == j else 0.0) for j in range(k)]
+         for i in range(k)]  # fmt: skip
+    v = [sum(r[0][i] * r[1] for r in rows) + pull * norm[i] for i in range(k)]
+    for i in range(k):  # a part absent from every trial: pin its scale at 1
+        if norm[i] == 0.0:
+            m[i] = [1.0 if j == i else 0.0 for j in range(k)]
+            v[i] = 1.0
+            for r in range(k):
+                if r != i:
+                    m[r][i] = 0.0
+    for col in range(k):  # Gauss-Jordan with partial pivoting
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        v[col], v[piv] = v[piv], v[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(k):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+                v[r] -= f * v[col]
+    return [min(1e4, max(1e-2, v[i] / m[i][i])) if m[i][i] else 1.0 for i in range(k)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,6 +384,37 @@ def _classify(run: Any) -> tuple[str, str]:
     return "failed (measured)", f"{run.status}: {last[:160]}"
 
 
+def trial_grid(
+    plan: Any, *, top: int = 3, candidates: Sequence[str] | None = None, micro_batches: Sequence[int] | None = None,
+) -> tuple[list[Any], list[int]]:
+    """The candidates to measure (the plan's ``top`` fitting ones, or those named) and the micro-batch sizes.
+
+    The sizes default to the planned one and its neighbours (half and double); a neighbour the plan says does not
+    fit is skipped when the trials run.
+    """
+    if candidates:
+        chosen = []
+        for cname in candidates:
+            try:
+                chosen.append(plan.candidate(cname))
+            except KeyError:
+                raise JupyterDistError(
+                    f"no candidate {cname!r} in the plan; have: {', '.join(c.name for c in plan.candidates)}"
+                ) from None
+    else:
+        chosen = [c for c in plan.candidates if c.fits][:top]
+        if not chosen:
+            raise JupyterDistError("nothing in the plan fits: there is no candidate to measure")
+    planned = plan.training.micro_batch
+    if micro_batches is None:
+        sizes = sorted({planned, *(b for b in (planned // 2, planned * 2) if b >= 1)})
+    else:
+        sizes = sorted(set(micro_batches))
+        if not sizes or min(sizes) < 1:
+            raise JupyterDistError(f"--micro-batches must be positive integers, got {list(micro_batches)}")
+    return chosen, sizes
+
+
 def tune(
     code: str | None, plan: Any, *, top: int = 3, micro_batches: Sequence[int] | None = None,
     candidates: Sequence[str] | None = None, steps: int = 8, nproc: int | None = None, nodes: int | None = None,
@@ -381,26 +437,8 @@ def tune(
         raise JupyterDistError(f"--steps must be 1..10000, got {steps}")
     if steps <= WARMUP_STEPS:
         raise JupyterDistError(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {steps}")
-    if candidates:
-        chosen = []
-        for cname in candidates:
-            try:
-                chosen.append(plan.candidate(cname))
-            except KeyError:
-                raise JupyterDistError(
-                    f"no candidate {cname!r} in the plan; have: {', '.join(c.name for c in plan.candidates)}"
-                ) from None
-    else:
-        chosen = [c for c in plan.candidates if c.fits][:top]
-        if not chosen:
-            raise JupyterDistError("nothing in the plan fits: there is no candidate to measure")
+    chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches)
     planned = plan.training.micro_batch
-    if micro_batches is None:
-        sizes = sorted({planned, *(b for b in (planned // 2, planned * 2) if b >= 1)})
-    else:
-        sizes = sorted(set(micro_batches))
-        if not sizes or min(sizes) < 1:
-            raise JupyterDistError(f"--micro-batches must be positive integers, got {list(micro_batches)}")
     model = plan.model
     cell = code if code and code.strip() else TUNE_CELL
     world = plan.hardware.world_size
@@ -492,3 +530,63 @@ def _finish(result: TuneResult, *, save: bool, source: str) -> None:
 
 def _has(plan: Any, name: str) -> bool:
     return any(c.name == name for c in plan.candidates)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags (shared by ``jupyter-dist tune`` and ``%dist_tune``)
+# ---------------------------------------------------------------------------------------------------------------
+def add_tune_arguments(p: Any) -> None:
+    """The tune flags; the plan flags (``add_plan_arguments``) say what is planned."""
+    from ..cli import MAX_SECONDS, float_arg, int_arg
+
+    g = p.add_argument_group("tune")
+    g.add_argument("--top", type=int_arg(1, 32), default=3, help="measure the plan's N best fitting candidates (3)")
+    g.add_argument("--candidates", metavar="A,B,...", help="measure these candidates instead (names the plan prints)")
+    g.add_argument("--micro-batches", metavar="N,M,...",
+                   help="micro-batch sizes to try (default: the planned one, half and double)")  # fmt: skip
+    g.add_argument("--steps", type=int_arg(WARMUP_STEPS + 1, 10_000), default=8,
+                   help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
+    g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
+                   help="stop a trial after S seconds (a result: failed, measured; default 300)")  # fmt: skip
+    g.add_argument("--no-save", action="store_true", help="do not save the calibration for this hardware")
+    g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
+                   help="where the trials' run directories go (default ./runs)")  # fmt: skip
+    g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
+                   help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
+
+
+def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[Any] | None:
+    if not text:
+        return None
+    try:
+        return [conv(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise JupyterDistError(f"{what} wants a comma-separated list, got {text!r}") from None
+
+
+def tune_from_args(
+    args: Any, *, plan: Any = None, code: str | None = None, runs_dir: str | None = None,
+    on_trial: Callable[[TuneResult], None] | None = None, cluster: Any = None,
+) -> TuneResult:
+    """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
+    from ..cli import plan_from_args
+    from .session import local_gpu_count
+
+    if plan is None:
+        plan = plan_from_args(args)
+    backend = args.backend or "local"
+    acc = plan.hardware.accelerator
+    if backend == "local":
+        gpus = local_gpu_count()
+        if acc.vendor == "cpu" and gpus:
+            pass  # CPU processes on a GPU machine are fine: the plan is for them
+        elif acc.vendor != "cpu" and gpus < plan.hardware.gpus_per_node:
+            raise JupyterDistError(
+                f"the plan is for {plan.hardware.gpus_per_node} x {acc.label} per node but this machine has {gpus} "
+                "GPU(s): tune locally with --gpu cpu --gpus-per-node N (CPU processes), or use --backend slurm/skypilot"
+            )
+    sizes = _csv(getattr(args, "micro_batches", None), "--micro-batches", int)
+    names = _csv(getattr(args, "candidates", None), "--candidates")
+    return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
+                backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
+                trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip

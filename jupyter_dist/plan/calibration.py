@@ -58,6 +58,9 @@ class Calibration:
     """Seconds of host-side cost per operator (fitted over the trials)."""
     memory_offset_bytes: int
     """Measured peak per rank minus the planned peak (the largest over the trials; negative: the plan was high)."""
+    comm_scale: float = 1.0
+    """Measured over modelled communication time (> 1: the links or the collective library are slower than the
+    catalog's bus bandwidth; applied as a lower link efficiency)."""
     trials: int
     """Measured trials behind the fit."""
     step_error: float = 0.0
@@ -70,15 +73,16 @@ class Calibration:
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1:
             raise PlanInputError(f"calibration matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
-        if self.op_overhead_s < 0 or self.trials < 1:
-            raise PlanInputError("calibration op_overhead_s must be >= 0 and trials >= 1")
+        if self.op_overhead_s < 0 or self.trials < 1 or self.comm_scale <= 0:
+            raise PlanInputError("calibration op_overhead_s must be >= 0, comm_scale > 0 and trials >= 1")
 
     def describe(self) -> str:
         """One line: what was measured, when, and from how many trials."""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at)) if self.measured_at else "?"
         return (
             f"{self.trials} measured trial(s) on {when}: matmuls at {100 * self.matmul_efficiency:.2g}% of peak, "
-            f"{1e6 * self.op_overhead_s:.3g} us per operator, memory {self.memory_offset_bytes / 2**20:+,.0f} MiB "
+            f"{1e6 * self.op_overhead_s:.3g} us per operator, communication x{self.comm_scale:.3g} the model's, "
+            f"memory {self.memory_offset_bytes / 2**20:+,.0f} MiB "
             f"per rank against the model ({self.path()})"
         )
 
@@ -86,7 +90,11 @@ class Calibration:
         """``hardware`` with the measured rates (the plan then says it uses them)."""
         acc = replace(hardware.accelerator, matmul_efficiency=self.matmul_efficiency,
                       op_overhead_s=self.op_overhead_s, calibration=self.describe())  # fmt: skip
-        return replace(hardware, accelerator=acc)
+        ic = hardware.interconnect
+        return replace(
+            hardware, accelerator=acc, intra_node_efficiency=min(1.0, hardware.intra_node_efficiency / self.comm_scale),
+            interconnect=replace(ic, efficiency=min(1.0, ic.efficiency / self.comm_scale)),
+        )  # fmt: skip
 
     def path(self) -> Path:
         """The file this calibration is saved to."""
