@@ -1,6 +1,9 @@
 """``jupyter-dist`` command line: mirrors the magics. ``plan`` today; ``--json`` prints one JSON object.
 
 Exit codes: 0 success, 2 bad input (one line on stderr saying what is wrong and what is valid).
+
+Planned split: the flag groups of each command (plan, render, check, tune) and their ``*_from_args`` move into a
+``cli/`` package, one module per command, beside a small ``main``.
 """
 
 from __future__ import annotations
@@ -356,8 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
                                    "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
     add_check_arguments(k)
-    from .launch.tune import add_tune_arguments
-
     t = sub.add_parser("tune", help="measure the plan's top candidates on this hardware; save a calibration",
                        description="Plan (same flags as `plan`), run the top candidates (and micro-batch sizes around "
                                    "the planned one) for a few steps each on fresh torchrun processes, show predicted "
@@ -414,6 +415,66 @@ def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
     return run_check(nproc=args.nproc, nodes=args.nodes, sizes=parse_sizes(args.sizes), ops=ops, iters=args.iters,
                      plan=plan, hardware=hardware, expected_busbw=expected, timeout=args.timeout,
                      runs_dir=args.runs_dir)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tune: flags shared by ``jupyter-dist tune`` and ``%dist_tune``
+# ---------------------------------------------------------------------------------------------------------------
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """The tune flags; the plan flags (``add_plan_arguments``) say what is planned."""
+    from .launch.measure import WARMUP_STEPS
+
+    g = p.add_argument_group("tune")
+    g.add_argument("--top", type=int_arg(1, 32), default=3, help="measure the plan's N best fitting candidates (3)")
+    g.add_argument("--candidates", metavar="A,B,...", help="measure these candidates instead (names the plan prints)")
+    g.add_argument("--micro-batches", metavar="N,M,...",
+                   help="micro-batch sizes to try (default: the planned one, half and double)")  # fmt: skip
+    g.add_argument("--steps", type=int_arg(WARMUP_STEPS + 1, 10_000), default=8,
+                   help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
+    g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
+                   help="stop a trial after S seconds (a result: failed, measured; default 300)")  # fmt: skip
+    g.add_argument("--no-save", action="store_true", help="do not save the calibration for this hardware")
+    g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
+                   help="where the trials' run directories go (default ./runs)")  # fmt: skip
+    g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
+                   help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
+
+
+def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[Any] | None:
+    if not text:
+        return None
+    try:
+        return [conv(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise JupyterDistError(f"{what} wants a comma-separated list, got {text!r}") from None
+
+
+def tune_from_args(
+    args: argparse.Namespace, *, plan: Any = None, code: str | None = None, runs_dir: str | None = None,
+    on_trial: Callable[[Any], None] | None = None, cluster: Any = None,
+) -> Any:
+    """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
+    from .launch.session import local_gpu_count
+    from .launch.tune import tune
+
+    if plan is None:
+        plan = plan_from_args(args)
+    backend = args.backend or "local"
+    acc = plan.hardware.accelerator
+    if backend == "local":
+        gpus = local_gpu_count()
+        if acc.vendor == "cpu" and gpus:
+            pass  # CPU processes on a GPU machine are fine: the plan is for them
+        elif acc.vendor != "cpu" and gpus < plan.hardware.gpus_per_node:
+            raise JupyterDistError(
+                f"the plan is for {plan.hardware.gpus_per_node} x {acc.label} per node but this machine has {gpus} "
+                "GPU(s): tune locally with --gpu cpu --gpus-per-node N (CPU processes), or use --backend slurm/skypilot"
+            )
+    sizes = _csv(getattr(args, "micro_batches", None), "--micro-batches", int)
+    names = _csv(getattr(args, "candidates", None), "--candidates")
+    return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
+                backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
+                trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -484,8 +545,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from .launch.tune import tune_from_args
-
     code = None
     if args.script:
         try:

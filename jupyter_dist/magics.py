@@ -1,6 +1,9 @@
 """IPython magics: thin wrappers that parse a line, call the layers and display the result.
 
 ``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
+
+Planned split: into a ``magics/`` package (issue 17): the ``%%dist_train`` parser and handler, the plan/wizard/tune
+magics, and the run-inspection magics (status, logs, stop, attach) in modules of their own.
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def _wizard_parser() -> MagicArgumentParser:
 
 
 def _tune_parser() -> MagicArgumentParser:
-    from .launch.tune import add_tune_arguments
+    from .cli import add_tune_arguments
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
         prog="%dist_tune",
@@ -521,7 +524,7 @@ class DistMagics(Magics):
             print(self.tune_parser.format_help())
             return None
         args = self.tune_parser.parse_args(argv)
-        from .launch.tune import tune_from_args
+        from .cli import tune_from_args
 
         ns = self.shell.user_ns if self.shell is not None else {}
         plan = None

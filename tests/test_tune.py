@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from jupyter_dist.errors import JupyterDistError
-from jupyter_dist.launch.tune import Measured, Trial, TuneResult, _ridge, fit_calibration, trial_grid, tune
+from jupyter_dist.launch.measure import Measured, Trial, _ridge, fit_calibration
+from jupyter_dist.launch.tune import TuneResult, trial_grid, tune
 from jupyter_dist.plan import Hardware, ModelSpec, Plan, TrainingShape, plan
 from jupyter_dist.plan.calibration import Calibration, calibration_dir, hardware_key, load_calibration
 from jupyter_dist.plan.hardware import get_accelerator
@@ -37,7 +38,8 @@ def fake_trial(p: Plan, name: str, step_s: float, peak: int = 300 * 2**20) -> Tr
 # The fit and the calibration file
 # ---------------------------------------------------------------------------------------------------------------
 def test_ridge_recovers_known_scales() -> None:
-    rows = [([a, b, c], 2 * a + 3 * b + 0.5 * c) for a, b, c in [(1, 0.2, 0.1), (0.3, 1, 0.4), (0.5, 0.5, 1), (2, 1, 0)]]
+    parts = [(1, 0.2, 0.1), (0.3, 1, 0.4), (0.5, 0.5, 1), (2, 1, 0)]
+    rows = [([a, b, c], 2 * a + 3 * b + 0.5 * c) for a, b, c in parts]
     assert _ridge(rows, pull=0.0) == pytest.approx([2, 3, 0.5], rel=1e-9)
     # two parts no trial tells apart share the correction; a part absent everywhere stays at its published value
     x, y, z = _ridge([([1.0, 1.0, 0.0], 5.0)] * 2)
@@ -215,8 +217,8 @@ def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) 
     from jupyter_dist.telemetry.emitter import Emitter, JsonlFileSink, telemetry_path
 
     rd = RunDir(tmp_path / "r")
+    now = [1000.0]
     for rank in (0, 1):
-        now = [1000.0]
         em = Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(rd.path, rank))], clock=lambda: now[0],
                      interval_s=0.0)  # fmt: skip
         for step in range(6):

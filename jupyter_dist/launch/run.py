@@ -634,7 +634,7 @@ class Run:
         """
         if self.plan is None:
             return None
-        from .tune import measure_run
+        from .measure import measure_run
 
         try:
             cand = self.plan.candidate(self.candidate) if self.candidate else self.plan.best
@@ -656,7 +656,7 @@ class Run:
         Later plans on the same hardware (``%dist_plan``) use it and say so. Needs a finished run with a plan made
         for the hardware it ran on.
         """
-        from .tune import Trial, fit_calibration
+        from .measure import Trial, fit_calibration
 
         check = self.plan_check()
         if check is None or not check["comparable"] or check["measured"].step_time_s is None:

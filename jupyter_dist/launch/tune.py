@@ -19,7 +19,6 @@ model shape.
 from __future__ import annotations
 
 import html
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,18 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
+from .measure import WARMUP_STEPS, Measured, Trial, fit_calibration, measure_run
 
 __all__ = [
     "TUNE_CELL",
+    "WARMUP_STEPS",
     "Measured",
     "Trial",
     "TuneResult",
-    "add_tune_arguments",
     "fit_calibration",
     "measure_run",
     "trial_grid",
     "tune",
-    "tune_from_args",
 ]
 
 TUNE_CELL = """
@@ -69,130 +68,7 @@ for step in range(STEPS):
 """
 """The built-in trial cell: the reference transformer with the plan's model shape, random tokens."""
 
-WARMUP_STEPS = 2
-"""Steps left out of the step-time median (first-step allocation, lazy initialisation, compilation)."""
-
 _OOM_MARKERS = ("out of memory", "outofmemoryerror", "memoryerror", "cannot allocate memory", "killed by signal 9")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Measured:
-    """What one run measured."""
-
-    step_time_s: float | None
-    """Median seconds per step after the warm-up, on the slowest rank (``None``: too few steps logged)."""
-    tokens_per_s: float | None
-    """Tokens per second, whole job (from the ``tokens`` the cell logs; ``None`` when it logs none)."""
-    peak_bytes: dict[int, int] = field(default_factory=dict)
-    """Peak memory per rank: CUDA ``peak_allocated`` on GPUs, the process's ``max_rss`` on CPU."""
-    memory_kind: str = "rss"
-    """``"cuda"`` or ``"rss"``: what :attr:`peak_bytes` counts."""
-    steps: int = 0
-    """Steps logged (by the slowest rank)."""
-
-    @property
-    def peak(self) -> int:
-        """The largest rank's peak (bytes; 0 when none was recorded)."""
-        return max(self.peak_bytes.values(), default=0)
-
-
-def measure_run(run: Any, *, warmup: int = WARMUP_STEPS) -> Measured:
-    """Step time, tokens/s and peak memory per rank from a run's telemetry (any finished or running Run)."""
-    steps: dict[int, list[dict[str, Any]]] = {}
-    for rec in run.records("step"):
-        steps.setdefault(int(rec["rank"]), []).append(rec)
-    per_rank_time: list[float] = []
-    per_rank_tps: dict[int, float] = {}
-    logged = 0
-    for rank, recs in steps.items():
-        recs.sort(key=lambda r: r.get("seq", 0))
-        logged = max(logged, int(recs[-1].get("step", 0)) + 1)
-        # coalesced records carry n calls; weigh each record's step_time by its calls
-        times = [float(r["step_time"]) for r in recs[1:] if r.get("step_time") and int(r.get("step", 0)) >= warmup]
-        if times:
-            per_rank_time.append(statistics.median(times))
-        tps = [float(r["tokens_per_s"]) for r in recs[1:] if r.get("tokens_per_s") and int(r.get("step", 0)) >= warmup]
-        if tps:
-            per_rank_tps[rank] = statistics.median(tps)
-    step_time = max(per_rank_time) if per_rank_time else None
-    tokens = None
-    if per_rank_tps:
-        # ranks of a tensor/pipeline/context group share their tokens: count each data-parallel rank once
-        world = max(1, int(getattr(run, "world_size", len(per_rank_tps))))
-        dp = _dp_size(run, world)
-        tokens = sum(per_rank_tps.values()) * dp / max(1, len(per_rank_tps)) if dp else None
-    peaks: dict[int, int] = {}
-    kind = "rss"
-    for rec in run.records("mem"):
-        rank = int(rec["rank"])
-        if rec.get("peak_allocated") is not None:
-            kind = "cuda"
-            value = int(rec["peak_allocated"])
-        else:
-            value = int(rec.get("max_rss") or rec.get("rss") or 0)
-        peaks[rank] = max(peaks.get(rank, 0), value)
-    return Measured(step_time_s=step_time, tokens_per_s=tokens, peak_bytes=peaks, memory_kind=kind, steps=logged)
-
-
-def _dp_size(run: Any, world: int) -> int:
-    """Data-parallel ranks of a run (from its candidate's degrees when known, else all of them)."""
-    plan = getattr(run, "plan", None)
-    name = getattr(run, "candidate", None)
-    if plan is not None and name:
-        try:
-            return int(plan.candidate(name).dims.dp) if plan.world_size == world else world
-        except KeyError:
-            pass
-    return world
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Trial:
-    """One candidate at one micro-batch size: predicted, and what the run measured."""
-
-    candidate: str
-    """Candidate name (``"fsdp2"``, ``"fsdp2+tp2+sp"``)."""
-    micro_batch: int
-    """Sequences per rank per micro-batch."""
-    predicted: Any
-    """The plan's :class:`~jupyter_dist.plan.plan.Candidate` for this shape."""
-    status: str
-    """``"ok"``, ``"does not fit (measured)"`` or ``"failed (measured)"``."""
-    measured: Measured | None = None
-    """The measurement (``None`` when the run produced no step)."""
-    error: str = ""
-    """Why it failed, one line."""
-    run_dir: str = ""
-    """The trial's run directory."""
-    accelerator: Any = None
-    """The :class:`~jupyter_dist.plan.hardware.Accelerator` the prediction was made for."""
-
-    @property
-    def ok(self) -> bool:
-        """Whether the trial measured a step time."""
-        return self.status == "ok" and self.measured is not None and self.measured.step_time_s is not None
-
-    @property
-    def label(self) -> str:
-        """``candidate @ mb N``."""
-        return f"{self.candidate} @ mb {self.micro_batch}"
-
-    def row(self) -> list[str]:
-        """Table cells: trial, predicted / measured step, tokens/s, peak memory, status."""
-        p = self.predicted
-        m = self.measured
-        mib = 2**20
-
-        def fmt(v: float | None, spec: str) -> str:
-            return "-" if v is None else format(v, spec)
-
-        return [
-            self.label,
-            fmt(p.time.step_time_s, ".4g"), fmt(m.step_time_s if m else None, ".4g"),
-            fmt(p.time.tokens_per_s, ",.0f"), fmt(m.tokens_per_s if m else None, ",.0f"),
-            fmt(p.memory.total / mib, ",.0f"), fmt(m.peak / mib if m and m.peak else None, ",.0f"),
-            self.status if not self.error else f"{self.status}: {self.error}",
-        ]  # fmt: skip
 
 
 _COLUMNS = ["trial", "step s (plan)", "step s (measured)", "tok/s (plan)", "tok/s (measured)", "peak MiB (plan)",
@@ -282,78 +158,6 @@ class TuneResult:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         return {"text/plain": self.to_text(), "text/html": self.to_html()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Calibration fit
-# ---------------------------------------------------------------------------------------------------------------
-COMM_PARTS = ("dp_comm", "tp_comm", "pp_p2p", "cp_comm", "ep_comm", "offload")
-"""Breakdown parts that scale with the links' speed (the calibration's ``comm_scale``)."""
-
-
-def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
-    """Fit the matmul rate, per-operator cost and communication speed to the trials' measured step times.
-
-    Each trial's predicted step is split into the matmul part ``a`` (at the published rate), the overhead part ``b``
-    (at the published per-operator cost), the communication parts ``c`` and the rest ``d``; the measured time
-    ``T = a x + b y + c z + d`` is solved by least squares for the three scales, with a weak pull towards 1 (the
-    published figures), so that trials which cannot tell two parts apart share the correction between them.
-    ``None`` when no trial measured a step.
-    """
-    from ..plan.calibration import Calibration, hardware_key
-
-    ok = [t for t in trials if t.ok and t.accelerator is not None]
-    if not ok:
-        return None
-    acc = ok[0].accelerator
-    rows = []
-    for t in ok:
-        bd = t.predicted.time.breakdown
-        a, b = bd.get("matmul", 0.0), bd.get("overhead", 0.0)
-        c = sum(bd.get(k, 0.0) for k in COMM_PARTS)
-        d = t.predicted.time.step_time_s - a - b - c
-        rows.append(([a, b, c], t.measured.step_time_s - d))  # type: ignore[union-attr]
-    x, y, z = _ridge(rows)
-    errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
-    offsets = [t.measured.peak - t.predicted.memory.total for t in ok if t.measured and t.measured.peak]
-    return Calibration(
-        hardware_key=hardware_key(acc.name), accelerator=acc.name,
-        matmul_efficiency=min(1.0, max(1e-4, acc.matmul_efficiency / x)), op_overhead_s=acc.op_overhead_s * y,
-        comm_scale=z, memory_offset_bytes=int(max(offsets, default=0)), trials=len(ok),
-        step_error=statistics.fmean(errors), measured_at=time.time(), source=source,
-    )  # fmt: skip
-
-
-def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
-    """Scales ``s`` (one per column, in [0.01, 1e4]) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``.
-
-    ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds; a column
-    that is zero in every row keeps its scale at 1.
-    """
-    k = len(rows[0][0])
-    norm = [sum(r[0][i] ** 2 for r in rows) for i in range(k)]
-    m = [[sum(r[0][i] * r[0][j] for r in rows) + (pull * norm[i] if i == j else 0.0) for j in range(k)]
-         for i in range(k)]  # fmt: skip
-    v = [sum(r[0][i] * r[1] for r in rows) + pull * norm[i] for i in range(k)]
-    for i in range(k):  # a part absent from every trial: pin its scale at 1
-        if norm[i] == 0.0:
-            m[i] = [1.0 if j == i else 0.0 for j in range(k)]
-            v[i] = 1.0
-            for r in range(k):
-                if r != i:
-                    m[r][i] = 0.0
-    for col in range(k):  # Gauss-Jordan with partial pivoting
-        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
-        m[col], m[piv] = m[piv], m[col]
-        v[col], v[piv] = v[piv], v[col]
-        if abs(m[col][col]) < 1e-300:
-            continue
-        for r in range(k):
-            if r != col and m[r][col]:
-                f = m[r][col] / m[col][col]
-                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
-                v[r] -= f * v[col]
-    return [min(1e4, max(1e-2, v[i] / m[i][i])) if m[i][i] else 1.0 for i in range(k)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -531,62 +335,3 @@ def _finish(result: TuneResult, *, save: bool, source: str) -> None:
 def _has(plan: Any, name: str) -> bool:
     return any(c.name == name for c in plan.candidates)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Flags (shared by ``jupyter-dist tune`` and ``%dist_tune``)
-# ---------------------------------------------------------------------------------------------------------------
-def add_tune_arguments(p: Any) -> None:
-    """The tune flags; the plan flags (``add_plan_arguments``) say what is planned."""
-    from ..cli import MAX_SECONDS, float_arg, int_arg
-
-    g = p.add_argument_group("tune")
-    g.add_argument("--top", type=int_arg(1, 32), default=3, help="measure the plan's N best fitting candidates (3)")
-    g.add_argument("--candidates", metavar="A,B,...", help="measure these candidates instead (names the plan prints)")
-    g.add_argument("--micro-batches", metavar="N,M,...",
-                   help="micro-batch sizes to try (default: the planned one, half and double)")  # fmt: skip
-    g.add_argument("--steps", type=int_arg(WARMUP_STEPS + 1, 10_000), default=8,
-                   help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
-    g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
-                   help="stop a trial after S seconds (a result: failed, measured; default 300)")  # fmt: skip
-    g.add_argument("--no-save", action="store_true", help="do not save the calibration for this hardware")
-    g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
-                   help="where the trials' run directories go (default ./runs)")  # fmt: skip
-    g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
-                   help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
-
-
-def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[Any] | None:
-    if not text:
-        return None
-    try:
-        return [conv(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise JupyterDistError(f"{what} wants a comma-separated list, got {text!r}") from None
-
-
-def tune_from_args(
-    args: Any, *, plan: Any = None, code: str | None = None, runs_dir: str | None = None,
-    on_trial: Callable[[TuneResult], None] | None = None, cluster: Any = None,
-) -> TuneResult:
-    """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
-    from ..cli import plan_from_args
-    from .session import local_gpu_count
-
-    if plan is None:
-        plan = plan_from_args(args)
-    backend = args.backend or "local"
-    acc = plan.hardware.accelerator
-    if backend == "local":
-        gpus = local_gpu_count()
-        if acc.vendor == "cpu" and gpus:
-            pass  # CPU processes on a GPU machine are fine: the plan is for them
-        elif acc.vendor != "cpu" and gpus < plan.hardware.gpus_per_node:
-            raise JupyterDistError(
-                f"the plan is for {plan.hardware.gpus_per_node} x {acc.label} per node but this machine has {gpus} "
-                "GPU(s): tune locally with --gpu cpu --gpus-per-node N (CPU processes), or use --backend slurm/skypilot"
-            )
-    sizes = _csv(getattr(args, "micro_batches", None), "--micro-batches", int)
-    names = _csv(getattr(args, "candidates", None), "--candidates")
-    return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
-                backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
-                trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip
