@@ -323,3 +323,19 @@ def test_offload_costs_host_link_time(name: str) -> None:
     local = model.params / 8
     assert t.comm_bytes["host_link"] >= 4 * local  # 16-bit gradients down and parameters up
     assert t.breakdown["offload"] >= local / ASSUME.cpu_optimizer_params_per_s
+
+
+def test_the_breakdown_is_reported_in_words_in_the_plan_and_the_wizard() -> None:
+    """'bound by' is the largest named part; the plan's reasons and the wizard's summary list the parts."""
+    from jupyter_dist.plan import plan
+    from jupyter_dist.ui.wizard_model import summary_html
+
+    shape = TrainingShape(seq_len=4096, checkpointing="full")
+    p = plan("llama-2-70b", Hardware.from_names("h100-80gb", nodes=2), shape, tp=8)
+    t = p.best.time
+    labels = [label for label, _, _ in t.parts()]
+    assert labels[0] == t.bound_label == BOUND_LABELS[t.bound_by]
+    assert sum(share for _, _, share in t.parts()) == pytest.approx(1.0)
+    assert "tensor-parallel communication" in labels and "matrix multiplies" in labels
+    assert any(f"the step is {t.describe()}" in r for r in p.reasons)
+    assert f"Step time: {t.describe(6)}" in summary_html(p)

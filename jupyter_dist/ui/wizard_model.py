@@ -372,7 +372,8 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
             f"({max(mem.headroom, 0) * 100:.0f}% free)</span>"
             f"<span><b>{t.step_time_s:.3g} s</b>/step</span>"
             f"<span><b>{_num(t.tokens_per_s)}</b> tokens/s</span>"
-            f"<span>MFU <b>{t.mfu * 100:.0f}%</b></span><span>bound by {e(t.bound_by)}</span></div>"
+            f"<span>MFU <b>{t.mfu * 100:.0f}%</b></span><span>bound by {e(t.bound_label)}</span></div>"
+            f"<div class='jd-wiz-breakdown'>Step time: {e(t.describe(6))}</div>"
             f"<div>Effective batch: {e(_effective_batch(p, best))}</div>"
         )  # fmt: skip
     reasons = "".join(f"<li>{e(r)}</li>" for r in p.reasons)
