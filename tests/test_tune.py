@@ -17,7 +17,7 @@ from jupyter_dist.errors import JupyterDistError
 from jupyter_dist.launch.measure import Measured, Trial, _ridge, fit_calibration
 from jupyter_dist.launch.tune import TuneResult, trial_grid, tune
 from jupyter_dist.plan import Hardware, ModelSpec, Plan, TrainingShape, plan
-from jupyter_dist.plan.calibration import Calibration, calibration_dir, hardware_key, load_calibration
+from jupyter_dist.plan.calibration import Calibration, calibration_dir, hardware_key, load_calibration, published
 from jupyter_dist.plan.hardware import get_accelerator
 
 TINY = ModelSpec(layers=2, hidden=64, heads=4, vocab=64, name="tiny")
@@ -90,6 +90,16 @@ def test_the_cli_plan_uses_a_saved_calibration_unless_told_not(capsys: pytest.Ca
     assert "Calibrated on this hardware by %dist_tune" in capsys.readouterr().out
     assert main(["plan", *PLAN_FLAGS.split(), "--strategy", "ddp", "--no-calibration"]) == 0
     assert "Calibrated on this hardware" not in capsys.readouterr().out
+
+
+def test_a_new_calibration_replaces_the_old_one_instead_of_compounding() -> None:
+    base = plan(TINY, CPU2, SHAPE)
+    first = fit_calibration([fake_trial(base, "ddp", 4 * base.candidate("ddp").time.step_time_s)], source="1")
+    calibrated = plan(TINY, CPU2, SHAPE, calibration=first)
+    assert calibrated.hardware.accelerator.comm_scale == first.comm_scale
+    assert published(calibrated.hardware) == base.hardware  # what tune predicts its trials from
+    again = fit_calibration([fake_trial(calibrated, "ddp", 0.05)], source="2")
+    assert again.memory_offset_bytes == first.memory_offset_bytes  # the same measured peak: the same offset
 
 
 def test_bad_calibration_values_are_refused() -> None:

@@ -166,7 +166,9 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
         rows.append(([a, b, c], t.measured.step_time_s - d))  # type: ignore[union-attr]
     x, y, z = _ridge(rows)
     errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
-    offsets = [t.measured.peak - t.predicted.memory.total for t in ok if t.measured and t.measured.peak]
+    # the offset replaces any older one the prediction already carried
+    offsets = [t.measured.peak - (t.predicted.memory.total - t.predicted.memory.detail.get("calibration", 0))
+               for t in ok if t.measured and t.measured.peak]  # fmt: skip
     return Calibration(
         hardware_key=hardware_key(acc.name), accelerator=acc.name,
         matmul_efficiency=min(1.0, max(1e-4, acc.matmul_efficiency / x)), op_overhead_s=acc.op_overhead_s * y,

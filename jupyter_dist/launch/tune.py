@@ -242,6 +242,10 @@ def tune(
     if steps <= WARMUP_STEPS:
         raise JupyterDistError(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {steps}")
     chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches)
+    from ..plan.calibration import published
+
+    plan = replace(plan, hardware=published(plan.hardware))  # trials predicted from the published figures: the fit
+    # is then absolute, not a correction of an older calibration
     planned = plan.training.micro_batch
     model = plan.model
     cell = code if code and code.strip() else TUNE_CELL

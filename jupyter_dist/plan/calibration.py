@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import PlanInputError
 from .hardware import Hardware
 
-__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "ENV_DIR"]
+__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "published", "ENV_DIR"]
 
 ENV_DIR = "JD_CALIBRATION_DIR"
 """Environment variable naming the calibration folder (tests point it at a temporary one)."""
@@ -89,12 +89,9 @@ class Calibration:
     def apply(self, hardware: Hardware) -> Hardware:
         """``hardware`` with the measured rates (the plan then says it uses them)."""
         acc = replace(hardware.accelerator, matmul_efficiency=self.matmul_efficiency,
-                      op_overhead_s=self.op_overhead_s, calibration=self.describe())  # fmt: skip
-        ic = hardware.interconnect
-        return replace(
-            hardware, accelerator=acc, intra_node_efficiency=min(1.0, hardware.intra_node_efficiency / self.comm_scale),
-            interconnect=replace(ic, efficiency=min(1.0, ic.efficiency / self.comm_scale)),
-        )  # fmt: skip
+                      op_overhead_s=self.op_overhead_s, comm_scale=self.comm_scale,
+                      calibration=self.describe())  # fmt: skip
+        return replace(hardware, accelerator=acc)
 
     def path(self) -> Path:
         """The file this calibration is saved to."""
@@ -130,3 +127,19 @@ def load_calibration(accelerator: str) -> Calibration | None:
         return Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError, PlanInputError):
         return None
+
+
+def published(hardware: Hardware) -> Hardware:
+    """``hardware`` with a file calibration taken off: the catalog's matmul rate, per-operator cost, communication.
+
+    Figures given by hand (``--efficiency``) stay; an accelerator outside the catalog keeps its own.
+    """
+    from .hardware import ACCELERATORS
+
+    acc = hardware.accelerator
+    if not acc.calibration or acc.calibration.startswith("--"):
+        return hardware
+    base = ACCELERATORS.get(acc.name, acc)
+    plain = replace(acc, matmul_efficiency=base.matmul_efficiency, op_overhead_s=base.op_overhead_s, comm_scale=1.0,
+                    calibration="")  # fmt: skip
+    return replace(hardware, accelerator=plain)

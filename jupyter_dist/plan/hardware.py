@@ -75,9 +75,11 @@ class Accelerator:
     this GPU; see :mod:`jupyter_dist.plan.perf`), or the calibrated one measured by ``%dist_tune``."""
     op_overhead_s: float = 5e-6
     """Seconds of host-side cost per operator (CUDA kernel launch ~5 us; eager CPU dispatch): bounds tiny models."""
+    comm_scale: float = 1.0
+    """Measured over modelled collective time on this hardware (a calibration; 1: the catalog's bandwidths)."""
     calibration: str = ""
-    """Where :attr:`matmul_efficiency` and :attr:`op_overhead_s` come from when measured (``%dist_tune``'s
-    calibration file); empty: the published figures."""
+    """Where :attr:`matmul_efficiency`, :attr:`op_overhead_s` and :attr:`comm_scale` come from when measured
+    (``%dist_tune``'s calibration file); empty: the published figures."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -88,8 +90,10 @@ class Accelerator:
             raise PlanInputError(f"accelerator {self.name!r}: bandwidths must be positive")
         if self.max_gpus_per_node < 1:
             raise PlanInputError(f"accelerator {self.name!r}: max_gpus_per_node must be >= 1")
-        if self.memory_bw <= 0 or self.op_overhead_s < 0:
-            raise PlanInputError(f"accelerator {self.name!r}: memory_bw must be positive and op_overhead_s >= 0")
+        if self.memory_bw <= 0 or self.op_overhead_s < 0 or self.comm_scale <= 0:
+            raise PlanInputError(
+                f"accelerator {self.name!r}: memory_bw and comm_scale must be positive and op_overhead_s >= 0"
+            )
         if not 0 < self.matmul_efficiency <= 1:
             raise PlanInputError(
                 f"accelerator {self.name!r}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}"
@@ -333,12 +337,12 @@ class Hardware:
         """
         if group_size <= 1:
             return float("inf")
-        intra = self.accelerator.intra_node_bw * self.intra_node_efficiency
+        intra = self.accelerator.intra_node_bw * self.intra_node_efficiency / self.accelerator.comm_scale
         per_node = min(ranks_per_node or group_size, self.gpus_per_node)
         if group_size <= per_node or self.nodes == 1:
             return intra
         inter = self.interconnect.node_bw * self.interconnect.efficiency * per_node / self.gpus_per_node
-        return min(intra, inter)
+        return min(intra, inter / self.accelerator.comm_scale)
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict."""
