@@ -177,25 +177,46 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
     )  # fmt: skip
 
 
-def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
-    """Scales ``s`` (one per column, in [0.01, 1e4]) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``.
+LOW, HIGH = 1e-2, 1e4
+"""Bounds of a fitted scale: a part more than 100x off its published figure is not what the trials say."""
 
-    ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds; a column
-    that is zero in every row keeps its scale at 1.
+
+def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
+    """Scales ``s`` (one per column) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``, each in [LOW, HIGH].
+
+    ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds. A column
+    that is zero in every row, or whose unconstrained scale leaves the bounds (the trials cannot pin it: e.g. a
+    communication part too small to explain the differences between them), is held at its published value (1) and
+    the others are fitted again without it.
     """
     k = len(rows[0][0])
-    norm = [sum(r[0][i] ** 2 for r in rows) for i in range(k)]
-    m = [[sum(r[0][i] * r[0][j] for r in rows) + (pull * norm[i] if i == j else 0.0) for j in range(k)]
-         for i in range(k)]  # fmt: skip
-    v = [sum(r[0][i] * r[1] for r in rows) + pull * norm[i] for i in range(k)]
-    for i in range(k):  # a part absent from every trial: pin its scale at 1
-        if norm[i] == 0.0:
-            m[i] = [1.0 if j == i else 0.0 for j in range(k)]
-            v[i] = 1.0
-            for r in range(k):
-                if r != i:
-                    m[r][i] = 0.0
-    for col in range(k):  # Gauss-Jordan with partial pivoting
+    pinned = {i for i in range(k) if all(r[0][i] == 0.0 for r in rows)}
+    while True:
+        free = [i for i in range(k) if i not in pinned]
+        if not free:
+            return [1.0] * k
+        target = [(r[0], r[1] - sum(r[0][i] for i in pinned)) for r in rows]  # pinned parts at scale 1
+        solved = _solve_free(target, free, pull)
+        out = [1.0] * k
+        bad = []
+        for i, v in zip(free, solved, strict=True):
+            if LOW <= v <= HIGH:
+                out[i] = v
+            else:
+                bad.append((abs(v - 1.0), i))
+        if not bad:
+            return out
+        pinned.add(max(bad)[1])  # the worst one first, then fit the rest again
+
+
+def _solve_free(rows: list[tuple[list[float], float]], free: list[int], pull: float) -> list[float]:
+    """The ridge normal equations over the ``free`` columns, by Gauss-Jordan elimination with partial pivoting."""
+    k = len(free)
+    norm = [sum(r[0][c] ** 2 for r in rows) for c in free]
+    m = [[sum(r[0][ci] * r[0][cj] for r in rows) + (pull * norm[i] if i == j else 0.0) for j, cj in enumerate(free)]
+         for i, ci in enumerate(free)]  # fmt: skip
+    v = [sum(r[0][c] * r[1] for r in rows) + pull * norm[i] for i, c in enumerate(free)]
+    for col in range(k):
         piv = max(range(col, k), key=lambda r: abs(m[r][col]))
         m[col], m[piv] = m[piv], m[col]
         v[col], v[piv] = v[piv], v[col]
@@ -206,4 +227,4 @@ def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[fl
                 f = m[r][col] / m[col][col]
                 m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
                 v[r] -= f * v[col]
-    return [min(1e4, max(1e-2, v[i] / m[i][i])) if m[i][i] else 1.0 for i in range(k)]
+    return [v[i] / m[i][i] if m[i][i] else 1.0 for i in range(k)]
