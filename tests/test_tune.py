@@ -258,3 +258,13 @@ def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) 
     assert check is not None and check["measured"].step_time_s == pytest.approx(0.05)
     assert check["measured"].tokens_per_s == pytest.approx(2 * 256 / 0.05)
     assert f"/ {0.05:.3g} s" in summary and "tokens/s" in summary
+
+
+def test_cuda_peaks_are_compared_without_the_context_and_fragmentation() -> None:
+    from jupyter_dist.launch.measure import planned_peak
+
+    c = plan("llama-2-7b", "h100-80gb").best
+    assert c is not None
+    mem = c.memory
+    assert planned_peak(mem, "rss") == mem.total
+    assert planned_peak(mem, "cuda") == mem.total - mem.detail["cuda_context"] - mem.detail["fragmentation"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run"]
+__all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak"]
 
 WARMUP_STEPS = 2
 """Steps left out of the step-time median (first-step allocation, lazy initialisation, compilation)."""
@@ -89,6 +89,17 @@ def _dp_size(run: Any, world: int) -> int:
     return world
 
 
+def planned_peak(memory: Any, kind: str) -> int:
+    """The plan's peak in the measurement's terms (bytes).
+
+    CUDA's ``peak_allocated`` sees neither the CUDA context nor the caching allocator's fragmentation, so those are
+    taken off for ``"cuda"``; a process's RSS holds everything.
+    """
+    if kind != "cuda":
+        return int(memory.total)
+    return int(memory.total - memory.detail.get("cuda_context", 0) - memory.detail.get("fragmentation", 0))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Trial:
     """One candidate at one micro-batch size: predicted, and what the run measured."""
@@ -133,7 +144,8 @@ class Trial:
             self.label,
             fmt(p.time.step_time_s, ".4g"), fmt(m.step_time_s if m else None, ".4g"),
             fmt(p.time.tokens_per_s, ",.0f"), fmt(m.tokens_per_s if m else None, ",.0f"),
-            fmt(p.memory.total / mib, ",.0f"), fmt(m.peak / mib if m and m.peak else None, ",.0f"),
+            fmt(planned_peak(p.memory, m.memory_kind if m else "rss") / mib, ",.0f"),
+            fmt(m.peak / mib if m and m.peak else None, ",.0f"),
             self.status if not self.error else f"{self.status}: {self.error}",
         ]  # fmt: skip
 
@@ -167,7 +179,8 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
     x, y, z = _ridge(rows)
     errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
     # the offset replaces any older one the prediction already carried
-    offsets = [t.measured.peak - (t.predicted.memory.total - t.predicted.memory.detail.get("calibration", 0))
+    offsets = [t.measured.peak - (planned_peak(t.predicted.memory, t.measured.memory_kind)
+                                  - t.predicted.memory.detail.get("calibration", 0))
                for t in ok if t.measured and t.measured.peak]  # fmt: skip
     return Calibration(
         hardware_key=hardware_key(acc.name), accelerator=acc.name,

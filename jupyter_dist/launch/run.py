@@ -672,6 +672,8 @@ class Run:
         return cal
 
     def _plan_lines(self) -> list[str]:
+        from .measure import planned_peak
+
         check = self.plan_check()
         if check is None:
             return []
@@ -691,7 +693,8 @@ class Run:
         if m.peak_bytes:
             ranks = ", ".join(f"{v / mib:,.0f}" for _, v in sorted(m.peak_bytes.items()))
             what = "CUDA peak allocated" if m.memory_kind == "cuda" else "process max RSS"
-            parts.append(f"peak per rank {p.memory.total / mib:,.0f} MiB / {ranks} MiB ({what})")
+            planned = planned_peak(p.memory, m.memory_kind) / mib
+            parts.append(f"peak per rank {planned:,.0f} MiB / {ranks} MiB ({what})")
         lines = [f"  plan vs measured ({p.name}, predicted / measured): " + "; ".join(parts)]
         if m.step_time_s is not None:
             lines.append("  calibrate the plans of this hardware from this run: run.save_calibration()")
