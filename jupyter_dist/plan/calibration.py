@@ -80,7 +80,7 @@ class Calibration:
         """One line: what was measured, when, and from how many trials."""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at)) if self.measured_at else "?"
         return (
-            f"{self.trials} measured trial(s) on {when}: matmuls at {100 * self.matmul_efficiency:.2g}% of peak, "
+            f"{self.trials} measured trial(s) on {when}: matmul efficiency {self.matmul_efficiency:.3g}, "
             f"{1e6 * self.op_overhead_s:.3g} us per operator, communication x{self.comm_scale:.3g} the model's, "
             f"memory {self.memory_offset_bytes / 2**20:+,.0f} MiB "
             f"per rank against the model ({self.path()})"

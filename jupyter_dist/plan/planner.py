@@ -361,6 +361,8 @@ def _reasons(
             source = f"as given with {acc.calibration}"
         elif acc.calibration:
             source = f"calibrated on this hardware: {acc.calibration}"
+        elif acc.vendor == "cpu":
+            source = "a placeholder for CPU processes; %dist_tune measures this machine"
         else:
             source = f"from published measured utilisation on {acc.label}; %dist_tune measures it here"
         out.append(
