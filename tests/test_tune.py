@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -268,3 +269,32 @@ def test_cuda_peaks_are_compared_without_the_context_and_fragmentation() -> None
     mem = c.memory
     assert planned_peak(mem, "rss") == mem.total
     assert planned_peak(mem, "cuda") == mem.total - mem.detail["cuda_context"] - mem.detail["fragmentation"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--top", "0"], "argument --top: want an integer in 1..32, got '0'"),
+        (["--steps", "2"], "argument --steps: want an integer in 3..10000, got '2'"),
+        (["--micro-batches", "1,x"], "--micro-batches wants a comma-separated list, got '1,x'"),
+        (["--micro-batches", "0"], "--micro-batches must be positive integers, got [0]"),
+        (["--candidates", "zero9"], "no candidate 'zero9' in the plan; have: ddp"),
+        (["--gpu", "h100-80gb", "--gpus-per-node", "2"], "but this machine has 0 GPU(s): tune locally with --gpu cpu"),
+    ],
+)
+def test_bad_tune_input_is_one_line_and_starts_nothing(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from jupyter_dist.cli import main
+    from jupyter_dist.launch.session import local_gpu_count
+
+    if local_gpu_count() and "--gpu" in extra:
+        pytest.skip("this machine has GPUs")
+    hardware = [] if "--gpu" in extra else ["--gpu", "cpu", "--gpus-per-node", "2"]
+    model = PLAN_FLAGS.replace("--gpu cpu --gpus-per-node 2 ", "").split()
+    argv = ["tune", *model, *hardware, "--tune-runs-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) if extra[0] in ("--top", "--steps") else nullcontext():
+        assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) <= 2 and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # no run directory: nothing started
