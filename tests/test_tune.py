@@ -161,16 +161,23 @@ raise RuntimeError("the training script broke (injected by the test)")
 
 
 @pytest.mark.slow
-def test_failing_trials_are_results_not_crashes(tmp_path: Path, calibration_dir: Path) -> None:
-    p = plan(TINY, CPU2, SHAPE)
-    seen: list[int] = []
-    result = tune(FAILING_CELL, p, candidates=["ddp", "fsdp2"], micro_batches=[8], steps=4, runs_dir=str(tmp_path),
-                  trial_timeout=120, on_trial=lambda r: seen.append(len(r.trials)))  # fmt: skip
+def test_failing_trials_are_results_not_crashes(
+    ip: object, runs: Path, calibration_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``%%dist_tune`` with a training cell: one trial runs out of memory, one crashes; both are rows."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    assert isinstance(ip, InteractiveShell)
+    best = ip.run_cell_magic("dist_tune", PLAN_FLAGS + " --candidates ddp,fsdp2 --micro-batches 8 --steps 4 "
+                             "--trial-timeout 120 --name failing", FAILING_CELL)  # fmt: skip
+    result = ip.user_ns["failing"]
     assert [t.status for t in result.trials] == ["does not fit (measured)", "failed (measured)"]
     assert "CUDA out of memory" in result.trials[0].error and "the training script broke" in result.trials[1].error
-    assert seen[:2] == [1, 2]  # the display was redrawn after each trial
-    assert result.plan is None and result.calibration is None and not list(calibration_dir.iterdir())
-    assert "No trial measured a step." in result.to_text()
+    assert best is None and result.plan is None and result.calibration is None
+    assert not list(calibration_dir.iterdir())  # nothing measured: no calibration saved
+    out = capsys.readouterr().out
+    assert out.count("does not fit (measured)") >= 1 and "No trial measured a step." in out
+    assert all(Path(t.run_dir).parent == runs for t in result.trials)  # the magic's runs folder
 
 
 @pytest.mark.slow
