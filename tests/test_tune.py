@@ -305,3 +305,17 @@ def test_bad_tune_input_is_one_line_and_starts_nothing(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) <= 2 and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
+
+
+def test_dist_tune_help_and_usage_errors_in_ipython(ip: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    assert isinstance(ip, InteractiveShell)
+    ip.run_line_magic("dist_tune", "--help")
+    out = capsys.readouterr().out
+    assert "--top" in out and "--micro-batches" in out and "--plan-var" in out and "--model" in out
+    with pytest.raises(UsageError, match="say which model"):
+        ip.run_line_magic("dist_tune", "--gpu cpu --gpus-per-node 2")
+    with pytest.raises(UsageError, match="--plan-var nope: no variable of that name"):
+        ip.run_line_magic("dist_tune", "--plan-var nope")
