@@ -189,7 +189,11 @@ def _classify(run: Any) -> tuple[str, str]:
 
 
 def trial_grid(
-    plan: Any, *, top: int = 3, candidates: Sequence[str] | None = None, micro_batches: Sequence[int] | None = None,
+    plan: Any,
+    *,
+    top: int = 3,
+    candidates: Sequence[str] | None = None,
+    micro_batches: Sequence[int] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """The candidates to measure (the plan's ``top`` fitting ones, or those named) and the micro-batch sizes.
 
@@ -220,10 +224,22 @@ def trial_grid(
 
 
 def tune(
-    code: str | None, plan: Any, *, top: int = 3, micro_batches: Sequence[int] | None = None,
-    candidates: Sequence[str] | None = None, steps: int = 8, nproc: int | None = None, nodes: int | None = None,
-    backend: str = "local", cluster: Any = None, runs_dir: str = "runs", name: str = "tune",
-    trial_timeout: float = 300.0, save: bool = True, env: dict[str, str] | None = None,
+    code: str | None,
+    plan: Any,
+    *,
+    top: int = 3,
+    micro_batches: Sequence[int] | None = None,
+    candidates: Sequence[str] | None = None,
+    steps: int = 8,
+    nproc: int | None = None,
+    nodes: int | None = None,
+    backend: str = "local",
+    cluster: Any = None,
+    runs_dir: str = "runs",
+    name: str = "tune",
+    trial_timeout: float = 300.0,
+    save: bool = True,
+    env: dict[str, str] | None = None,
     on_trial: Callable[[TuneResult], None] | None = None,
 ) -> TuneResult:
     """Run the plan's top ``top`` fitting candidates (or the named ``candidates``) at each micro-batch size.
@@ -282,8 +298,20 @@ def tune(
 
 
 def _run_trial(
-    start_run: Callable[..., Any], cell: str, trial_plan: Any, predicted: Any, mb: int, *, nproc: int, nodes: int,
-    backend: str, cluster: Any, runs_dir: str, name: str, env: dict[str, str], timeout: float,
+    start_run: Callable[..., Any],
+    cell: str,
+    trial_plan: Any,
+    predicted: Any,
+    mb: int,
+    *,
+    nproc: int,
+    nodes: int,
+    backend: str,
+    cluster: Any,
+    runs_dir: str,
+    name: str,
+    env: dict[str, str],
+    timeout: float,
 ) -> Trial:
     """One trial: start it like %%dist_train, wait, measure; a failure is a result."""
     try:
@@ -338,4 +366,3 @@ def _finish(result: TuneResult, *, save: bool, source: str) -> None:
 
 def _has(plan: Any, name: str) -> bool:
     return any(c.name == name for c in plan.candidates)
-
