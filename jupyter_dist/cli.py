@@ -450,8 +450,13 @@ def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[
 
 
 def tune_from_args(
-    args: argparse.Namespace, *, plan: Any = None, code: str | None = None, runs_dir: str | None = None,
-    on_trial: Callable[[Any], None] | None = None, cluster: Any = None,
+    args: argparse.Namespace,
+    *,
+    plan: Any = None,
+    code: str | None = None,
+    runs_dir: str | None = None,
+    on_trial: Callable[[Any], None] | None = None,
+    cluster: Any = None,
 ) -> Any:
     """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
     from .launch.session import local_gpu_count
