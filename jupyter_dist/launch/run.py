@@ -162,6 +162,7 @@ class Run:
         self.plan = plan
         self._dashboard: Any = None
         self._skip_display = False
+        self._plan_check_cache: dict[str, Any] | None = None
         self.router: LogRouter | None = None
         """Where a remote job's output stream goes (``None`` for local runs)."""
         if self._meta.get("status") in FINAL:
@@ -634,6 +635,8 @@ class Run:
         """
         if self.plan is None:
             return None
+        if self._plan_check_cache is not None:  # a finished run's telemetry does not change: read it once
+            return self._plan_check_cache
         from .measure import measure_run
 
         try:
@@ -648,7 +651,10 @@ class Run:
         hw = self.plan.hardware
         on_cpu = measured.memory_kind == "rss"
         comparable = hw.world_size == self.world_size and (hw.accelerator.vendor == "cpu") == on_cpu
-        return {"candidate": cand.name, "predicted": cand, "measured": measured, "comparable": comparable}
+        check = {"candidate": cand.name, "predicted": cand, "measured": measured, "comparable": comparable}
+        if self.done:
+            self._plan_check_cache = check
+        return check
 
     def save_calibration(self) -> Any:
         """Fit a calibration of this hardware from this run against its plan and save it; returns it.
