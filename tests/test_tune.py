@@ -319,3 +319,16 @@ def test_dist_tune_help_and_usage_errors_in_ipython(ip: object, capsys: pytest.C
         ip.run_line_magic("dist_tune", "--gpu cpu --gpus-per-node 2")
     with pytest.raises(UsageError, match="--plan-var nope: no variable of that name"):
         ip.run_line_magic("dist_tune", "--plan-var nope")
+
+
+def test_the_wizard_plans_with_a_saved_calibration() -> None:
+    from jupyter_dist.ui.wizard_model import WizardInputs, evaluate
+
+    inputs = WizardInputs(preset="gpt2", gpu="cpu", gpus_per_node=2, seq_len=32, micro_batch=8, precision="fp32")
+    plain = evaluate(inputs).plan
+    assert plain is not None and not plain.hardware.accelerator.calibration
+    base = plan(TINY, CPU2, SHAPE)
+    fit_calibration([fake_trial(base, "ddp", 0.05)], source="w").save()
+    tuned = evaluate(inputs).plan
+    assert tuned is not None and any("Calibrated on this hardware by %dist_tune" in r for r in tuned.reasons)
+    assert tuned.best is not None and tuned.best.time.step_time_s > plain.candidate(tuned.best.name).time.step_time_s
