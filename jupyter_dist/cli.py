@@ -1,6 +1,9 @@
 """``jupyter-dist`` command line: mirrors the magics. ``plan`` today; ``--json`` prints one JSON object.
 
 Exit codes: 0 success, 2 bad input (one line on stderr saying what is wrong and what is valid).
+
+Planned split: the flag groups of each command (plan, render, check, tune) and their ``*_from_args`` move into a
+``cli/`` package, one module per command, beside a small ``main``.
 """
 
 from __future__ import annotations
@@ -153,8 +156,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--efficiency",
         type=float_arg(0.0, 1.0, lo_open=True),
-        help="assumed fraction of peak FLOPs matmuls reach (0.5)",
+        help="fraction of peak FLOPs the matmuls reach (default: the GPU's published figure, or its calibration)",
     )
+    _bool_flag(par, "calibration", True, "use this hardware's %%dist_tune calibration when one is saved (default on)")
 
 
 def add_render_arguments(p: argparse.ArgumentParser) -> None:
@@ -293,6 +297,8 @@ def plan_from_args(args: argparse.Namespace) -> Any:
             raise JupyterDistError(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
         acc = replace(acc, bf16_flops=args.gpu_tflops * 1e12 if acc.supports_bf16 else 0.0,
                       fp16_flops=args.gpu_tflops * 1e12)  # fmt: skip
+    if args.efficiency is not None:
+        acc = replace(acc, matmul_efficiency=args.efficiency, calibration="--efficiency")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise JupyterDistError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
     hardware = Hardware.from_names(acc, gpus_per_node=args.gpus_per_node, nodes=args.nodes,
@@ -305,10 +311,13 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     assume: dict[str, Any] = {}
     if args.min_headroom is not None:
         assume["min_headroom"] = args.min_headroom
-    if args.efficiency is not None:
-        assume["compute_efficiency"] = args.efficiency
+    calibration = None
+    if getattr(args, "calibration", True) and args.efficiency is None:  # --efficiency wins over a measurement
+        from .plan.calibration import load_calibration
+
+        calibration = load_calibration(acc.name)
     return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                sp=args.sp, assumptions=Assumptions(**assume))  # fmt: skip
+                sp=args.sp, assumptions=Assumptions(**assume), calibration=calibration)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,6 +375,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("sinks", metavar="SINKS", help="comma-separated: tensorboard, wandb, mlflow, trackio")
     s.add_argument("--secret", action="append", default=[], metavar="NAME",
                    help="an environment variable the sinks need (checked, read by name, never written)")  # fmt: skip
+
+    t = sub.add_parser("tune", help="measure the plan's top candidates on this hardware; save a calibration",
+                       description="Plan (same flags as `plan`), run the top candidates (and micro-batch sizes around "
+                                   "the planned one) for a few steps each on fresh torchrun processes, show predicted "
+                                   "against measured step time, tokens/s and peak memory per rank, and save a "
+                                   "calibration that later plans on this hardware use.")  # fmt: skip
+    add_plan_arguments(t)
+    add_tune_arguments(t)
+    t.add_argument("--script", metavar="FILE", help="the training script (default: the reference transformer)")
+    t.add_argument("--json", action="store_true", help="print one JSON object: trials, calibration, plan")
     return parser
 
 
@@ -413,6 +432,71 @@ def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
     return run_check(nproc=args.nproc, nodes=args.nodes, sizes=parse_sizes(args.sizes), ops=ops, iters=args.iters,
                      plan=plan, hardware=hardware, expected_busbw=expected, timeout=args.timeout,
                      runs_dir=args.runs_dir)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tune: flags shared by ``jupyter-dist tune`` and ``%dist_tune``
+# ---------------------------------------------------------------------------------------------------------------
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """The tune flags; the plan flags (``add_plan_arguments``) say what is planned."""
+    from .launch.measure import WARMUP_STEPS
+
+    g = p.add_argument_group("tune")
+    g.add_argument("--top", type=int_arg(1, 32), default=3, help="measure the plan's N best fitting candidates (3)")
+    g.add_argument("--candidates", metavar="A,B,...", help="measure these candidates instead (names the plan prints)")
+    g.add_argument("--micro-batches", metavar="N,M,...",
+                   help="micro-batch sizes to try (default: the planned one, half and double)")  # fmt: skip
+    g.add_argument("--steps", type=int_arg(WARMUP_STEPS + 1, 10_000), default=8,
+                   help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
+    g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
+                   help="stop a trial after S seconds (a result: failed, measured; default 300)")  # fmt: skip
+    g.add_argument("--no-save", action="store_true", help="do not save the calibration for this hardware")
+    g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
+                   help="where the trials' run directories go (default ./runs)")  # fmt: skip
+    g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
+                   help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
+
+
+def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[Any] | None:
+    if not text:
+        return None
+    try:
+        return [conv(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise JupyterDistError(f"{what} wants a comma-separated list, got {text!r}") from None
+
+
+def tune_from_args(
+    args: argparse.Namespace,
+    *,
+    plan: Any = None,
+    code: str | None = None,
+    runs_dir: str | None = None,
+    on_trial: Callable[[Any], None] | None = None,
+    cluster: Any = None,
+) -> Any:
+    """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
+    from .launch.session import local_gpu_count
+    from .launch.tune import tune
+
+    if plan is None:
+        plan = plan_from_args(args)
+    backend = args.backend or "local"
+    acc = plan.hardware.accelerator
+    if backend == "local":
+        gpus = local_gpu_count()
+        if acc.vendor == "cpu" and gpus:
+            pass  # CPU processes on a GPU machine are fine: the plan is for them
+        elif acc.vendor != "cpu" and gpus < plan.hardware.gpus_per_node:
+            raise JupyterDistError(
+                f"the plan is for {plan.hardware.gpus_per_node} x {acc.label} per node but this machine has {gpus} "
+                "GPU(s): tune locally with --gpu cpu --gpus-per-node N (CPU processes), or use --backend slurm/skypilot"
+            )
+    sizes = _csv(getattr(args, "micro_batches", None), "--micro-batches", int)
+    names = _csv(getattr(args, "candidates", None), "--candidates")
+    return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
+                backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
+                trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -482,6 +566,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run.status == "succeeded" else 1
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    code = None
+    if args.script:
+        try:
+            code = open(args.script, encoding="utf-8").read()
+        except OSError as exc:
+            raise JupyterDistError(f"--script {args.script}: {exc.strerror}") from None
+    shown = [0]
+
+    def progress(result: Any) -> None:  # a line per finished trial
+        for trial in result.trials[shown[0] :]:
+            if not args.json:
+                print(f"  {trial.label}: {trial.status}" + (f" ({trial.error})" if trial.error else ""), flush=True)
+        shown[0] = len(result.trials)
+
+    result = tune_from_args(args, code=code, on_trial=progress)
+    if args.json:
+        print(json.dumps({
+            "trials": [{"candidate": t.candidate, "micro_batch": t.micro_batch, "status": t.status, "error": t.error,
+                        "predicted": {"step_time_s": t.predicted.time.step_time_s,
+                                      "tokens_per_s": t.predicted.time.tokens_per_s,
+                                      "peak_bytes": t.predicted.memory.total},
+                        "measured": None if t.measured is None else {
+                            "step_time_s": t.measured.step_time_s, "tokens_per_s": t.measured.tokens_per_s,
+                            "peak_bytes": {str(k): v for k, v in t.measured.peak_bytes.items()},
+                            "memory_kind": t.measured.memory_kind},
+                        "run_dir": t.run_dir} for t in result.trials],
+            "calibration": result.calibration.to_dict() if result.calibration is not None else None,
+            "calibration_path": result.calibration_path or None,
+            "plan": result.plan.to_dict() if result.plan is not None else None,
+        }, indent=2))  # fmt: skip
+    else:
+        print(result.to_text())
+        if result.plan is not None:
+            print()
+            print(result.plan.to_text())
+    return 0 if result.plan is not None else 1
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     report: Any = check_from_args(args)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
@@ -509,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .launch.scriptrun import cmd_launch
 
         commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
-                    "launch": cmd_launch, "log-to": _cmd_log_to}  # fmt: skip
+                    "launch": cmd_launch, "log-to": _cmd_log_to, "tune": _cmd_tune}  # fmt: skip
         return commands[args.command](args)
     except JupyterDistError as exc:
         print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)

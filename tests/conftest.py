@@ -116,6 +116,14 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return "\n".join(lines) or None
 
 
+@pytest.fixture(autouse=True)
+def calibration_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Hardware calibrations (``%dist_tune``) go to a fresh folder per test, never the user's cache."""
+    folder = tmp_path_factory.mktemp("calibration")
+    monkeypatch.setenv("JD_CALIBRATION_DIR", str(folder))
+    return folder
+
+
 # ----------------------------------------------------------------------------------------- magics and real runs
 @pytest.fixture(scope="module")
 def ip() -> InteractiveShell:

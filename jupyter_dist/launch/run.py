@@ -163,6 +163,7 @@ class Run:
         self.plan = plan
         self._dashboard: Any = None
         self._skip_display = False
+        self._plan_check_cache: dict[str, Any] | None = None
         self.router: LogRouter | None = None
         """Where a remote job's output stream goes (``None`` for local runs)."""
         self.sinks: Any = None
@@ -717,6 +718,10 @@ class Run:
                          f"pids {self._meta['strays_killed']}")  # fmt: skip
         if self.done:
             lines.append(f"  exit codes: {self.exit_codes}")
+            try:  # how the plan did: never let a damaged record hide the run's card
+                lines += self._plan_lines()
+            except Exception as exc:
+                lines.append(f"  (plan vs measured unavailable: {type(exc).__name__}: {exc})")
             bad = self.failed_rank()
             if bad is not None:
                 lines.append(f"  rank {bad} failed first; its last lines:")
@@ -737,6 +742,85 @@ class Run:
                 if diag is not None and diag.findings:
                     lines.append("  diagnosis: " + diag.summary().replace("\n", "\n  "))
         return "\n".join(lines)
+
+    def plan_check(self) -> dict[str, Any] | None:
+        """Predicted against measured step time, tokens/s and peak memory per rank (see :mod:`.tune`).
+
+        ``None`` when the run has no plan or logged no step. ``comparable`` is false when the plan is for other
+        hardware than the run had (a rehearsal of a GPU plan on CPU processes, or on fewer processes).
+        """
+        if self.plan is None:
+            return None
+        if self._plan_check_cache is not None:  # a finished run's telemetry does not change: read it once
+            return self._plan_check_cache
+        from .measure import measure_run
+
+        try:
+            cand = self.plan.candidate(self.candidate) if self.candidate else self.plan.best
+        except KeyError:
+            cand = self.plan.best
+        if cand is None:
+            return None
+        measured = measure_run(self)
+        if measured.step_time_s is None and not measured.peak_bytes:
+            return None
+        hw = self.plan.hardware
+        on_cpu = measured.memory_kind == "rss"
+        comparable = hw.world_size == self.world_size and (hw.accelerator.vendor == "cpu") == on_cpu
+        check = {"candidate": cand.name, "predicted": cand, "measured": measured, "comparable": comparable}
+        if self.done:
+            self._plan_check_cache = check
+        return check
+
+    def save_calibration(self) -> Any:
+        """Fit a calibration of this hardware from this run against its plan and save it; returns it.
+
+        Later plans on the same hardware (``%dist_plan``) use it and say so. Needs a finished run with a plan made
+        for the hardware it ran on.
+        """
+        from .measure import Trial, fit_calibration
+
+        check = self.plan_check()
+        if check is None or not check["comparable"] or check["measured"].step_time_s is None:
+            raise JupyterDistError(
+                "no calibration from this run: it needs a plan (--plan) for the hardware it ran on and logged steps "
+                "(jd.log); %dist_tune measures candidates and calibrates in one go"
+            )
+        trial = Trial(candidate=check["candidate"], micro_batch=self.plan.training.micro_batch,
+                      predicted=check["predicted"], status="ok", measured=check["measured"], run_dir=str(self.dir),
+                      accelerator=self.plan.hardware.accelerator)  # fmt: skip
+        cal = fit_calibration([trial], source=str(self.dir))
+        cal.save()
+        return cal
+
+    def _plan_lines(self) -> list[str]:
+        from .measure import planned_peak
+
+        check = self.plan_check()
+        if check is None:
+            return []
+        p, m = check["predicted"], check["measured"]
+        if not check["comparable"]:
+            hw = self.plan.hardware
+            return [f"  plan vs measured: the plan ({p.name}) is for {hw.world_size} x {hw.accelerator.label}; this "
+                    f"run had {self.world_size} {'CPU processes' if m.memory_kind == 'rss' else 'GPUs'}: "
+                    "not compared"]  # fmt: skip
+        mib = 2**20
+        parts = []
+        if m.step_time_s is not None:
+            parts.append(f"step {p.time.step_time_s:.3g} s / {m.step_time_s:.3g} s "
+                         f"({m.step_time_s / p.time.step_time_s:.2g}x the plan)")  # fmt: skip
+        if m.tokens_per_s:
+            parts.append(f"tokens/s {p.time.tokens_per_s:,.0f} / {m.tokens_per_s:,.0f}")
+        if m.peak_bytes:
+            ranks = ", ".join(f"{v / mib:,.0f}" for _, v in sorted(m.peak_bytes.items()))
+            what = "CUDA peak allocated" if m.memory_kind == "cuda" else "process max RSS"
+            planned = planned_peak(p.memory, m.memory_kind) / mib
+            parts.append(f"peak per rank {planned:,.0f} MiB / {ranks} MiB ({what})")
+        lines = [f"  plan vs measured ({p.name}, predicted / measured): " + "; ".join(parts)]
+        if m.step_time_s is not None:
+            lines.append("  calibrate the plans of this hardware from this run: run.save_calibration()")
+        return lines
 
     def dashboard(self, **kwargs: Any) -> Any:
         """The live panels of this run (:class:`~jupyter_dist.ui.dashboard.Dashboard`), following it until it ends.

@@ -2,7 +2,7 @@
 
 ``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
 
-One piece (about 650 lines): :class:`DistMagics` is one IPython ``Magics`` class whose magics share its state (the
+One piece (about 700 lines): :class:`DistMagics` is one IPython ``Magics`` class whose magics share its state (the
 last run that ``%dist_status``/``%dist_stop`` act on, the runs folder); the pool's magics (:mod:`.pool`) and the line
 parser (:mod:`.args`) are apart.
 """
@@ -214,6 +214,18 @@ def _runs_parser() -> MagicArgumentParser:
     p.add_argument("--tag", help="keep runs with this tag")
     p.add_argument("--status", help="keep runs with this status (running, succeeded, failed, ...)")
     p.add_argument("--table", action="store_true", help="show the HTML table, not the widget")
+def _tune_parser() -> MagicArgumentParser:
+    from ..cli import add_tune_arguments
+
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_tune",
+        add_help=False,
+        description="Measure the plan's top candidates for a few steps each; return the best measured as a Plan.",
+    )
+    add_plan_arguments(p)
+    add_tune_arguments(p)
+    p.add_argument("--plan-var", dest="plan_var", metavar="VAR", help="tune this Plan from the notebook")
+    p.add_argument("--name", metavar="VAR", help="bind the TuneResult (trials, calibration) to this variable")
     return p
 
 
@@ -244,10 +256,12 @@ class DistMagics(Magics):
     check_parser = _check_parser()
     runs_parser = _runs_parser()
     wizard_parser = _wizard_parser()
+    tune_parser = _tune_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
         self.last_run: Any = None
+        self.last_tune: Any = None
 
     def _parse(self, parser: MagicArgumentParser, line: str) -> Any:
         return parse_magic_line(parser, line)
@@ -590,6 +604,61 @@ class DistMagics(Magics):
             return plan_from_args(args)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
+
+    @line_cell_magic
+    def dist_tune(self, line: str, cell: str | None = None) -> Any:
+        """Measure the plan's top candidates on this hardware, side by side with the plan; returns the best as a Plan.
+
+        Takes the flags of ``%dist_plan`` (or ``--plan-var VAR``) plus ``--top``, ``--candidates``,
+        ``--micro-batches``, ``--steps``; as a cell magic the cell is the training script (it reads
+        ``JD_MICRO_BATCH``, ``JD_SEQ_LEN``, ``JD_TUNE_STEPS``), as a line magic the reference transformer of the
+        plan's shape is trained. Saves a calibration that later ``%dist_plan`` calls on this hardware use.
+
+        Examples
+        --------
+        ::
+
+            In [1]: best = %dist_tune --model gpt2 --gpu cpu --gpus-per-node 2 --seq-len 64 --top 3
+            In [2]: %%dist_tune --plan-var p --micro-batches 1,2,4 --name trials
+               ...: ...training cell...
+        """
+        try:
+            argv = shlex.split(line)
+        except ValueError as exc:
+            raise UsageError(f"%dist_tune: {exc}") from None
+        if "-h" in argv or "--help" in argv:
+            print(self.tune_parser.format_help())
+            return None
+        args = self.tune_parser.parse_args(argv)
+        from ..cli import tune_from_args
+
+        ns = self.shell.user_ns if self.shell is not None else {}
+        plan = None
+        if args.plan_var:
+            if args.plan_var not in ns:
+                raise UsageError(f"--plan-var {args.plan_var}: no variable of that name in the notebook")
+            plan = ns[args.plan_var]
+        if args.name is not None and not args.name.isidentifier():
+            raise UsageError(f"--name {args.name!r} must be a valid Python variable name")
+        from IPython.display import display
+
+        handle: Any = None
+
+        def show(result: Any) -> None:  # the table and chart, redrawn as each trial finishes
+            nonlocal handle
+            if handle is None:
+                handle = display(result, display_id=True)
+            else:
+                handle.update(result)
+
+        try:
+            result = tune_from_args(args, plan=plan, code=cell, runs_dir=self.runs_dir, on_trial=show)
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        self.last_tune = result
+        if args.name:
+            ns[args.name] = result
+        return result.plan
 
     @line_magic
     def dist_wizard(self, line: str) -> Any:

@@ -68,6 +68,18 @@ class Accelerator:
     """Host memory of a typical node with this accelerator (bytes), the budget for CPU offload."""
     vendor: str = "nvidia"
     """``"nvidia"`` (CUDA, NCCL) or ``"amd"`` (ROCm, RCCL)."""
+    memory_bw: float = 2.0e12
+    """Device memory (HBM/GDDR) bandwidth, bytes/s (datasheet): the rate of memory-bound elementwise work."""
+    matmul_efficiency: float = 0.5
+    """Fraction of the dense peak that a training step's matrix multiplies reach (from published measured MFU on
+    this GPU; see :mod:`jupyter_dist.plan.perf`), or the calibrated one measured by ``%dist_tune``."""
+    op_overhead_s: float = 5e-6
+    """Seconds of host-side cost per operator (CUDA kernel launch ~5 us; eager CPU dispatch): bounds tiny models."""
+    comm_scale: float = 1.0
+    """Measured over modelled collective time on this hardware (a calibration; 1: the catalog's bandwidths)."""
+    calibration: str = ""
+    """Where :attr:`matmul_efficiency`, :attr:`op_overhead_s` and :attr:`comm_scale` come from when measured
+    (``%dist_tune``'s calibration file); empty: the published figures."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -78,6 +90,14 @@ class Accelerator:
             raise PlanInputError(f"accelerator {self.name!r}: bandwidths must be positive")
         if self.max_gpus_per_node < 1:
             raise PlanInputError(f"accelerator {self.name!r}: max_gpus_per_node must be >= 1")
+        if self.memory_bw <= 0 or self.op_overhead_s < 0 or self.comm_scale <= 0:
+            raise PlanInputError(
+                f"accelerator {self.name!r}: memory_bw and comm_scale must be positive and op_overhead_s >= 0"
+            )
+        if not 0 < self.matmul_efficiency <= 1:
+            raise PlanInputError(
+                f"accelerator {self.name!r}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}"
+            )
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense throughput for ``"bf16"``, ``"fp16"`` or ``"fp32"`` compute (FLOP/s)."""
@@ -159,48 +179,59 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator(name="v100-16gb", label="NVIDIA V100 16GB SXM2", memory_bytes=16384 * MiB,
                     bf16_flops=0, fp16_flops=125 * _TFLOPS, fp32_flops=15.7 * _TFLOPS,
                     intra_node_bw=150 * _GBs, intra_node_link="NVLink 2", host_link_bw=12 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=488 * GiB),
+                    default_interconnect="ethernet-100", node_cpu_memory_bytes=488 * GiB,
+                    memory_bw=900 * _GBs, matmul_efficiency=0.45, op_overhead_s=5e-6),
         Accelerator(name="v100-32gb", label="NVIDIA V100 32GB SXM2", memory_bytes=32768 * MiB,
                     bf16_flops=0, fp16_flops=125 * _TFLOPS, fp32_flops=15.7 * _TFLOPS,
                     intra_node_bw=150 * _GBs, intra_node_link="NVLink 2", host_link_bw=12 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB),
+                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB,
+                    memory_bw=900 * _GBs, matmul_efficiency=0.45, op_overhead_s=5e-6),
         Accelerator(name="a10g", label="NVIDIA A10G 24GB", memory_bytes=23028 * MiB,
                     bf16_flops=125 * _TFLOPS, fp16_flops=125 * _TFLOPS, fp32_flops=31.2 * _TFLOPS,
                     intra_node_bw=25 * _GBs, intra_node_link="PCIe Gen4 x16", host_link_bw=25 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB),
+                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB,
+                    memory_bw=600 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="l4", label="NVIDIA L4 24GB", memory_bytes=23034 * MiB,
                     bf16_flops=121 * _TFLOPS, fp16_flops=121 * _TFLOPS, fp32_flops=30.3 * _TFLOPS,
                     intra_node_bw=25 * _GBs, intra_node_link="PCIe Gen4 x16", host_link_bw=25 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB),
+                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB,
+                    memory_bw=300 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="a100-40gb", label="NVIDIA A100 40GB SXM4", memory_bytes=40960 * MiB,
                     bf16_flops=312 * _TFLOPS, fp16_flops=312 * _TFLOPS, fp32_flops=19.5 * _TFLOPS,
                     intra_node_bw=300 * _GBs, intra_node_link="NVLink 3", host_link_bw=25 * _GBs,
-                    default_interconnect="efa-400", node_cpu_memory_bytes=1152 * GiB),
+                    default_interconnect="efa-400", node_cpu_memory_bytes=1152 * GiB,
+                    memory_bw=1555 * _GBs, matmul_efficiency=0.6, op_overhead_s=5e-6),
         Accelerator(name="a100-80gb", label="NVIDIA A100 80GB SXM4", memory_bytes=81920 * MiB,
                     bf16_flops=312 * _TFLOPS, fp16_flops=312 * _TFLOPS, fp32_flops=19.5 * _TFLOPS,
                     intra_node_bw=300 * _GBs, intra_node_link="NVLink 3", host_link_bw=25 * _GBs,
-                    default_interconnect="infiniband-hdr", node_cpu_memory_bytes=1152 * GiB),
+                    default_interconnect="infiniband-hdr", node_cpu_memory_bytes=1152 * GiB,
+                    memory_bw=2039 * _GBs, matmul_efficiency=0.6, op_overhead_s=5e-6),
         Accelerator(name="h100-pcie", label="NVIDIA H100 80GB PCIe", memory_bytes=81559 * MiB,
                     bf16_flops=756 * _TFLOPS, fp16_flops=756 * _TFLOPS, fp32_flops=51 * _TFLOPS,
                     intra_node_bw=50 * _GBs, intra_node_link="PCIe Gen5 x16", host_link_bw=50 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=1024 * GiB),
+                    default_interconnect="ethernet-100", node_cpu_memory_bytes=1024 * GiB,
+                    memory_bw=2000 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="h100-80gb", label="NVIDIA H100 80GB SXM5", memory_bytes=81559 * MiB,
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
-                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB),
+                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
+                    memory_bw=3350 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="h200", label="NVIDIA H200 141GB SXM5", memory_bytes=143771 * MiB,
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
-                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB),
+                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
+                    memory_bw=4800 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         # A CPU process with gloo, for local runs and tests: 16 GiB and ~1 TFLOPS are placeholders, not a measurement.
         Accelerator(name="cpu", label="CPU process (gloo)", memory_bytes=16 * GiB, bf16_flops=0, fp16_flops=0,
                     fp32_flops=1e12, intra_node_bw=10 * _GBs, intra_node_link="shared memory",
                     host_link_bw=10 * _GBs, max_gpus_per_node=256, default_interconnect="ethernet-10",
-                    node_cpu_memory_bytes=16 * GiB, vendor="cpu"),
+                    node_cpu_memory_bytes=16 * GiB, vendor="cpu",
+                    memory_bw=20 * _GBs, matmul_efficiency=0.5, op_overhead_s=2e-5),
         Accelerator(name="mi300x", label="AMD Instinct MI300X 192GB", memory_bytes=192 * GiB,
                     bf16_flops=1307.4 * _TFLOPS, fp16_flops=1307.4 * _TFLOPS, fp32_flops=163.4 * _TFLOPS,
                     intra_node_bw=448 * _GBs, intra_node_link="Infinity Fabric", host_link_bw=50 * _GBs,
-                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB, vendor="amd"),
+                    default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB, vendor="amd",
+                    memory_bw=5300 * _GBs, matmul_efficiency=0.4, op_overhead_s=5e-6),
     )
 }  # fmt: skip
 
@@ -306,12 +337,12 @@ class Hardware:
         """
         if group_size <= 1:
             return float("inf")
-        intra = self.accelerator.intra_node_bw * self.intra_node_efficiency
+        intra = self.accelerator.intra_node_bw * self.intra_node_efficiency / self.accelerator.comm_scale
         per_node = min(ranks_per_node or group_size, self.gpus_per_node)
         if group_size <= per_node or self.nodes == 1:
             return intra
         inter = self.interconnect.node_bw * self.interconnect.efficiency * per_node / self.gpus_per_node
-        return min(intra, inter)
+        return min(intra, inter / self.accelerator.comm_scale)
 
     def to_dict(self) -> dict[str, object]:
         """Return a JSON-ready dict."""

@@ -1,19 +1,48 @@
-"""Step-time model: compute from training FLOPs, communication from volumes over the hardware's bandwidths.
+"""Step-time model: where the time of one optimizer step goes, part by part, on one GPU (the slowest rank).
 
-Sources:
+The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after overlap):
 
-* Training FLOPs per token ``6 N + 12 L (H Q) T`` (Chowdhery et al. 2022, PaLM, appendix B; Kaplan et al. 2020
-  for the 6N rule), where N counts the matrix-multiply parameters a token passes through; recomputation adds one
-  forward of the blocks (``2 (N - V H) + 4 L H Q T``; the output layer is not recomputed, as in Narayanan et al.
-  2021, eq. 3) for full checkpointing, the attention core forward ``4 L H Q T`` for selective (Korthikanti et al.
-  2022, Sec. 5). MFU counts model FLOPs only (PaLM's definition).
-* Collective times from the volumes nccl-tests uses: all-reduce moves ``2 (n-1)/n`` of the buffer per rank,
-  all-gather and reduce-scatter ``(n-1)/n``, at the bus bandwidth of :meth:`Hardware.collective_bw`.
-* Volumes per strategy: DDP and ZeRO-1/2 move ``2 Psi`` per step (all-reduce, or reduce-scatter of gradients plus
-  all-gather of parameters), ZeRO-3/FSDP ``3 Psi`` (two all-gathers and a reduce-scatter; ZeRO paper Sec. 7); TP
-  4 all-reduces of ``s b h`` per layer and micro-batch (Megatron-LM, Shoeybi et al. 2019; 6 with full
-  recomputation); the 1F1B pipeline bubble ``(p-1)/m`` of the ideal time (Narayanan et al. 2021); MoE
-  all-to-alls dispatch and combine ``k s b h`` per layer, twice in backward.
+``matmul``
+    The matrix multiplies' FLOPs (``6 N`` per token, N the matmul parameters a token passes through; Kaplan et al.
+    2020, PaLM App. B) at the *achievable* rate of the GPU: ``peak x Accelerator.matmul_efficiency``. The
+    efficiencies are not GEMM micro-benchmarks but what well-tuned training reaches, taken from published measured
+    utilisation on that GPU (see :mod:`.hardware`): A100 0.60 (Korthikanti et al. 2022, arXiv:2205.05198, Table 5:
+    56-57 % HFU for the 530B/1T runs end to end, so the GEMMs themselves run at ~60 %; Narayanan et al. 2021 reach
+    52 % with full recomputation); H100 0.50 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: 38-43 % BF16
+    MFU end to end on 8k-16k H100s, which leaves ~50 % for the matmuls once bubble and exposed communication are
+    taken out); V100 0.45 (Shoeybi et al. 2019: 39 TFLOP/s on one V100, 30 % of peak, whole step); MI300X 0.40 and
+    the PCIe/Ada parts 0.50 are estimates. ``%dist_tune`` measures the real figure (a calibration).
+``attention``
+    The attention core, ``12 L H Q T`` FLOPs per token (PaLM App. B). With a fused kernel (FlashAttention-2, Dao
+    2023, arXiv:2307.08691, Fig. 7/8) causal masking skips half of it, at 75 % of the matmul rate (FA2 reaches
+    ~190 of A100's ~250 TFLOP/s GEMM rate forward + backward, head dim 128). Without it, all of it runs as
+    matmuls, plus the ``seq x seq`` scores and probabilities written and read in fp32/16-bit (memory-bound).
+``elementwise``
+    Memory-bound work: norms, residual adds, rotary, the MLP activation (``14 h + 5 f`` elements written and read per
+    token and layer forward for a gated MLP, ``10 h + 2 f`` otherwise), three passes for forward + backward, and the
+    loss (logits in fp32, softmax, their gradient: 16 bytes per vocabulary entry and token), at 70 % of the
+    datasheet memory bandwidth. Without sequence parallelism the norm/residual part is repeated on every TP rank.
+``recompute``
+    One more forward of what activation checkpointing dropped: the blocks (full) or the attention core
+    (selective; Korthikanti et al. 2022, Sec. 5).
+``overhead``
+    Host-side cost per operator (``OPS_PER_LAYER`` kernels per block per micro-batch plus the optimizer's) at
+    ``Accelerator.op_overhead_s``: a GPU launches asynchronously, so only what the kernels do not cover is exposed;
+    eager CPU dispatch adds up. It is what bounds a tiny model (the 2-process CPU demo).
+``dp_comm`` / ``tp_comm`` / ``pp_bubble`` / ``pp_p2p`` / ``cp_comm`` / ``ep_comm`` / ``offload``
+    Communication, exposed after overlap. Collective times from the volumes nccl-tests uses (all-reduce moves
+    ``2 (n-1)/n`` of the buffer per rank, all-gather and reduce-scatter ``(n-1)/n``) at the bus bandwidth of
+    :meth:`Hardware.collective_bw`. Data parallel: DDP and ZeRO-1/2 move ``2 Psi`` per step, ZeRO-3/FSDP ``3 Psi``
+    (ZeRO paper Sec. 7), hidden behind the backward pass (``Assumptions.overlap``) except the last bucket (DDP,
+    25 MB) or the first unit's gather and the last unit's reduce-scatter (FSDP/ZeRO-3: one block); ZeRO-1's
+    all-gather after the optimizer step is not hidden. Tensor parallel: 4 all-reduces of ``s b h`` per layer and
+    micro-batch (6 with full recomputation; Shoeybi et al. 2019), not overlapped, over NVLink inside a node and the
+    network across nodes. Pipeline: the 1F1B bubble ``(p-1)/m`` of the compute (Narayanan et al. 2021) plus the
+    stage-to-stage sends. Context parallel: the ring's K/V passes, hidden behind the attention. Expert parallel: the
+    dispatch and combine all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic
+    and the CPU optimizer step.
+
+MFU counts model FLOPs only (PaLM's definition); recomputation is executed but not counted.
 """
 
 from __future__ import annotations
@@ -28,10 +57,14 @@ from .parallel import ParallelDims
 from .strategies import StrategySpec
 from .training import Checkpointing, Precision, TrainingShape
 
-__all__ = ["StepTime", "estimate_time", "training_flops_per_token"]
+__all__ = ["BOUND_LABELS", "COMPUTE_PARTS", "StepTime", "compute_parts", "estimate_time", "training_flops_per_token"]
 
 BOUND_LABELS = {
-    "compute": "compute",
+    "matmul": "matrix multiplies",
+    "attention": "attention",
+    "elementwise": "memory-bound elementwise work",
+    "recompute": "activation recomputation",
+    "overhead": "per-operator overhead (launches, eager dispatch)",
     "dp_comm": "data-parallel communication",
     "tp_comm": "tensor-parallel communication",
     "pp_bubble": "pipeline bubble",
@@ -40,6 +73,25 @@ BOUND_LABELS = {
     "ep_comm": "expert all-to-all",
     "offload": "CPU offload",
 }
+
+COMPUTE_PARTS = ("matmul", "attention", "elementwise", "recompute", "overhead")
+"""The parts of :attr:`StepTime.breakdown` that are the GPU's own work (the rest is communication or waiting)."""
+
+FLASH_RELATIVE = 0.75
+"""FlashAttention-2's forward + backward rate relative to the GEMM rate (Dao 2023, Fig. 7: ~190 TFLOP/s on A100
+at head dim 128, where large bf16 GEMMs reach ~250)."""
+MEMORY_EFFICIENCY = 0.7
+"""Fraction of the datasheet memory bandwidth elementwise kernels reach (STREAM-like copy/scale on HBM)."""
+ELEMENTWISE_PASSES = 3.0
+"""Forward + backward traffic of elementwise work as a multiple of the forward's (backward reads the forward's
+inputs and the incoming gradient and writes the outgoing one)."""
+OPS_PER_LAYER = 90
+"""Kernels per transformer block per micro-batch, forward + backward, of an unfused eager implementation (about
+30 in forward: 2 norms, 4-7 linears, rotary, attention, activation, residual adds; twice that in backward)."""
+OPS_OPTIMIZER = 40
+"""Kernels of a foreach AdamW step and the gradient-norm clip, per optimizer step."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""PyTorch DDP's default bucket (``bucket_cap_mb=25``): the last one is reduced after backward ends."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +112,21 @@ class StepTime:
     """Model FLOPs per step, whole job."""
     comm_bytes: dict[str, float] = field(default_factory=dict)
     """Bytes each GPU moves per step, by kind."""
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds of the GPU's own work (:data:`COMPUTE_PARTS`), communication and bubble left out."""
+        return sum(v for k, v in self.breakdown.items() if k in COMPUTE_PARTS)
+
+    def parts(self) -> list[tuple[str, float, float]]:
+        """``(label, seconds, share of the step)`` per part, largest first: the breakdown in words."""
+        total = self.step_time_s or 1.0
+        rows = sorted(self.breakdown.items(), key=lambda kv: -kv[1])
+        return [(BOUND_LABELS.get(k, k), v, v / total) for k, v in rows if v > 0]
+
+    def describe(self, limit: int = 4) -> str:
+        """The largest parts in one line, e.g. ``"matrix multiplies 61%, attention 14%, ..."``."""
+        return ", ".join(f"{label} {100 * share:.0f}%" for label, _, share in self.parts()[:limit])
 
     @property
     def bound_label(self) -> str:
@@ -106,28 +173,91 @@ def _ring(n: int, factor: float) -> float:
     return factor * (n - 1) / n if n > 1 else 0.0
 
 
+GEMM_HALF_WIDTH = 512
+"""Model width (hidden size; TP keeps the inner dimension of half the GEMMs whole) that sets how much slower narrow
+GEMMs run: ``efficiency(w) = e * w / (w + 512)``, normalised to ``e`` at ``w = 8192``. Narrow GEMMs fill fewer tiles
+and waves and are closer to memory-bound; Narayanan et al. 2021, Table 1: 137 TFLOP/s per A100 at h=2304, 163 at
+h=25600."""
+
+
+def matmul_efficiency(large: float, width: int) -> float:
+    """The matmul rate (fraction of peak) at this per-rank width, from the large-GEMM ``large`` (see above)."""
+    return min(1.0, large * width / (width + GEMM_HALF_WIDTH) * (1 + GEMM_HALF_WIDTH / 8192))
+
+
+def compute_parts(
+    model: ModelSpec, training: TrainingShape, hardware: Hardware, dims: ParallelDims, *, tokens_per_gpu: float,
+) -> dict[str, float]:
+    """Seconds of matmul, attention, elementwise and recompute work one GPU does for ``tokens_per_gpu`` tokens.
+
+    ``tokens_per_gpu`` counts the tokens of the GPU's model-parallel group divided by its size (TP, PP, CP split the
+    work of a token ``tp * pp * cp`` ways, as the FLOPs per GPU of the papers do).
+    """
+    acc = hardware.accelerator
+    seq = training.seq_len
+    peak = acc.peak_flops(training.precision.compute_dtype)
+    rate = peak * matmul_efficiency(acc.matmul_efficiency, model.hidden)
+    cb = 4 if training.precision is Precision.FP32 else 2
+    ck = training.checkpointing
+    attn_flops = 12 * model.layers * model.q_dim * seq  # PaLM's count per token: QK^T and AV, forward + backward
+    dense_flops = 6 * model.matmul_params
+    matmul = dense_flops * tokens_per_gpu / rate
+    if training.flash_attention:
+        attention = (attn_flops / 2) * tokens_per_gpu / (rate * FLASH_RELATIVE)  # causal: half of the tiles run
+    else:
+        attention = attn_flops * tokens_per_gpu / rate
+        # scores and probabilities, seq x seq per head: written, read by softmax, written, read by AV; backward twice
+        per_token = model.heads * seq * (4 + 3 * cb) * ELEMENTWISE_PASSES
+        scores = per_token * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
+        attention += scores
+    h, f = model.hidden, model.d_ffn * (model.top_k if model.is_moe else 1)
+    h_part, f_part = (14 * h, 5 * f) if model.gated_mlp else (10 * h, 2 * f)
+    if dims.tp > 1 and not dims.sp:
+        h_part *= dims.tp  # norms and residuals run whole on every TP rank without sequence parallelism
+    layer_fwd = cb * (h_part + f_part)
+    loss = 16 * model.vocab  # fp32 logits, log-softmax, their gradient
+    traffic_fwd = model.layers * layer_fwd
+    elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
+    parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise}
+    if ck is Checkpointing.FULL:  # one more forward of the blocks: a third of their matmul and elementwise work
+        scale = model.params / model.params_from_dims if model.params_override else 1.0
+        block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
+        attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward
+        again = traffic_fwd * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
+        parts["recompute"] = block_matmul + attn_fwd + again
+    elif ck is Checkpointing.SELECTIVE:  # the attention core's forward again
+        parts["recompute"] = attention * (2 / 7 if training.flash_attention else 1 / 3)
+    return parts
+
+
 def estimate_time(
     model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
     *, grad_accum: int, assumptions: Assumptions,
 ) -> StepTime:
-    """Estimated step time of ``strategy`` with ``dims``."""
+    """Estimated step time of ``strategy`` with ``dims``, part by part (see the module docstring)."""
     world = dims.world_size
     gpn = hardware.gpus_per_node
     acc = hardware.accelerator
     m = grad_accum
     seq = training.seq_len
     tokens = training.micro_batch * m * dims.dp * seq
-    model_fpt, hw_fpt = training_flops_per_token(model, seq, training.checkpointing)
+    model_fpt, _ = training_flops_per_token(model, seq, training.checkpointing)
     peak = acc.peak_flops(training.precision.compute_dtype)
-    compute = hw_fpt * tokens / (world * peak * assumptions.compute_efficiency)
+    parts = compute_parts(model, training, hardware, dims, tokens_per_gpu=tokens / world)
+    compute = sum(parts.values())
     compute_mb = compute / m
     backward_mb = compute_mb * 2 / 3
     cb = 4 if training.precision is Precision.FP32 else 2  # compute / activation bytes
     reduce_b = 2 if strategy.family == "deepspeed" or training.precision is Precision.BF16_TRUE else 4
     if training.precision is Precision.FP32:
         reduce_b = 4
+    blocks = -(-model.layers // dims.pp)
+    ops = OPS_PER_LAYER * blocks * m + OPS_OPTIMIZER
+    launch = ops * acc.op_overhead_s
+    # a GPU queues kernels ahead: launches cost time only where the kernels are shorter; eager CPU work adds up
+    parts["overhead"] = launch if acc.vendor == "cpu" else max(0.0, launch - compute)
 
-    breakdown: dict[str, float] = {"compute": compute}
+    breakdown: dict[str, float] = dict(parts)
     comm: dict[str, float] = {}
 
     # ---- data parallel (ZeRO / FSDP / DDP) ----------------------------------------------------------------------
@@ -151,7 +281,8 @@ def estimate_time(
             # partition and the parameters are all-gathered: Psi + Psi = the same 2 Psi as DDP (ZeRO paper Sec. 7.2.1)
             once = _ring(inner, 1 if strategy.shard_optimizer else 2) * grads
             t_once = once / bw
-            t_exposed = max(0.0, t_once - assumptions.overlap * backward_mb)
+            last_bucket = min(t_once, DDP_BUCKET_BYTES * _ring(inner, 2) / bw)  # reduced after backward ends
+            t_exposed = max(last_bucket, t_once - assumptions.overlap * backward_mb)
             if strategy.shard_optimizer:  # ZeRO-1 all-gathers the updated params after the step (not hidden)
                 gather = _ring(inner, 1) * params
                 t_exposed += gather / bw
@@ -166,7 +297,8 @@ def estimate_time(
                 per_mb += _ring(inner, 1) * params / (1 if strategy.keeps_gathered_params else m)
             t_mb = per_mb / bw
             dp_bytes += per_mb * m
-            dp_exposed += m * max(0.0, t_mb - assumptions.overlap * compute_mb)
+            first_last = t_mb / max(1, blocks)  # the first unit's gather / the last one's reduce-scatter: no cover
+            dp_exposed += m * max(first_last, t_mb - assumptions.overlap * compute_mb)
         if outer > 1:  # hybrid: all-reduce of the shard's gradients across replicas, once per step
             cross = _ring(outer, 2) * grads / inner
             t_cross = cross / hardware.collective_bw(outer * inner, ranks_per_node=1)
@@ -177,7 +309,6 @@ def estimate_time(
         breakdown["dp_comm"] = dp_exposed
 
     # ---- tensor parallel ----------------------------------------------------------------------------------------
-    blocks = -(-model.layers // dims.pp)
     s_local = seq / dims.cp
     act = s_local * training.micro_batch * model.hidden * cb
     if dims.tp > 1:
@@ -226,6 +357,7 @@ def estimate_time(
         comm["host_link"] = pcie
         breakdown["offload"] = pcie / acc.host_link_bw + local / assumptions.cpu_optimizer_params_per_s
 
+    breakdown = {k: v for k, v in breakdown.items() if v > 0 or k == "matmul"}
     step = sum(breakdown.values())
     bound = max(breakdown, key=lambda k: breakdown[k])
     model_flops = model_fpt * tokens

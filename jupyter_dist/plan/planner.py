@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..errors import ParallelismError, PlanInputError
+from .calibration import Calibration
 from .hardware import Hardware
 from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per_param
 from .model import ModelSpec, get_preset
 from .parallel import ParallelDims
-from .perf import estimate_time
+from .perf import estimate_time, matmul_efficiency
 from .plan import Candidate, Plan
 from .strategies import STRATEGIES, StrategySpec, get_strategy
 from .training import Checkpointing, Precision, TrainingShape
@@ -120,7 +122,7 @@ def _enumerate(
 
 def _evaluate(
     model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
-    assumptions: Assumptions,
+    assumptions: Assumptions, memory_offset: int = 0,
 ) -> Candidate | None:
     try:
         grad_accum = training.accumulation_for(dims.dp)
@@ -128,6 +130,9 @@ def _evaluate(
         return None
     memory = estimate_memory(model, training, hardware, strategy, dims, grad_accum=grad_accum,
                              assumptions=assumptions)  # fmt: skip
+    if memory_offset:  # measured by %dist_tune on this hardware: what the model left out (or counted twice)
+        memory = replace(memory, overhead=max(0, memory.overhead + memory_offset),
+                         detail={**memory.detail, "calibration": memory_offset})  # fmt: skip
     time = estimate_time(model, training, hardware, strategy, dims, grad_accum=grad_accum, assumptions=assumptions)
     suffix = dims.label()
     settings: dict[str, Any] = dict(comm_settings(model, strategy))
@@ -185,6 +190,7 @@ def plan(
     ep: int | None = None,
     sp: bool | None = None,
     assumptions: Assumptions | None = None,
+    calibration: Calibration | None = None,
 ) -> Plan:
     """Plan distributed training of ``model`` on ``hardware``: which strategy, will it fit, how fast, and why.
 
@@ -202,11 +208,18 @@ def plan(
         Fix model-parallel degrees; data parallelism takes the rest of the world.
     assumptions
         Calibration of the memory/time model.
+    calibration
+        Rates and memory measured on this hardware by ``%dist_tune`` (see :mod:`.calibration`); the plan uses them
+        and says so.
     """
     spec = resolve_model(model)
     hw = Hardware.from_names(hardware) if isinstance(hardware, str) else hardware
     shape = training or TrainingShape()
     assume = assumptions or Assumptions()
+    offset = 0
+    if calibration is not None:
+        hw = calibration.apply(hw)
+        offset = calibration.memory_offset_bytes
     requested = get_strategy(strategy) if strategy else None
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v is not None}
     for k, v in fixed.items():
@@ -214,7 +227,7 @@ def plan(
             raise ParallelismError(f"{k} must be a positive integer, got {v!r}")
 
     pairs = _enumerate(spec, shape, hw, fixed, sp)
-    evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume)) is not None]
+    evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume, offset)) is not None]
     if not evaluated:
         dp = hw.world_size // math.prod(fixed.values() or [1])
         shape.accumulation_for(dp)  # raises the explanatory error
@@ -227,7 +240,7 @@ def plan(
             )
         shown = [c for c in evaluated if c.strategy == requested.name]
         if not shown:  # e.g. a hybrid strategy on one node: evaluate it anyway on the base dims
-            c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume)
+            c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume, offset)
             shown = [c] if c else []
         if not shown and requested.hybrid and requested.family == "fsdp":
             raise ParallelismError(
@@ -244,6 +257,11 @@ def plan(
     candidates = tuple(ranked + rest)
     best = ranked[0] if ranked else None
     reasons = _reasons(spec, shape, hw, assume, evaluated, best, ranked, requested)
+    if calibration is not None:
+        reasons.append(
+            f"Calibrated on this hardware by %dist_tune: {calibration.describe()}; planned memory includes the "
+            f"measured {calibration.memory_offset_bytes / 2**20:+,.0f} MiB per rank."
+        )
     warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
     return Plan(
         model=spec, hardware=hw, training=shape, assumptions=assume, candidates=candidates,
@@ -334,8 +352,22 @@ def _reasons(
         out.append(
             f"Recommended {best.name}: the fastest of {pool} candidate(s) that fit with >= "
             f"{100 * a.min_headroom:.0f}% headroom (simplest within 3%): {tm.step_time_s:.3g} s/step, "
-            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}% (at an assumed "
-            f"{100 * a.compute_efficiency:.0f}% of peak for matmuls), bound by {tm.bound_label}."
+            f"{tm.tokens_per_s:,.0f} tokens/s, MFU {100 * tm.mfu:.0f}%, bound by {tm.bound_label}; the step is "
+            f"{tm.describe()}."
+        )
+        acc = hw.accelerator
+        rate = matmul_efficiency(acc.matmul_efficiency, model.hidden)
+        if acc.calibration.startswith("--"):
+            source = f"as given with {acc.calibration}"
+        elif acc.calibration:
+            source = f"calibrated on this hardware: {acc.calibration}"
+        elif acc.vendor == "cpu":
+            source = "a placeholder for CPU processes; %dist_tune measures this machine"
+        else:
+            source = f"from published measured utilisation on {acc.label}; %dist_tune measures it here"
+        out.append(
+            f"Matmuls at {100 * rate:.0f}% of the {acc.peak_flops(t.precision.compute_dtype) / 1e12:.0f} TFLOP/s peak "
+            f"({source})."
         )
         dp = best.dims.dp
         gbatch = t.micro_batch * best.grad_accum * dp

@@ -269,8 +269,11 @@ def evaluate(inputs: WizardInputs) -> Answer:
     if spec is not None and hw is not None and shape is not None and not problems:
         assume = Assumptions() if inputs.min_headroom is None else Assumptions(min_headroom=inputs.min_headroom)
         try:
+            from ..plan.calibration import load_calibration  # %dist_tune's measurement of this hardware, if any
+
             answer.plan = plan(spec, hw, shape, strategy=None if inputs.strategy == "auto" else inputs.strategy,
-                               tp=inputs.tp or None, pp=inputs.pp or None, assumptions=assume)  # fmt: skip
+                               tp=inputs.tp or None, pp=inputs.pp or None, assumptions=assume,
+                               calibration=load_calibration(hw.accelerator.name))  # fmt: skip
         except JupyterDistError as exc:
             problems[_plan_field(inputs, str(exc))] = str(exc)
     answer.elapsed_ms = (time.perf_counter() - t0) * 1e3
@@ -372,7 +375,8 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
             f"({max(mem.headroom, 0) * 100:.0f}% free)</span>"
             f"<span><b>{t.step_time_s:.3g} s</b>/step</span>"
             f"<span><b>{_num(t.tokens_per_s)}</b> tokens/s</span>"
-            f"<span>MFU <b>{t.mfu * 100:.0f}%</b></span><span>bound by {e(t.bound_by)}</span></div>"
+            f"<span>MFU <b>{t.mfu * 100:.0f}%</b></span><span>bound by {e(t.bound_label)}</span></div>"
+            f"<div class='jd-wiz-breakdown'>Step time: {e(t.describe(6))}</div>"
             f"<div>Effective batch: {e(_effective_batch(p, best))}</div>"
         )  # fmt: skip
     reasons = "".join(f"<li>{e(r)}</li>" for r in p.reasons)

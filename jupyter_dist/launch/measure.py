@@ -1,0 +1,243 @@
+"""What a run measured (step time, tokens/s, peak memory per rank) and the calibration fitted from it.
+
+Shared by the :class:`~.run.Run` handle (its summary compares a finished run with its plan) and ``%dist_tune``
+(:mod:`.tune`), which measures several candidates. Reads a run's telemetry through ``run.records(kind)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak"]
+
+WARMUP_STEPS = 2
+"""Steps left out of the step-time median (first-step allocation, lazy initialisation, compilation)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    """What one run measured."""
+
+    step_time_s: float | None
+    """Median seconds per step after the warm-up, on the slowest rank (``None``: too few steps logged)."""
+    tokens_per_s: float | None
+    """Tokens per second, whole job (from the ``tokens`` the cell logs; ``None`` when it logs none)."""
+    peak_bytes: dict[int, int] = field(default_factory=dict)
+    """Peak memory per rank: CUDA ``peak_allocated`` on GPUs, the process's ``max_rss`` on CPU."""
+    memory_kind: str = "rss"
+    """``"cuda"`` or ``"rss"``: what :attr:`peak_bytes` counts."""
+    steps: int = 0
+    """Steps logged (by the slowest rank)."""
+
+    @property
+    def peak(self) -> int:
+        """The largest rank's peak (bytes; 0 when none was recorded)."""
+        return max(self.peak_bytes.values(), default=0)
+
+
+def measure_run(run: Any, *, warmup: int = WARMUP_STEPS) -> Measured:
+    """Step time, tokens/s and peak memory per rank from a run's telemetry (any finished or running Run)."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for rec in run.records("step"):
+        steps.setdefault(int(rec["rank"]), []).append(rec)
+    per_rank_time: list[float] = []
+    per_rank_tps: dict[int, float] = {}
+    logged = 0
+    for rank, recs in steps.items():
+        recs.sort(key=lambda r: r.get("seq", 0))
+        logged = max(logged, int(recs[-1].get("step", 0)) + 1)
+        # coalesced records carry n calls; weigh each record's step_time by its calls
+        times = [float(r["step_time"]) for r in recs[1:] if r.get("step_time") and int(r.get("step", 0)) >= warmup]
+        if times:
+            per_rank_time.append(statistics.median(times))
+        tps = [float(r["tokens_per_s"]) for r in recs[1:] if r.get("tokens_per_s") and int(r.get("step", 0)) >= warmup]
+        if tps:
+            per_rank_tps[rank] = statistics.median(tps)
+    step_time = max(per_rank_time) if per_rank_time else None
+    tokens = None
+    if per_rank_tps:
+        # ranks of a tensor/pipeline/context group share their tokens: count each data-parallel rank once
+        world = max(1, int(getattr(run, "world_size", len(per_rank_tps))))
+        dp = _dp_size(run, world)
+        tokens = sum(per_rank_tps.values()) * dp / max(1, len(per_rank_tps)) if dp else None
+    peaks: dict[int, int] = {}
+    kind = "rss"
+    for rec in run.records("mem"):
+        rank = int(rec["rank"])
+        if rec.get("peak_allocated") is not None:
+            kind = "cuda"
+            value = int(rec["peak_allocated"])
+        else:
+            value = int(rec.get("max_rss") or rec.get("rss") or 0)
+        peaks[rank] = max(peaks.get(rank, 0), value)
+    return Measured(step_time_s=step_time, tokens_per_s=tokens, peak_bytes=peaks, memory_kind=kind, steps=logged)
+
+
+def _dp_size(run: Any, world: int) -> int:
+    """Data-parallel ranks of a run (from its candidate's degrees when known, else all of them)."""
+    plan = getattr(run, "plan", None)
+    name = getattr(run, "candidate", None)
+    if plan is not None and name:
+        try:
+            return int(plan.candidate(name).dims.dp) if plan.world_size == world else world
+        except KeyError:
+            pass
+    return world
+
+
+def planned_peak(memory: Any, kind: str) -> int:
+    """The plan's peak in the measurement's terms (bytes).
+
+    CUDA's ``peak_allocated`` sees neither the CUDA context nor the caching allocator's fragmentation, so those are
+    taken off for ``"cuda"``; a process's RSS holds everything.
+    """
+    if kind != "cuda":
+        return int(memory.total)
+    return int(memory.total - memory.detail.get("cuda_context", 0) - memory.detail.get("fragmentation", 0))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Trial:
+    """One candidate at one micro-batch size: predicted, and what the run measured."""
+
+    candidate: str
+    """Candidate name (``"fsdp2"``, ``"fsdp2+tp2+sp"``)."""
+    micro_batch: int
+    """Sequences per rank per micro-batch."""
+    predicted: Any
+    """The plan's :class:`~jupyter_dist.plan.plan.Candidate` for this shape."""
+    status: str
+    """``"ok"``, ``"does not fit (measured)"`` or ``"failed (measured)"``."""
+    measured: Measured | None = None
+    """The measurement (``None`` when the run produced no step)."""
+    error: str = ""
+    """Why it failed, one line."""
+    run_dir: str = ""
+    """The trial's run directory."""
+    accelerator: Any = None
+    """The :class:`~jupyter_dist.plan.hardware.Accelerator` the prediction was made for."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the trial measured a step time."""
+        return self.status == "ok" and self.measured is not None and self.measured.step_time_s is not None
+
+    @property
+    def label(self) -> str:
+        """``candidate @ mb N``."""
+        return f"{self.candidate} @ mb {self.micro_batch}"
+
+    def row(self) -> list[str]:
+        """Table cells: trial, predicted / measured step, tokens/s, peak memory, status."""
+        p = self.predicted
+        m = self.measured
+        mib = 2**20
+
+        def fmt(v: float | None, spec: str) -> str:
+            return "-" if v is None else format(v, spec)
+
+        return [
+            self.label,
+            fmt(p.time.step_time_s, ".4g"), fmt(m.step_time_s if m else None, ".4g"),
+            fmt(p.time.tokens_per_s, ",.0f"), fmt(m.tokens_per_s if m else None, ",.0f"),
+            fmt(planned_peak(p.memory, m.memory_kind if m else "rss") / mib, ",.0f"),
+            fmt(m.peak / mib if m and m.peak else None, ",.0f"),
+            self.status if not self.error else f"{self.status}: {self.error}",
+        ]  # fmt: skip
+
+
+COMM_PARTS = ("dp_comm", "tp_comm", "pp_p2p", "cp_comm", "ep_comm", "offload")
+"""Breakdown parts that scale with the links' speed (the calibration's ``comm_scale``)."""
+
+
+def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
+    """Fit the matmul rate, per-operator cost and communication speed to the trials' measured step times.
+
+    Each trial's predicted step is split into the matmul part ``a`` (at the published rate), the overhead part ``b``
+    (at the published per-operator cost), the communication parts ``c`` and the rest ``d``; the measured time
+    ``T = a x + b y + c z + d`` is solved by least squares for the three scales, with a weak pull towards 1 (the
+    published figures), so that trials which cannot tell two parts apart share the correction between them.
+    ``None`` when no trial measured a step.
+    """
+    from ..plan.calibration import Calibration, hardware_key
+
+    ok = [t for t in trials if t.ok and t.accelerator is not None]
+    if not ok:
+        return None
+    acc = ok[0].accelerator
+    rows = []
+    for t in ok:
+        bd = t.predicted.time.breakdown
+        a, b = bd.get("matmul", 0.0), bd.get("overhead", 0.0)
+        c = sum(bd.get(k, 0.0) for k in COMM_PARTS)
+        d = t.predicted.time.step_time_s - a - b - c
+        rows.append(([a, b, c], t.measured.step_time_s - d))  # type: ignore[union-attr]
+    x, y, z = _ridge(rows)
+    errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
+    # the offset replaces any older one the prediction already carried
+    offsets = [t.measured.peak - (planned_peak(t.predicted.memory, t.measured.memory_kind)
+                                  - t.predicted.memory.detail.get("calibration", 0))
+               for t in ok if t.measured and t.measured.peak]  # fmt: skip
+    return Calibration(
+        hardware_key=hardware_key(acc.name), accelerator=acc.name,
+        matmul_efficiency=min(1.0, max(1e-4, acc.matmul_efficiency / x)), op_overhead_s=acc.op_overhead_s * y,
+        comm_scale=z, memory_offset_bytes=int(max(offsets, default=0)), trials=len(ok),
+        step_error=statistics.fmean(errors), measured_at=time.time(), source=source,
+    )  # fmt: skip
+
+
+LOW, HIGH = 1e-2, 1e4
+"""Bounds of a fitted scale: a part more than 100x off its published figure is not what the trials say."""
+
+
+def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
+    """Scales ``s`` (one per column) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``, each in [LOW, HIGH].
+
+    ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds. A column
+    that is zero in every row, or whose unconstrained scale leaves the bounds (the trials cannot pin it: e.g. a
+    communication part too small to explain the differences between them), is held at its published value (1) and
+    the others are fitted again without it.
+    """
+    k = len(rows[0][0])
+    pinned = {i for i in range(k) if all(r[0][i] == 0.0 for r in rows)}
+    while True:
+        free = [i for i in range(k) if i not in pinned]
+        if not free:
+            return [1.0] * k
+        target = [(r[0], r[1] - sum(r[0][i] for i in pinned)) for r in rows]  # pinned parts at scale 1
+        solved = _solve_free(target, free, pull)
+        out = [1.0] * k
+        bad = []
+        for i, v in zip(free, solved, strict=True):
+            if LOW <= v <= HIGH:
+                out[i] = v
+            else:
+                bad.append((abs(v - 1.0), i))
+        if not bad:
+            return out
+        pinned.add(max(bad)[1])  # the worst one first, then fit the rest again
+
+
+def _solve_free(rows: list[tuple[list[float], float]], free: list[int], pull: float) -> list[float]:
+    """The ridge normal equations over the ``free`` columns, by Gauss-Jordan elimination with partial pivoting."""
+    k = len(free)
+    norm = [sum(r[0][c] ** 2 for r in rows) for c in free]
+    m = [[sum(r[0][ci] * r[0][cj] for r in rows) + (pull * norm[i] if i == j else 0.0) for j, cj in enumerate(free)]
+         for i, ci in enumerate(free)]  # fmt: skip
+    v = [sum(r[0][c] * r[1] for r in rows) + pull * norm[i] for i, c in enumerate(free)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        v[col], v[piv] = v[piv], v[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(k):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [a - f * b for a, b in zip(m[r], m[col], strict=True)]
+                v[r] -= f * v[col]
+    return [v[i] / m[i][i] if m[i][i] else 1.0 for i in range(k)]

@@ -1,0 +1,368 @@
+"""``%dist_tune`` / ``jupyter-dist tune``: measure the planner's top candidates on the real hardware, keep the best.
+
+Each trial is a real run of the training cell on the launcher path of ``%%dist_train`` (:func:`.session.start_run`:
+local torchrun, or SLURM / SkyPilot with ``backend=``), for a few steps, with one candidate of the plan and one
+micro-batch size. A trial's measurement comes from its telemetry: the step time (median over the steps after the
+warm-up, slowest rank), tokens/s (what the cell logs as ``tokens``), and the peak memory per rank (CUDA's
+``peak_allocated`` on GPUs, the process's ``max_rss`` on CPU). A trial that runs out of memory is a result, "does
+not fit (measured)", and so is one that crashes.
+
+From the trials a :class:`~jupyter_dist.plan.calibration.Calibration` is fitted (matmul rate and per-operator cost by
+least squares over the trials' predicted parts; the memory offset as the largest measured-minus-planned peak) and
+saved for this hardware; later plans use it and say so. The best measured candidate comes back as a Plan.
+
+The cell reads its shape from the environment: ``JD_MICRO_BATCH`` (sequences per rank per step), ``JD_SEQ_LEN`` and
+``JD_TUNE_STEPS`` (steps to run); without a cell, :data:`TUNE_CELL` trains the reference transformer of the plan's
+model shape.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import JupyterDistError
+from .measure import WARMUP_STEPS, Measured, Trial, fit_calibration, measure_run
+
+__all__ = [
+    "TUNE_CELL",
+    "WARMUP_STEPS",
+    "Measured",
+    "Trial",
+    "TuneResult",
+    "fit_calibration",
+    "measure_run",
+    "trial_grid",
+    "tune",
+]
+
+TUNE_CELL = """
+import os
+
+import torch
+import torch.nn as nn
+
+from jupyter_dist.models import Transformer
+
+VOCAB, DIM, LAYERS, HEADS = (int(v) for v in os.environ["JD_TUNE_MODEL"].split(","))
+BATCH, SEQ, STEPS = int(os.environ["JD_MICRO_BATCH"]), int(os.environ["JD_SEQ_LEN"]), int(os.environ["JD_TUNE_STEPS"])
+torch.manual_seed(0)
+model = Transformer(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, opt = jd.wrap(model, opt)
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+for step in range(STEPS):
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).to(jd.device)
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], loss_fn)
+    jd.log(step, loss=loss, tokens=BATCH * SEQ)
+"""
+"""The built-in trial cell: the reference transformer with the plan's model shape, random tokens."""
+
+_OOM_MARKERS = ("out of memory", "outofmemoryerror", "memoryerror", "cannot allocate memory", "killed by signal 9")
+
+
+_COLUMNS = ["trial", "step s (plan)", "step s (measured)", "tok/s (plan)", "tok/s (measured)", "peak MiB (plan)",
+            "peak MiB/rank (measured)", "result"]  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class TuneResult:
+    """The trials so far, the best measured one as a Plan, and the calibration they give."""
+
+    base: Any
+    """The plan the candidates came from."""
+    trials: list[Trial] = field(default_factory=list)
+    """Every trial, in the order run."""
+    plan: Any = None
+    """The best measured candidate as a :class:`~jupyter_dist.plan.plan.Plan` (``None`` until one succeeds)."""
+    calibration: Any = None
+    """The :class:`~jupyter_dist.plan.calibration.Calibration` fitted from the trials (saved unless told not to)."""
+    calibration_path: str = ""
+    """Where it was saved ("" when not)."""
+
+    @property
+    def best(self) -> Trial | None:
+        """The fastest trial that measured a step (by tokens/s, else by step time)."""
+        ok = [t for t in self.trials if t.ok]
+        if not ok:
+            return None
+        return max(ok, key=lambda t: t.measured.tokens_per_s or 1.0 / t.measured.step_time_s)  # type: ignore[union-attr]
+
+    def to_text(self) -> str:
+        """The side-by-side table, the pick and the calibration."""
+        rows = [_COLUMNS] + [t.row() for t in self.trials]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
+        lines.insert(1, "-" * len(lines[0]))
+        best = self.best
+        lines.append("")
+        lines.append(f"Best measured: {best.label}" if best else "No trial measured a step.")
+        if self.calibration is not None:
+            where = f", saved to {self.calibration_path}" if self.calibration_path else " (not saved)"
+            lines.append(f"Calibration{where}: {self.calibration.describe()}")
+        return "\n".join(lines)
+
+    def chart_svg(self, width: int = 560) -> str:
+        """Predicted against measured tokens/s per trial, as an SVG bar chart (no JavaScript)."""
+        trials = self.trials
+        if not trials:
+            return ""
+        values = [(t.predicted.time.tokens_per_s, t.measured.tokens_per_s if t.measured else None) for t in trials]
+        top = max([v for pair in values for v in pair if v], default=1.0)
+        row_h, label_w = 34, 170
+        bar_w = width - label_w - 90
+        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{row_h * len(trials) + 30}" '
+                 'font-family="sans-serif" font-size="11" class="jd-tune-chart">',
+                 '<text x="0" y="12">tokens/s: <tspan fill="#90a4ae">plan</tspan> vs '
+                 '<tspan fill="#1565c0">measured</tspan></text>']  # fmt: skip
+        for i, (t, (pred, meas)) in enumerate(zip(trials, values, strict=True)):
+            y = 22 + i * row_h
+            parts.append(f'<text x="0" y="{y + 14}">{html.escape(t.label)}</text>')
+            pw = bar_w * (pred or 0) / top
+            parts.append(f'<rect x="{label_w}" y="{y}" width="{pw:.1f}" height="12" fill="#90a4ae"/>')
+            parts.append(f'<text x="{label_w + pw + 4:.1f}" y="{y + 10}">{pred:,.0f}</text>')
+            if meas:
+                mw = bar_w * meas / top
+                parts.append(f'<rect x="{label_w}" y="{y + 14}" width="{mw:.1f}" height="12" fill="#1565c0"/>')
+                parts.append(f'<text x="{label_w + mw + 4:.1f}" y="{y + 24}">{meas:,.0f}</text>')
+            else:
+                parts.append(f'<text x="{label_w}" y="{y + 24}" fill="#c62828">{html.escape(t.status)}</text>')
+        parts.append("</svg>")
+        return "".join(parts)
+
+    def to_html(self) -> str:
+        """Table and chart for notebooks."""
+        e = html.escape
+        head = "".join(f"<th>{e(c)}</th>" for c in _COLUMNS)
+        best = self.best
+        body = []
+        for t in self.trials:
+            style = ' style="font-weight:bold;background:#e8f5e9"' if best is not None and t is best else ""
+            body.append(f"<tr{style}>" + "".join(f"<td>{e(c)}</td>" for c in t.row()) + "</tr>")
+        foot = f"<p>Best measured: <b>{e(best.label)}</b></p>" if best else "<p>No trial measured a step yet.</p>"
+        if self.calibration is not None:
+            foot += f"<p>Calibration: {e(self.calibration.describe())}</p>"
+        return (f'<div class="jupyter-dist-tune"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
+                f"</tbody></table>{self.chart_svg()}{foot}</div>")  # fmt: skip
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"text/plain": self.to_text(), "text/html": self.to_html()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trials
+# ---------------------------------------------------------------------------------------------------------------
+def _replan(base: Any, strategy: str, dims: Any, micro_batch: int) -> Any:
+    """The base plan's inputs with one candidate's strategy and degrees, at ``micro_batch``."""
+    from ..plan.planner import plan
+
+    fixed = {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
+    training = replace(base.training, micro_batch=micro_batch)
+    return plan(base.model, base.hardware, training, strategy=strategy, sp=dims.sp if dims.tp > 1 else None,
+                assumptions=base.assumptions, **fixed)  # fmt: skip
+
+
+def _classify(run: Any) -> tuple[str, str]:
+    """(status, one-line reason) of a run that did not succeed."""
+    text = ""
+    for r in range(run.world_size):
+        try:
+            text += run.logs(r, tail=40) + "\n"
+        except JupyterDistError:
+            continue
+    low = text.lower()
+    last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), run.status)
+    if any(m in low for m in _OOM_MARKERS):
+        return "does not fit (measured)", last[:160]
+    return "failed (measured)", f"{run.status}: {last[:160]}"
+
+
+def trial_grid(
+    plan: Any,
+    *,
+    top: int = 3,
+    candidates: Sequence[str] | None = None,
+    micro_batches: Sequence[int] | None = None,
+) -> tuple[list[Any], list[int]]:
+    """The candidates to measure (the plan's ``top`` fitting ones, or those named) and the micro-batch sizes.
+
+    The sizes default to the planned one and its neighbours (half and double); a neighbour the plan says does not
+    fit is skipped when the trials run.
+    """
+    if candidates:
+        chosen = []
+        for cname in candidates:
+            try:
+                chosen.append(plan.candidate(cname))
+            except KeyError:
+                raise JupyterDistError(
+                    f"no candidate {cname!r} in the plan; have: {', '.join(c.name for c in plan.candidates)}"
+                ) from None
+    else:
+        chosen = [c for c in plan.candidates if c.fits][:top]
+        if not chosen:
+            raise JupyterDistError("nothing in the plan fits: there is no candidate to measure")
+    planned = plan.training.micro_batch
+    if micro_batches is None:
+        sizes = sorted({planned, *(b for b in (planned // 2, planned * 2) if b >= 1)})
+    else:
+        sizes = sorted(set(micro_batches))
+        if not sizes or min(sizes) < 1:
+            raise JupyterDistError(f"--micro-batches must be positive integers, got {list(micro_batches)}")
+    return chosen, sizes
+
+
+def tune(
+    code: str | None,
+    plan: Any,
+    *,
+    top: int = 3,
+    micro_batches: Sequence[int] | None = None,
+    candidates: Sequence[str] | None = None,
+    steps: int = 8,
+    nproc: int | None = None,
+    nodes: int | None = None,
+    backend: str = "local",
+    cluster: Any = None,
+    runs_dir: str = "runs",
+    name: str = "tune",
+    trial_timeout: float = 300.0,
+    save: bool = True,
+    env: dict[str, str] | None = None,
+    on_trial: Callable[[TuneResult], None] | None = None,
+) -> TuneResult:
+    """Run the plan's top ``top`` fitting candidates (or the named ``candidates``) at each micro-batch size.
+
+    ``micro_batches`` defaults to the planned one and its neighbours (half and double) where they fit.
+    ``on_trial`` is called with the result after every trial (the magic redraws its table and chart there).
+    """
+    from .session import start_run
+
+    if plan is None or not getattr(plan, "candidates", None):
+        raise JupyterDistError("tune needs a Plan with candidates (from %dist_plan / jupyter_dist.plan.plan)")
+    if not 1 <= top <= 32:
+        raise JupyterDistError(f"--top must be 1..32 candidates, got {top}")
+    if not 1 <= steps <= 10_000:
+        raise JupyterDistError(f"--steps must be 1..10000, got {steps}")
+    if steps <= WARMUP_STEPS:
+        raise JupyterDistError(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {steps}")
+    chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches)
+    from ..plan.calibration import published
+
+    plan = replace(plan, hardware=published(plan.hardware))  # trials predicted from the published figures: the fit
+    # is then absolute, not a correction of an older calibration
+    planned = plan.training.micro_batch
+    model = plan.model
+    cell = code if code and code.strip() else TUNE_CELL
+    world = plan.hardware.world_size
+    nodes = nodes or plan.hardware.nodes
+    nproc = nproc or world // nodes
+    result = TuneResult(base=plan)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for cand in chosen:
+        for mb in sizes:
+            try:
+                trial_plan = _replan(plan, cand.strategy, cand.dims, mb)
+                predicted = trial_plan.candidate(cand.name)
+            except (JupyterDistError, KeyError):
+                if mb == planned:
+                    raise
+                continue  # e.g. a micro-batch the global batch does not divide into
+            if mb != planned and not predicted.fits:
+                continue  # a neighbour the plan says does not fit: not worth a run
+            trial_env = {"JD_MICRO_BATCH": str(mb), "JD_SEQ_LEN": str(plan.training.seq_len),
+                         "JD_TUNE_STEPS": str(steps),
+                         "JD_TUNE_MODEL": f"{model.vocab},{model.hidden},{model.layers},{model.heads}",
+                         **(env or {})}  # fmt: skip
+            trial = _run_trial(start_run, cell, trial_plan, predicted, mb, nproc=nproc, nodes=nodes, backend=backend,
+                               cluster=cluster, runs_dir=runs_dir, name=f"{name}-{stamp}-{len(result.trials)}",
+                               env=trial_env, timeout=trial_timeout)  # fmt: skip
+            result.trials.append(replace(trial, accelerator=trial_plan.hardware.accelerator))
+            if on_trial is not None:
+                on_trial(result)
+    _finish(result, save=save, source=str(Path(runs_dir).expanduser().resolve()))
+    if on_trial is not None:
+        on_trial(result)
+    return result
+
+
+def _run_trial(
+    start_run: Callable[..., Any],
+    cell: str,
+    trial_plan: Any,
+    predicted: Any,
+    mb: int,
+    *,
+    nproc: int,
+    nodes: int,
+    backend: str,
+    cluster: Any,
+    runs_dir: str,
+    name: str,
+    env: dict[str, str],
+    timeout: float,
+) -> Trial:
+    """One trial: start it like %%dist_train, wait, measure; a failure is a result."""
+    try:
+        run = start_run(cell, nproc=nproc, nodes=nodes, strategy=predicted.name, plan=trial_plan, name=name,
+                        runs_dir=runs_dir, timeout=timeout, env=env, backend=backend, cluster=cluster,
+                        worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25})  # fmt: skip
+    except JupyterDistError as exc:
+        return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
+                     error=str(exc).splitlines()[0][:160])  # fmt: skip
+    run.wait()
+    measured = measure_run(run)
+    if run.status == "succeeded":
+        if measured.step_time_s is None:
+            return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
+                         measured=measured, error=f"fewer than {WARMUP_STEPS + 2} steps logged with jd.log",
+                         run_dir=str(run.dir))  # fmt: skip
+        return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="ok", measured=measured,
+                     run_dir=str(run.dir))  # fmt: skip
+    status, why = _classify(run)
+    return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status=status, measured=measured,
+                 error=why, run_dir=str(run.dir))  # fmt: skip
+
+
+def _finish(result: TuneResult, *, save: bool, source: str) -> None:
+    """Fit and save the calibration; the best measured candidate, re-planned with it, becomes ``result.plan``."""
+    from ..plan.planner import plan as make_plan
+
+    ok = [t for t in result.trials if t.ok]
+    if not ok:
+        return
+    cal = fit_calibration(ok, source=source)
+    result.calibration = cal
+    if cal is not None and save:
+        result.calibration_path = str(cal.save())
+    best = result.best
+    assert best is not None
+    base = result.base
+    dims = best.predicted.dims
+    fixed = {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
+    shape = replace(base.training, micro_batch=best.micro_batch)
+    tuned = make_plan(base.model, base.hardware, shape, strategy=best.predicted.strategy,
+                      sp=dims.sp if dims.tp > 1 else None, assumptions=base.assumptions, calibration=cal,
+                      **fixed)  # fmt: skip
+    m = best.measured
+    assert m is not None and m.step_time_s is not None
+    note = (f"%dist_tune measured {best.label} fastest of {len(result.trials)} trial(s): {m.step_time_s:.4g} s/step"
+            + (f", {m.tokens_per_s:,.0f} tokens/s" if m.tokens_per_s else "")
+            + (f", peak {m.peak / 2**20:,.0f} MiB per rank ({m.memory_kind})" if m.peak else "") + ".")  # fmt: skip
+    result.plan = replace(tuned, recommended=best.candidate if _has(tuned, best.candidate) else tuned.recommended,
+                          reasons=(note, *tuned.reasons))  # fmt: skip
+
+
+def _has(plan: Any, name: str) -> bool:
+    return any(c.name == name for c in plan.candidates)
