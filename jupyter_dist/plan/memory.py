@@ -244,19 +244,126 @@ def korthikanti_per_layer(
     return s * b * h * (10 + 24 / t + attn_core / t)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationLayout:
+    """How an implementation of a Llama-style block lays out what it saves (the parts that differ between them).
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` in tests/test_memory_measured.py: Hugging Face's
+    Llama/Mistral/Qwen2/Mixtral layers (:data:`HF_LAYOUT`, the planner's default) and the reference
+    ``jupyter_dist.models.Transformer`` (:data:`REFERENCE_LAYOUT`).
+    """
+
+    kv_repeated: bool = False
+    """K and V are expanded to the query heads before SDPA (``repeat_interleave``) instead of ``enable_gqa``."""
+    rope_tables_per_block: bool = False
+    """Each block builds its own fp32 ``cos``/``sin`` tables, ``(s, head_dim / 2)`` each (HF builds them once)."""
+    attention_output_copied: bool = False
+    """The output projection's input is a copy of the SDPA output (``transpose(1, 2).reshape`` of a contiguous
+    ``(b, heads, s, d)`` output) rather than a view of it."""
+
+
+HF_LAYOUT = ActivationLayout()
+"""Hugging Face transformers 5 with ``attn_implementation="sdpa"``."""
+REFERENCE_LAYOUT = ActivationLayout(kv_repeated=True, rope_tables_per_block=True, attention_output_copied=True)
+"""The reference ``jupyter_dist.models.Transformer``."""
+
+
+def _matmuls(model: ModelSpec, t: int) -> list[tuple[float, bool]]:
+    """(output width on one tensor-parallel rank, has a bias) of a dense block's linears, in forward order."""
+    out = [(model.q_dim / t, model.qkv_bias), (model.kv_dim / t, model.qkv_bias), (model.kv_dim / t, model.qkv_bias),
+           (model.hidden, model.out_bias)]  # fmt: skip
+    f = model.d_ffn / t
+    if model.gated_mlp:
+        out += [(f, model.mlp_bias), (f, model.mlp_bias), (model.hidden, model.mlp_bias)]
+    else:
+        out += [(f, model.mlp_bias), (model.hidden, model.mlp_bias)]
+    return out
+
+
+def measured_layout_applies(model: ModelSpec) -> bool:
+    """Whether :func:`activation_bytes_per_layer` uses the measured Llama-family layout (RMSNorm, no dropout).
+
+    GPT-style blocks (LayerNorm, dropout) keep Korthikanti et al.'s accounting term by term.
+    """
+    return model.norm == "rmsnorm" and not model.dropout
+
+
+def _llama_layer(model: ModelSpec, training: TrainingShape, dims: ParallelDims, recompute: Checkpointing,
+                 layout: ActivationLayout) -> float:  # fmt: skip
+    """Bytes one Llama-family block keeps for backward, op by op as PyTorch saves them (measured to the byte).
+
+    ``e`` is the compute dtype's size (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` and ``bf16-true`` run the
+    block in bf16; ``fp32`` in fp32). Each RMSNorm saves its fp32 input (``x.float()``: the input itself in fp32,
+    a copy otherwise) ``4sbh``, ``rsqrt`` ``4sb`` and the normalised tensor before and after the weight, ``2e sbh``.
+    Attention saves Q ``e sb q``, K and V ``e sb kv`` each (``e sb q`` when repeated), the SDPA output ``e sb q``
+    (and its copy when the layout copies it) and the fp32 log-sum-exp ``4sba``; a SwiGLU MLP saves gate, up,
+    act(gate) and their product, ``4e sbF``; a GeLU one its two inputs ``2e sbF``. A top-k MoE (Hugging Face's
+    Mixtral experts) saves per routed slot the expert's index ``16``, its gathered input, output and weighted output
+    ``3e h``, the fused gate-up output ``2e F``, act and product ``2e F``, the fp32 weight ``4``; and per token the
+    fp32 router softmax ``4E``, top-k indices and values ``12k`` and their sum ``4``.
+    ``selective`` drops the log-sum-exp and the SDPA output where only the kernel keeps it; ``op`` keeps the block
+    input, the SDPA outputs and every other ``mm`` output (bias-free linears; ``addmm`` is recomputed), as
+    torchtitan's policy does; ``full`` keeps the block input; ``layer:K`` averages K-1 blocks without and one with
+    full checkpointing.
+    """
+    s = training.seq_len / dims.cp
+    b = training.micro_batch
+    h, t, a = model.hidden, dims.tp, model.heads / dims.tp
+    e = training.precision.bytes_per_activation
+    sb = s * b
+    sp = t if dims.sp else 1
+    if recompute is Checkpointing.FULL:
+        return e * sb * h / sp
+    if recompute is Checkpointing.LAYER:
+        k = training.checkpoint_every
+        none = _llama_layer(model, training, dims, Checkpointing.NONE, layout)
+        full = _llama_layer(model, training, dims, Checkpointing.FULL, layout)
+        return ((k - 1) * none + full) / k
+    q, kv = model.q_dim / t, model.kv_dim / t
+    lse = 4 * sb * a if training.flash_attention else 2 * e * a * s * s * b  # fp32 log-sum-exp, or the scores
+    attn_out = e * sb * q
+    if recompute is Checkpointing.OP:
+        kept, count = e * sb * h / sp + attn_out + lse, 0
+        for width, bias in _matmuls(model, t):
+            if not bias:
+                count += 1
+                kept += e * sb * width if count % 2 == 1 else 0
+        return kept
+    norms = 2 * (4 * sb * h + 4 * sb + 2 * e * sb * h) / sp
+    kv_saved = q if layout.kv_repeated else kv
+    attention = e * sb * q + 2 * e * sb * kv_saved + attn_out * (2 if layout.attention_output_copied else 1) + lse
+    rope = 4 * s * model.d_head if layout.rope_tables_per_block else 0.0
+    if recompute is Checkpointing.SELECTIVE:
+        attention -= lse + (attn_out if layout.attention_output_copied else 0)
+    f = model.d_ffn / t
+    if model.is_moe:
+        slots = sb * model.top_k
+        mlp = slots * (20 + 3 * e * h + 4 * e * f) + sb * (4 * model.experts + 12 * model.top_k + 4)
+    else:
+        mlp = (4 if model.gated_mlp else 2) * e * sb * f
+    return norms + attention + rope + mlp
+
+
 def activation_bytes_per_layer(
-    model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None
-) -> float:
+    model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None,
+    layout: ActivationLayout = HF_LAYOUT,
+) -> float:  # fmt: skip
     """Bytes one transformer block saves for backward, per micro-batch, on one rank.
 
-    Follows Korthikanti et al.'s accounting term by term (fp16 activations, 1-byte dropout masks) so that a GPT
-    layer (MHA, 4h GeLU MLP, dropout, no FlashAttention) gives exactly their Table 2; the terms are generalised:
-    Q is ``2sb*q_dim`` and K, V ``2sb*kv_dim`` each (grouped-query attention); a GeLU MLP of width F stores
-    ``4sbF`` (activation input and second-linear input), a gated (SwiGLU) one ``8sbF`` (gate, up, act(gate) and
-    their product); MoE multiplies the MLP term by top-k and adds fp32 router logits ``4sbE``; FlashAttention
+    Llama-family blocks (RMSNorm, no dropout: :func:`measured_layout_applies`) are counted op by op as PyTorch
+    saves them (:func:`_llama_layer`, equal to the measurement of real blocks in tests/test_memory_measured.py).
+    Other blocks follow Korthikanti et al.'s accounting term by term (fp16 activations, 1-byte dropout masks) so
+    that a GPT layer (MHA, 4h GeLU MLP, dropout, no FlashAttention) gives exactly their Table 2; the terms are
+    generalised: Q is ``2sb*q_dim`` and K, V ``2sb*kv_dim`` each (grouped-query attention); a GeLU MLP of width F
+    stores ``4sbF`` (activation input and second-linear input), a gated (SwiGLU) one ``8sbF`` (gate, up, act(gate)
+    and their product); MoE multiplies the MLP term by top-k and adds fp32 router logits ``4sbE``; FlashAttention
     replaces the ``a*s^2*b`` score terms by its fp32 log-sum-exp ``4sba``; context parallelism divides ``s``.
+    ``op`` and ``layer:K`` on such blocks: ``op`` as full recomputation plus the matmul outputs torchtitan keeps
+    (every other one, counted as for the measured layout), ``layer:K`` the average of K-1 plain and one full block.
     """
     recompute = training.checkpointing if recompute is None else recompute
+    if measured_layout_applies(model):
+        return _llama_layer(model, training, dims, recompute, layout)
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h = model.hidden
@@ -264,6 +371,18 @@ def activation_bytes_per_layer(
     scale = 2.0 if training.precision is Precision.FP32 else 1.0  # the paper assumes 2-byte activations
     if recompute is Checkpointing.FULL:
         return 2 * s * b * h * scale / (t if dims.sp else 1)
+    if recompute is Checkpointing.LAYER:
+        k = training.checkpoint_every
+        none = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
+        full = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.FULL)
+        return ((k - 1) * none + full) / k
+    if recompute is Checkpointing.OP:
+        kept, count = 2 * s * b * h * scale / (t if dims.sp else 1), 0
+        for width, bias in _matmuls(model, t):
+            if not bias:
+                count += 1
+                kept += 2 * scale * s * b * width if count % 2 == 1 else 0
+        return kept + 2 * scale * s * b * model.q_dim / t + 4 * s * b * model.heads / t
     masks = 2 * s * b * h if model.dropout else 0.0  # attention-output and MLP-output dropout masks
     replicated = 4 * s * b * h + 2 * s * b * h + 2 * s * b * h  # two norm inputs, QKV input, MLP input
     ffn = model.d_ffn
@@ -314,7 +433,11 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
 # DeepSpeed's own estimators, re-implemented from deepspeed 0.19 (see module docstring) and checked against it.
 # ---------------------------------------------------------------------------------------------------------------
 def deepspeed_zero2_estimate(
-    total_params: int, *, gpus_per_node: int = 1, nodes: int = 1, cpu_offload: bool = True,
+    total_params: int,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = True,
     additional_buffer_factor: float = 1.5,
 ) -> tuple[int, int]:
     """(CPU bytes per node, GPU bytes) of ZeRO-2 model states, as ``estimate_zero2_model_states_mem_needs``."""
@@ -329,8 +452,14 @@ def deepspeed_zero2_estimate(
 
 
 def deepspeed_zero3_estimate(
-    total_params: int, largest_layer_params: int, *, gpus_per_node: int = 1, nodes: int = 1,
-    cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+    total_params: int,
+    largest_layer_params: int,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
     additional_buffer_factor: float = 1.5,
 ) -> tuple[int, int, int]:
     """(CPU bytes per node, GPU bytes, largest layer bytes), as ``estimate_zero3_model_states_mem_needs``."""
@@ -382,13 +511,23 @@ def comm_settings(model: ModelSpec, strategy: StrategySpec) -> dict[str, int]:
 
 
 def estimate_memory(
-    model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
-    *, grad_accum: int, assumptions: Assumptions,
+    model: ModelSpec,
+    training: TrainingShape,
+    hardware: Hardware,
+    strategy: StrategySpec,
+    dims: ParallelDims,
+    *,
+    grad_accum: int,
+    assumptions: Assumptions,
 ) -> MemoryBreakdown:
     """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank)."""
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
-    if (strategy.family == "deepspeed" and training.precision is Precision.FP32 and not strategy.shard_params
-            and strategy.shard_optimizer):
+    if (
+        strategy.family == "deepspeed"
+        and training.precision is Precision.FP32
+        and not strategy.shard_params
+        and strategy.shard_optimizer
+    ):
         # ZeRO-1/2 clone their optimizer partition into fp32 master weights even when the model is already fp32
         # (deepspeed/runtime/zero/stage_1_and_2.py: ``single_partition_of_fp32_groups``); ZeRO-3 reuses an fp32
         # partition in place (stage3.py, ``fp32_partitioned_groups_flat``). Measured in notebooks/strategies_memory.
@@ -447,8 +586,10 @@ def estimate_memory(
         detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
     elif strategy.family == "fsdp" and not strategy.shard_params and not strategy.keeps_gathered_params:
         detail["comm_buckets"] = int(gb * local / max(model.layers, 1))  # one flat-parameter's gradient
-    largest_unit = max(block, model.vocab * model.hidden / dims.tp * (model.params / model.params_from_dims
-                                                                      if model.params_override else 1))
+    largest_unit = max(
+        block,
+        model.vocab * model.hidden / dims.tp * (model.params / model.params_from_dims if model.params_override else 1),
+    )
     if strategy.shard_params:
         # the unit being used plus the one prefetched, in the compute dtype, and one unit's unsharded gradient
         # in the reduce dtype before reduce-scatter (fp32 for PyTorch mixed precision)
