@@ -217,3 +217,77 @@ def test_op_level_sac_keeping_everything_else_holds_more_than_no_checkpointing()
     x = torch.randn(*SHAPES[0][:3], dtype=torch.bfloat16, requires_grad=True)
     sac, _ = measure_saved([wrapped], lambda: call(wrapped, x), held)
     assert sac > 1.8 * RECORDED_BF16["llama"]["none"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The peaks outside the blocks, measured with PyTorch's MemTracker (torch.distributed._tools.mem_tracker), which
+# follows every storage's life on any device, CPU included.
+# ---------------------------------------------------------------------------------------------------------------
+def _peak_above_start(run: Callable[[], Any], *external: Any) -> int:
+    """Bytes live at the peak of ``run()`` minus those live when it started (the tracked modules and inputs)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*external)
+    with tracker:
+        start = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        run()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return int(peak - start)
+
+
+@pytest.mark.parametrize("precision", list(DTYPES))
+@pytest.mark.parametrize(("b", "s", "h", "v"), [(2, 64, 32, 1000), (1, 96, 48, 4096)])
+def test_loss_peak_equals_measured(precision: str, b: int, s: int, h: int, v: int) -> None:
+    """Head + fp32 cross-entropy + its backward: the planner's ``loss_peak`` is the measured peak.
+
+    The peak is at the start of the loss's backward: the logits (held by the caller), their fp32 log-softmax
+    (saved by cross-entropy), its incoming gradient and the logits' fp32 gradient; the weight's gradient comes
+    later, once those are freed. 8 bytes are the loss and cross-entropy's total weight scalars.
+    """
+    from jupyter_dist.plan import Hardware
+
+    dtype = getattr(torch, DTYPES[precision])
+    head = torch.nn.Linear(h, v, bias=False).to(dtype)
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, v, (b * s,))
+
+    def step() -> None:
+        logits = head(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, v), target)
+        loss.backward()
+
+    measured = _peak_above_start(step, head, x, target)
+    model = ModelSpec(layers=1, hidden=h, heads=4, vocab=v)
+    training = TrainingShape(micro_batch=b, seq_len=s, precision=precision)
+    from jupyter_dist.plan import STRATEGIES, Assumptions
+    from jupyter_dist.plan.memory import estimate_memory
+
+    mem = estimate_memory(model, training, Hardware.from_names("h100-80gb"), STRATEGIES["ddp"], ParallelDims(),
+                          grad_accum=1, assumptions=Assumptions())  # fmt: skip
+    assert mem.detail["loss_peak"] == measured - 8
+
+
+def test_adamw_foreach_step_temporaries_equal_measured() -> None:
+    """torch.optim.AdamW's default (foreach) step allocates 4 bytes per parameter beyond its states; fused none."""
+    from jupyter_dist.plan import STRATEGIES, Assumptions, Hardware
+    from jupyter_dist.plan.memory import estimate_memory
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.Linear(160, 96, bias=False))
+    n = sum(p.numel() for p in net.parameters())
+    temps = {}
+    for kind in ("foreach", "fused"):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, **{kind: True})
+        for _ in range(2):  # the first step creates the states; measure the second
+            net(torch.randn(4, 96)).sum().backward()
+            if _ == 1:
+                temps[kind] = _peak_above_start(opt.step, net, opt)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=False)
+    assert temps == {"foreach": 4 * n, "fused": 0}
+    model = ModelSpec(layers=2, hidden=64, heads=4, vocab=128)
+    mem = estimate_memory(model, TrainingShape(precision="fp32"), Hardware.from_names("h100-80gb"), STRATEGIES["ddp"],
+                          ParallelDims(), grad_accum=1, assumptions=Assumptions())  # fmt: skip
+    assert mem.detail["optimizer_step_temporaries"] == 4 * model.params

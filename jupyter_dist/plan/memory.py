@@ -414,18 +414,33 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
     # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
     embed = s * b * h * in_flight / (t if dims.sp else 1) if model.dropout else 0.0
-    output = (4 * s * b * h) / (t if dims.sp else 1) + 4 * s * b * v / t
-    # full recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5)
+    sp = t if dims.sp else 1
+    if measured_layout_applies(model):
+        e = training.precision.bytes_per_activation
+        # the final RMSNorm as in a block (fp32 input 4sbh, rsqrt 4sb, normalised before/after the weight 2e*sbh);
+        # the loss at its peak (the start of its backward), measured with MemTracker in
+        # tests/test_memory_measured.py: the logits (e*sbv, held by the caller), their fp32 log-softmax (4sbv,
+        # saved by cross-entropy; the fp32 upcast itself is freed after forward), the log-softmax's incoming
+        # gradient and the logits' fp32 gradient (4sbv each): (e + 12) s b v
+        head = (4 * s * b * h + 4 * s * b + 2 * e * s * b * h) / sp
+        loss = (e + 12) * s * b * v / t
+    else:
+        # Korthikanti Sec. 4.3: final norm + output projection input, fp32 logits
+        head = 4 * s * b * h / sp
+        loss = 4 * s * b * v / t
+    output = head + loss
+    # recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5): full, every K-th
+    # block, and op-level (what the policy did not keep)
     recompute_peak = 0.0
-    if training.checkpointing is Checkpointing.FULL:
+    if training.checkpointing in (Checkpointing.FULL, Checkpointing.LAYER, Checkpointing.OP):
         recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
     first = counts[0] * per_layer * in_flight + embed
     last = counts[-1] * per_layer + output
     total = first + output if dims.pp == 1 else max(first, last)
     return {
         "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,
-        "activations_logits": int(4 * s * b * v / t), "activations_recompute_peak": int(recompute_peak),
-        "activations": int(total + recompute_peak),
+        "activations_head": int(head), "loss_peak": int(loss), "activations_logits": int(loss),
+        "activations_recompute_peak": int(recompute_peak), "activations": int(total + recompute_peak),
     }  # fmt: skip
 
 
@@ -604,10 +619,29 @@ def estimate_memory(
     acts = _activation_bytes(model, training, dims, grad_accum)
     activations = acts.pop("activations")
     detail.update(acts)
-    overhead_parts = ("cuda_context", "comm_buckets", "autocast_weight_copies", "gathered_params")
-    before_frag = params + grads + optimizer + activations + sum(detail.get(k, 0) for k in overhead_parts)
-    detail["fragmentation"] = int(assumptions.fragmentation * (before_frag - assumptions.cuda_context_bytes))
-    overhead = sum(detail.get(k, 0) for k in (*overhead_parts, "fragmentation"))
+    if (
+        training.optimizer is not OptimizerKind.SGD
+        and strategy.family != "deepspeed"
+        and not strategy.offload_optimizer
+    ):
+        # torch.optim.AdamW's default multi-tensor (foreach) step builds sqrt(exp_avg_sq) for all of a rank's
+        # parameters at once: 4 bytes per local parameter (MemTracker, tests/test_memory_measured.py; fused=True
+        # builds none). DeepSpeed steps with its own fused Adam. The step runs after backward has freed the
+        # activations, so only what exceeds them raises the peak.
+        temp = int(4 * (params / pb))
+        detail["optimizer_step_temporaries"] = temp
+        detail["optimizer_step_excess"] = max(0, temp - activations)
+    overhead_parts = (
+        "cuda_context",
+        "comm_buckets",
+        "autocast_weight_copies",
+        "gathered_params",
+        "optimizer_step_excess",
+    )
+    before_reserve = params + grads + optimizer + activations + sum(detail.get(k, 0) for k in overhead_parts)
+    # the caching allocator's reserve: memory reserved in blocks that the live tensors do not fill
+    detail["allocator_reserve"] = int(assumptions.fragmentation * (before_reserve - assumptions.cuda_context_bytes))
+    overhead = sum(detail.get(k, 0) for k in (*overhead_parts, "allocator_reserve"))
     return MemoryBreakdown(
         params=params, grads=grads, optimizer=optimizer, activations=activations, overhead=overhead,
         capacity=hardware.accelerator.memory_bytes, detail=detail, cpu_bytes_per_node=cpu,
