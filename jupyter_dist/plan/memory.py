@@ -113,6 +113,30 @@ class MemoryBreakdown:
         """Free fraction of device memory at the peak (negative when it does not fit)."""
         return 1 - self.total / self.capacity
 
+    def rows(self) -> list[tuple[str, int]]:
+        """The per-GPU peak as named rows (bytes) that add up to :attr:`total`, for the plan and the wizard.
+
+        The activations row is split into the blocks, the final norm and head input, the loss at its peak and one
+        block rebuilt by recomputation; the overhead into its named parts.
+        """
+        d = self.detail
+        parts = [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer)]
+        named = {"activations_head": "final norm + head input", "loss_peak": "loss (logits, fp32 softmax, grads)",
+                 "activations_recompute_peak": "recomputation (one block rebuilt)"}  # fmt: skip
+        rest = self.activations - sum(d.get(k, 0) for k in named)
+        parts.append(("activations (blocks)", rest))
+        parts += [(label, d[k]) for k, label in named.items() if d.get(k)]
+        labels = {
+            "gathered_params": "FSDP/ZeRO-3 gathered units + reduce-scatter", "comm_buckets": "communication buckets",
+            "autocast_weight_copies": "autocast weight copies", "optimizer_step_excess": "optimizer step temporaries",
+            "cuda_context": "CUDA context + NCCL", "allocator_reserve": "caching-allocator reserve",
+        }  # fmt: skip
+        parts += [(label, d[k]) for k, label in labels.items() if d.get(k)]
+        known = sum(d.get(k, 0) for k in labels)
+        if self.overhead != known:
+            parts.append(("other overhead", self.overhead - known))
+        return parts
+
     def to_dict(self) -> dict[str, Any]:
         """Bytes as integers: ``params, grads, optimizer, activations, overhead, total`` and more."""
         return {
