@@ -10,6 +10,9 @@ Sources, cited where each is used:
   parallelism, ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, ``34*s*b*h/t`` with selective
   recomputation, ``2*s*b*h`` with full recomputation; the first pipeline stage holds ``p`` micro-batches in
   flight (1F1B); the output layer stores ``4*s*b*v/t`` bytes of fp32 logits.
+* Measurement (tests/test_memory_measured.py, docs/planner.md): Llama-family blocks' activations op by op as
+  ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
+  PyTorch's ``MemTracker``, strategy state bytes from the live objects of 2-process runs.
 * DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
   (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py): the CPU memory that offload needs, and a cross-check.
 """
@@ -37,6 +40,10 @@ __all__ = [
     "estimate_memory",
     "deepspeed_zero2_estimate",
     "deepspeed_zero3_estimate",
+    "ActivationLayout",
+    "HF_LAYOUT",
+    "REFERENCE_LAYOUT",
+    "measured_layout_applies",
 ]
 
 
@@ -427,13 +434,15 @@ def activation_bytes_per_layer(
     return replicated_total + (parallel * scale + core) / t
 
 
-def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int) -> dict[str, int]:
+def _activation_bytes(
+    model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int, layout: ActivationLayout
+) -> dict[str, int]:
     """Peak activation bytes of the worst pipeline stage, and its parts."""
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h, v, t = model.hidden, model.vocab, dims.tp
     counts = pipeline_blocks(model, dims.pp)
-    per_layer = activation_bytes_per_layer(model, training, dims)
+    per_layer = activation_bytes_per_layer(model, training, dims, layout=layout)
     in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
     # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
@@ -457,7 +466,7 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
     # block, and op-level (what the policy did not keep)
     recompute_peak = 0.0
     if training.checkpointing in (Checkpointing.FULL, Checkpointing.LAYER, Checkpointing.OP):
-        recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
+        recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE, layout=layout)
     first = counts[0] * per_layer * in_flight + embed
     last = counts[-1] * per_layer + output
     total = first + output if dims.pp == 1 else max(first, last)
@@ -558,18 +567,16 @@ def estimate_memory(
     *,
     grad_accum: int,
     assumptions: Assumptions,
+    layout: ActivationLayout = HF_LAYOUT,
 ) -> MemoryBreakdown:
-    """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank)."""
+    """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank); ``layout``: see :class:`ActivationLayout`."""
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
-    if (
-        strategy.family == "deepspeed"
-        and training.precision is Precision.FP32
-        and not strategy.shard_params
-        and strategy.shard_optimizer
-    ):
-        # ZeRO-1/2 clone their optimizer partition into fp32 master weights even when the model is already fp32
-        # (deepspeed/runtime/zero/stage_1_and_2.py: ``single_partition_of_fp32_groups``); ZeRO-3 reuses an fp32
-        # partition in place (stage3.py, ``fp32_partitioned_groups_flat``). Measured in notebooks/strategies_memory.
+    if strategy.family == "deepspeed" and training.precision is Precision.FP32 and strategy.shard_optimizer:
+        # ZeRO-1/2/3 clone their optimizer partition into fp32 master weights even when the model is already fp32
+        # (deepspeed/runtime/zero/stage_1_and_2.py ``single_partition_of_fp32_groups``; stage3.py
+        # ``fp32_partitioned_groups_flat`` = ``fp16_partitioned_groups_flat[i].clone().float()``, a separate storage
+        # from the parameters' ``ds_tensor``). Measured from the live objects of 2-process runs in
+        # tests/test_memory_measured.py::test_strategy_state_bytes_equal_measured.
         ob += 4
     dense, expert, block = _stage_params(model, dims)
 
@@ -640,19 +647,28 @@ def estimate_memory(
     if strategy.offload_params:
         detail["gathered_params"] = detail.get("gathered_params", 0) + int(largest_unit * compute_bytes)
 
-    acts = _activation_bytes(model, training, dims, grad_accum)
+    acts = _activation_bytes(model, training, dims, grad_accum, layout)
     activations = acts.pop("activations")
     detail.update(acts)
-    if (
-        training.optimizer is not OptimizerKind.SGD
-        and strategy.family != "deepspeed"
-        and not strategy.offload_optimizer
-    ):
+    temp = 0
+    if strategy.offload_optimizer:
+        pass
+    elif strategy.family == "deepspeed":
+        if strategy.shard_optimizer and optimizer:
+            # DeepSpeed's estimators count 18 bytes per parameter over dp where the planner counts 14 (2 grads +
+            # 12 optimizer): the other 4 are the fp32 gradient partition ZeRO's step() builds
+            # (stage_1_and_2.py ``single_grad_partition = flat_grad_partition.to(fp32)``, set as the master
+            # partition's .grad; stage3.py likewise) and frees after the update. Both are right at their moment:
+            # 14 through forward and backward, 18 during the step, when the activations are freed. The true peak
+            # is the larger of the two, so the step's 4 bytes count only where they exceed the activations.
+            # Measured in 2-process runs (tests/test_memory_measured.py): the step allocates at least this.
+            temp = int(4 * optimizer / ob)
+    elif training.optimizer is not OptimizerKind.SGD:
         # torch.optim.AdamW's default multi-tensor (foreach) step builds sqrt(exp_avg_sq) for all of a rank's
         # parameters at once: 4 bytes per local parameter (MemTracker, tests/test_memory_measured.py; fused=True
-        # builds none). DeepSpeed steps with its own fused Adam. The step runs after backward has freed the
-        # activations, so only what exceeds them raises the peak.
-        temp = int(4 * (params / pb))
+        # builds none). The step runs after backward has freed the activations: only the excess adds.
+        temp = int(4 * params / pb)
+    if temp:
         detail["optimizer_step_temporaries"] = temp
         detail["optimizer_step_excess"] = max(0, temp - activations)
     overhead_parts = (
