@@ -369,3 +369,23 @@ def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str
         # fp32 gradient partition the step builds (``flat_grad_partition.to(fp32)``), live only during the step
         assert got["step_allocations"] >= 4 * spec.params // 2
         assert mem.detail["optimizer_step_temporaries"] == 4 * spec.params // 2
+
+
+@pytest.mark.parametrize("arch", ["reference", "llama"])
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "none"])
+def test_every_checkpointing_mode_gives_the_same_gradients(arch: str, mode: str) -> None:
+    """What ``JD_AC`` applies recomputes correctly: input and parameter gradients equal no checkpointing's."""
+    from jupyter_dist.worker._parallel import apply_activation_checkpointing
+
+    def grads(ac: str) -> list[Any]:
+        blocks, call, _ = _blocks(arch, SHAPES[2], torch.float32, 3)
+        blocks = apply_activation_checkpointing(blocks, ac)
+        x = torch.randn(*SHAPES[2][:3], generator=torch.Generator().manual_seed(3), requires_grad=True)
+        y = x
+        for blk in blocks:
+            y = call(blk, y)
+        (y * y).sum().backward()
+        return [x.grad] + [p.grad for blk in blocks for p in blk.parameters()]
+
+    for got, want in zip(grads(mode), grads("none"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
