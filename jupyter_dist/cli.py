@@ -136,7 +136,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     names = precision_names()
     tr.add_argument("--precision", default=names[0], help=f"{names[0]} (default), {', '.join(names[1:])}")
     tr.add_argument("--optimizer", default="adamw", help="adamw (default), adamw-8bit, sgd")
-    tr.add_argument("--checkpointing", default="none", help="activation checkpointing: none (default), selective, full")
+    tr.add_argument("--checkpointing", default="none",
+                    help="activation checkpointing: none (default), selective, op, layer:K, full")  # fmt: skip
     _bool_flag(tr, "flash-attn", True, "fused attention that never stores seq x seq scores (default on)")
     par = p.add_argument_group("parallelism")
     par.add_argument("--strategy", help="evaluate only this strategy (ddp, zero1..zero3, fsdp-*, fsdp2, ...)")

@@ -843,7 +843,7 @@ def test_a_checkpoint_with_nested_optimizer_states_still_resumes(
         ({"JD_PP_VIRTUAL": "-1"}, "JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0"),
         ({"JD_MICROBATCHES": "-2"}, "JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0"),
         ({"JD_PP_SCHEDULE": "interleaved-1f1b", "JD_PP_VIRTUAL": "1"}, "needs JD_PP_VIRTUAL >= 2"),
-        ({"JD_AC": "sometimes"}, "JD_AC='sometimes' is not valid; valid: none, selective, full"),
+        ({"JD_AC": "sometimes"}, "JD_AC='sometimes' is not valid; valid: none, selective, op, layer:K, full"),
         ({"JD_TP": "0"}, "JD_TP=0 must be >= 1"),
         (
             {"JD_TP": "3", "RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "x", "MASTER_PORT": "1"},

@@ -54,7 +54,7 @@ def launch_contract(
         precision = plan.training.precision.value if plan is not None else "fp32"
     fields = {**choice.worker_fields(), **(worker or {})}
     if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
-        fields["ac"] = plan.training.checkpointing.value
+        fields["ac"] = plan.training.checkpointing_name
     if plan is not None and "microbatches" not in fields:  # the plan's gradient accumulation: jd.train_step's
         planned = next((c for c in plan.candidates if c.name == choice.candidate.name), None)  # micro-batches
         if planned is not None and planned.grad_accum > 1:

@@ -10,8 +10,14 @@ Sources, cited where each is used:
   parallelism, ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, ``34*s*b*h/t`` with selective
   recomputation, ``2*s*b*h`` with full recomputation; the first pipeline stage holds ``p`` micro-batches in
   flight (1F1B); the output layer stores ``4*s*b*v/t`` bytes of fp32 logits.
+* Measurement (tests/test_memory_measured.py, docs/planner.md): Llama-family blocks' activations op by op as
+  ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
+  PyTorch's ``MemTracker``, strategy state bytes from the live objects of 2-process runs.
 * DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
   (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py): the CPU memory that offload needs, and a cross-check.
+
+Planned split: the activation model (per-layer bytes by checkpointing mode, the loss peak) apart from the
+strategy-state, buffer and overhead terms that :func:`estimate_memory` adds up.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ __all__ = [
     "estimate_memory",
     "deepspeed_zero2_estimate",
     "deepspeed_zero3_estimate",
+    "ActivationLayout",
+    "HF_LAYOUT",
+    "REFERENCE_LAYOUT",
+    "measured_layout_applies",
 ]
 
 
@@ -112,6 +122,30 @@ class MemoryBreakdown:
     def headroom(self) -> float:
         """Free fraction of device memory at the peak (negative when it does not fit)."""
         return 1 - self.total / self.capacity
+
+    def rows(self) -> list[tuple[str, int]]:
+        """The per-GPU peak as named rows (bytes) that add up to :attr:`total`, for the plan and the wizard.
+
+        The activations row is split into the blocks, the final norm and head input, the loss at its peak and one
+        block rebuilt by recomputation; the overhead into its named parts.
+        """
+        d = self.detail
+        parts = [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer)]
+        named = {"activations_head": "final norm + head input", "loss_peak": "loss (logits, fp32 softmax, grads)",
+                 "activations_recompute_peak": "recomputation (one block rebuilt)"}  # fmt: skip
+        rest = self.activations - sum(d.get(k, 0) for k in named)
+        parts.append(("activations (blocks)", rest))
+        parts += [(label, d[k]) for k, label in named.items() if d.get(k)]
+        labels = {
+            "gathered_params": "FSDP/ZeRO-3 gathered units + reduce-scatter", "comm_buckets": "communication buckets",
+            "autocast_weight_copies": "autocast weight copies", "optimizer_step_excess": "optimizer step temporaries",
+            "cuda_context": "CUDA context + NCCL", "allocator_reserve": "caching-allocator reserve",
+        }  # fmt: skip
+        parts += [(label, d[k]) for k, label in labels.items() if d.get(k)]
+        known = sum(d.get(k, 0) for k in labels)
+        if self.overhead != known:
+            parts.append(("other overhead", self.overhead - known))
+        return parts
 
     def to_dict(self) -> dict[str, Any]:
         """Bytes as integers: ``params, grads, optimizer, activations, overhead, total`` and more."""
@@ -244,19 +278,126 @@ def korthikanti_per_layer(
     return s * b * h * (10 + 24 / t + attn_core / t)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationLayout:
+    """How an implementation of a Llama-style block lays out what it saves (the parts that differ between them).
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` in tests/test_memory_measured.py: Hugging Face's
+    Llama/Mistral/Qwen2/Mixtral layers (:data:`HF_LAYOUT`, the planner's default) and the reference
+    ``jupyter_dist.models.Transformer`` (:data:`REFERENCE_LAYOUT`).
+    """
+
+    kv_repeated: bool = False
+    """K and V are expanded to the query heads before SDPA (``repeat_interleave``) instead of ``enable_gqa``."""
+    rope_tables_per_block: bool = False
+    """Each block builds its own fp32 ``cos``/``sin`` tables, ``(s, head_dim / 2)`` each (HF builds them once)."""
+    attention_output_copied: bool = False
+    """The output projection's input is a copy of the SDPA output (``transpose(1, 2).reshape`` of a contiguous
+    ``(b, heads, s, d)`` output) rather than a view of it."""
+
+
+HF_LAYOUT = ActivationLayout()
+"""Hugging Face transformers 5 with ``attn_implementation="sdpa"``."""
+REFERENCE_LAYOUT = ActivationLayout(kv_repeated=True, rope_tables_per_block=True, attention_output_copied=True)
+"""The reference ``jupyter_dist.models.Transformer``."""
+
+
+def _matmuls(model: ModelSpec, t: int) -> list[tuple[float, bool]]:
+    """(output width on one tensor-parallel rank, has a bias) of a dense block's linears, in forward order."""
+    out = [(model.q_dim / t, model.qkv_bias), (model.kv_dim / t, model.qkv_bias), (model.kv_dim / t, model.qkv_bias),
+           (model.hidden, model.out_bias)]  # fmt: skip
+    f = model.d_ffn / t
+    if model.gated_mlp:
+        out += [(f, model.mlp_bias), (f, model.mlp_bias), (model.hidden, model.mlp_bias)]
+    else:
+        out += [(f, model.mlp_bias), (model.hidden, model.mlp_bias)]
+    return out
+
+
+def measured_layout_applies(model: ModelSpec) -> bool:
+    """Whether :func:`activation_bytes_per_layer` uses the measured Llama-family layout (RMSNorm, no dropout).
+
+    GPT-style blocks (LayerNorm, dropout) keep Korthikanti et al.'s accounting term by term.
+    """
+    return model.norm == "rmsnorm" and not model.dropout
+
+
+def _llama_layer(model: ModelSpec, training: TrainingShape, dims: ParallelDims, recompute: Checkpointing,
+                 layout: ActivationLayout) -> float:  # fmt: skip
+    """Bytes one Llama-family block keeps for backward, op by op as PyTorch saves them (measured to the byte).
+
+    ``e`` is the compute dtype's size (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` and ``bf16-true`` run the
+    block in bf16; ``fp32`` in fp32). Each RMSNorm saves its fp32 input (``x.float()``: the input itself in fp32,
+    a copy otherwise) ``4sbh``, ``rsqrt`` ``4sb`` and the normalised tensor before and after the weight, ``2e sbh``.
+    Attention saves Q ``e sb q``, K and V ``e sb kv`` each (``e sb q`` when repeated), the SDPA output ``e sb q``
+    (and its copy when the layout copies it) and the fp32 log-sum-exp ``4sba``; a SwiGLU MLP saves gate, up,
+    act(gate) and their product, ``4e sbF``; a GeLU one its two inputs ``2e sbF``. A top-k MoE (Hugging Face's
+    Mixtral experts) saves per routed slot the expert's index ``16``, its gathered input, output and weighted output
+    ``3e h``, the fused gate-up output ``2e F``, act and product ``2e F``, the fp32 weight ``4``; and per token the
+    fp32 router softmax ``4E``, top-k indices and values ``12k`` and their sum ``4``.
+    ``selective`` drops the log-sum-exp and the SDPA output where only the kernel keeps it; ``op`` keeps the block
+    input, the SDPA outputs and every other ``mm`` output (bias-free linears; ``addmm`` is recomputed), as
+    torchtitan's policy does; ``full`` keeps the block input; ``layer:K`` averages K-1 blocks without and one with
+    full checkpointing.
+    """
+    s = training.seq_len / dims.cp
+    b = training.micro_batch
+    h, t, a = model.hidden, dims.tp, model.heads / dims.tp
+    e = training.precision.bytes_per_activation
+    sb = s * b
+    sp = t if dims.sp else 1
+    if recompute is Checkpointing.FULL:
+        return e * sb * h / sp
+    if recompute is Checkpointing.LAYER:
+        k = training.checkpoint_every
+        none = _llama_layer(model, training, dims, Checkpointing.NONE, layout)
+        full = _llama_layer(model, training, dims, Checkpointing.FULL, layout)
+        return ((k - 1) * none + full) / k
+    q, kv = model.q_dim / t, model.kv_dim / t
+    lse = 4 * sb * a if training.flash_attention else 2 * e * a * s * s * b  # fp32 log-sum-exp, or the scores
+    attn_out = e * sb * q
+    if recompute is Checkpointing.OP:
+        kept, count = e * sb * h / sp + attn_out + lse, 0
+        for width, bias in _matmuls(model, t):
+            if not bias:
+                count += 1
+                kept += e * sb * width if count % 2 == 1 else 0
+        return kept
+    norms = 2 * (4 * sb * h + 4 * sb + 2 * e * sb * h) / sp
+    kv_saved = q if layout.kv_repeated else kv
+    attention = e * sb * q + 2 * e * sb * kv_saved + attn_out * (2 if layout.attention_output_copied else 1) + lse
+    rope = 4 * s * model.d_head if layout.rope_tables_per_block else 0.0
+    if recompute is Checkpointing.SELECTIVE:
+        attention -= lse + (attn_out if layout.attention_output_copied else 0)
+    f = model.d_ffn / t
+    if model.is_moe:
+        slots = sb * model.top_k
+        mlp = slots * (20 + 3 * e * h + 4 * e * f) + sb * (4 * model.experts + 12 * model.top_k + 4)
+    else:
+        mlp = (4 if model.gated_mlp else 2) * e * sb * f
+    return norms + attention + rope + mlp
+
+
 def activation_bytes_per_layer(
-    model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None
-) -> float:
+    model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None,
+    layout: ActivationLayout = HF_LAYOUT,
+) -> float:  # fmt: skip
     """Bytes one transformer block saves for backward, per micro-batch, on one rank.
 
-    Follows Korthikanti et al.'s accounting term by term (fp16 activations, 1-byte dropout masks) so that a GPT
-    layer (MHA, 4h GeLU MLP, dropout, no FlashAttention) gives exactly their Table 2; the terms are generalised:
-    Q is ``2sb*q_dim`` and K, V ``2sb*kv_dim`` each (grouped-query attention); a GeLU MLP of width F stores
-    ``4sbF`` (activation input and second-linear input), a gated (SwiGLU) one ``8sbF`` (gate, up, act(gate) and
-    their product); MoE multiplies the MLP term by top-k and adds fp32 router logits ``4sbE``; FlashAttention
+    Llama-family blocks (RMSNorm, no dropout: :func:`measured_layout_applies`) are counted op by op as PyTorch
+    saves them (:func:`_llama_layer`, equal to the measurement of real blocks in tests/test_memory_measured.py).
+    Other blocks follow Korthikanti et al.'s accounting term by term (fp16 activations, 1-byte dropout masks) so
+    that a GPT layer (MHA, 4h GeLU MLP, dropout, no FlashAttention) gives exactly their Table 2; the terms are
+    generalised: Q is ``2sb*q_dim`` and K, V ``2sb*kv_dim`` each (grouped-query attention); a GeLU MLP of width F
+    stores ``4sbF`` (activation input and second-linear input), a gated (SwiGLU) one ``8sbF`` (gate, up, act(gate)
+    and their product); MoE multiplies the MLP term by top-k and adds fp32 router logits ``4sbE``; FlashAttention
     replaces the ``a*s^2*b`` score terms by its fp32 log-sum-exp ``4sba``; context parallelism divides ``s``.
+    ``op`` and ``layer:K`` on such blocks: ``op`` as full recomputation plus the matmul outputs torchtitan keeps
+    (every other one, counted as for the measured layout), ``layer:K`` the average of K-1 plain and one full block.
     """
     recompute = training.checkpointing if recompute is None else recompute
+    if measured_layout_applies(model):
+        return _llama_layer(model, training, dims, recompute, layout)
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h = model.hidden
@@ -264,6 +405,18 @@ def activation_bytes_per_layer(
     scale = 2.0 if training.precision is Precision.FP32 else 1.0  # the paper assumes 2-byte activations
     if recompute is Checkpointing.FULL:
         return 2 * s * b * h * scale / (t if dims.sp else 1)
+    if recompute is Checkpointing.LAYER:
+        k = training.checkpoint_every
+        none = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
+        full = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.FULL)
+        return ((k - 1) * none + full) / k
+    if recompute is Checkpointing.OP:
+        kept, count = 2 * s * b * h * scale / (t if dims.sp else 1), 0
+        for width, bias in _matmuls(model, t):
+            if not bias:
+                count += 1
+                kept += 2 * scale * s * b * width if count % 2 == 1 else 0
+        return kept + 2 * scale * s * b * model.q_dim / t + 4 * s * b * model.heads / t
     masks = 2 * s * b * h if model.dropout else 0.0  # attention-output and MLP-output dropout masks
     replicated = 4 * s * b * h + 2 * s * b * h + 2 * s * b * h  # two norm inputs, QKV input, MLP input
     ffn = model.d_ffn
@@ -284,29 +437,46 @@ def activation_bytes_per_layer(
     return replicated_total + (parallel * scale + core) / t
 
 
-def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int) -> dict[str, int]:
+def _activation_bytes(
+    model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int, layout: ActivationLayout
+) -> dict[str, int]:
     """Peak activation bytes of the worst pipeline stage, and its parts."""
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h, v, t = model.hidden, model.vocab, dims.tp
     counts = pipeline_blocks(model, dims.pp)
-    per_layer = activation_bytes_per_layer(model, training, dims)
+    per_layer = activation_bytes_per_layer(model, training, dims, layout=layout)
     in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
     # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
     embed = s * b * h * in_flight / (t if dims.sp else 1) if model.dropout else 0.0
-    output = (4 * s * b * h) / (t if dims.sp else 1) + 4 * s * b * v / t
-    # full recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5)
+    sp = t if dims.sp else 1
+    if measured_layout_applies(model):
+        e = training.precision.bytes_per_activation
+        # the final RMSNorm as in a block (fp32 input 4sbh, rsqrt 4sb, normalised before/after the weight 2e*sbh);
+        # the loss at its peak (the start of its backward), measured with MemTracker in
+        # tests/test_memory_measured.py: the logits (e*sbv, held by the caller), their fp32 log-softmax (4sbv,
+        # saved by cross-entropy; the fp32 upcast itself is freed after forward), the log-softmax's incoming
+        # gradient and the logits' fp32 gradient (4sbv each): (e + 12) s b v
+        head = (4 * s * b * h + 4 * s * b + 2 * e * s * b * h) / sp
+        loss = (e + 12) * s * b * v / t
+    else:
+        # Korthikanti Sec. 4.3: final norm + output projection input, fp32 logits
+        head = 4 * s * b * h / sp
+        loss = 4 * s * b * v / t
+    output = head + loss
+    # recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5): full, every K-th
+    # block, and op-level (what the policy did not keep)
     recompute_peak = 0.0
-    if training.checkpointing is Checkpointing.FULL:
-        recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE)
+    if training.checkpointing in (Checkpointing.FULL, Checkpointing.LAYER, Checkpointing.OP):
+        recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE, layout=layout)
     first = counts[0] * per_layer * in_flight + embed
     last = counts[-1] * per_layer + output
     total = first + output if dims.pp == 1 else max(first, last)
     return {
         "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,
-        "activations_logits": int(4 * s * b * v / t), "activations_recompute_peak": int(recompute_peak),
-        "activations": int(total + recompute_peak),
+        "activations_head": int(head), "loss_peak": int(loss), "activations_logits": int(loss),
+        "activations_recompute_peak": int(recompute_peak), "activations": int(total + recompute_peak),
     }  # fmt: skip
 
 
@@ -314,7 +484,11 @@ def _activation_bytes(model: ModelSpec, training: TrainingShape, dims: ParallelD
 # DeepSpeed's own estimators, re-implemented from deepspeed 0.19 (see module docstring) and checked against it.
 # ---------------------------------------------------------------------------------------------------------------
 def deepspeed_zero2_estimate(
-    total_params: int, *, gpus_per_node: int = 1, nodes: int = 1, cpu_offload: bool = True,
+    total_params: int,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = True,
     additional_buffer_factor: float = 1.5,
 ) -> tuple[int, int]:
     """(CPU bytes per node, GPU bytes) of ZeRO-2 model states, as ``estimate_zero2_model_states_mem_needs``."""
@@ -329,8 +503,14 @@ def deepspeed_zero2_estimate(
 
 
 def deepspeed_zero3_estimate(
-    total_params: int, largest_layer_params: int, *, gpus_per_node: int = 1, nodes: int = 1,
-    cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+    total_params: int,
+    largest_layer_params: int,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
     additional_buffer_factor: float = 1.5,
 ) -> tuple[int, int, int]:
     """(CPU bytes per node, GPU bytes, largest layer bytes), as ``estimate_zero3_model_states_mem_needs``."""
@@ -382,16 +562,24 @@ def comm_settings(model: ModelSpec, strategy: StrategySpec) -> dict[str, int]:
 
 
 def estimate_memory(
-    model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
-    *, grad_accum: int, assumptions: Assumptions,
+    model: ModelSpec,
+    training: TrainingShape,
+    hardware: Hardware,
+    strategy: StrategySpec,
+    dims: ParallelDims,
+    *,
+    grad_accum: int,
+    assumptions: Assumptions,
+    layout: ActivationLayout = HF_LAYOUT,
 ) -> MemoryBreakdown:
-    """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank)."""
+    """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank); ``layout``: see :class:`ActivationLayout`."""
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
-    if (strategy.family == "deepspeed" and training.precision is Precision.FP32 and not strategy.shard_params
-            and strategy.shard_optimizer):
-        # ZeRO-1/2 clone their optimizer partition into fp32 master weights even when the model is already fp32
-        # (deepspeed/runtime/zero/stage_1_and_2.py: ``single_partition_of_fp32_groups``); ZeRO-3 reuses an fp32
-        # partition in place (stage3.py, ``fp32_partitioned_groups_flat``). Measured in notebooks/strategies_memory.
+    if strategy.family == "deepspeed" and training.precision is Precision.FP32 and strategy.shard_optimizer:
+        # ZeRO-1/2/3 clone their optimizer partition into fp32 master weights even when the model is already fp32
+        # (deepspeed/runtime/zero/stage_1_and_2.py ``single_partition_of_fp32_groups``; stage3.py
+        # ``fp32_partitioned_groups_flat`` = ``fp16_partitioned_groups_flat[i].clone().float()``, a separate storage
+        # from the parameters' ``ds_tensor``). Measured from the live objects of 2-process runs in
+        # tests/test_memory_measured.py::test_strategy_state_bytes_equal_measured.
         ob += 4
     dense, expert, block = _stage_params(model, dims)
 
@@ -447,8 +635,10 @@ def estimate_memory(
         detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
     elif strategy.family == "fsdp" and not strategy.shard_params and not strategy.keeps_gathered_params:
         detail["comm_buckets"] = int(gb * local / max(model.layers, 1))  # one flat-parameter's gradient
-    largest_unit = max(block, model.vocab * model.hidden / dims.tp * (model.params / model.params_from_dims
-                                                                      if model.params_override else 1))
+    largest_unit = max(
+        block,
+        model.vocab * model.hidden / dims.tp * (model.params / model.params_from_dims if model.params_override else 1),
+    )
     if strategy.shard_params:
         # the unit being used plus the one prefetched, in the compute dtype, and one unit's unsharded gradient
         # in the reduce dtype before reduce-scatter (fp32 for PyTorch mixed precision)
@@ -460,13 +650,41 @@ def estimate_memory(
     if strategy.offload_params:
         detail["gathered_params"] = detail.get("gathered_params", 0) + int(largest_unit * compute_bytes)
 
-    acts = _activation_bytes(model, training, dims, grad_accum)
+    acts = _activation_bytes(model, training, dims, grad_accum, layout)
     activations = acts.pop("activations")
     detail.update(acts)
-    overhead_parts = ("cuda_context", "comm_buckets", "autocast_weight_copies", "gathered_params")
-    before_frag = params + grads + optimizer + activations + sum(detail.get(k, 0) for k in overhead_parts)
-    detail["fragmentation"] = int(assumptions.fragmentation * (before_frag - assumptions.cuda_context_bytes))
-    overhead = sum(detail.get(k, 0) for k in (*overhead_parts, "fragmentation"))
+    temp = 0
+    if strategy.offload_optimizer:
+        pass
+    elif strategy.family == "deepspeed":
+        if strategy.shard_optimizer and optimizer:
+            # DeepSpeed's estimators count 18 bytes per parameter over dp where the planner counts 14 (2 grads +
+            # 12 optimizer): the other 4 are the fp32 gradient partition ZeRO's step() builds
+            # (stage_1_and_2.py ``single_grad_partition = flat_grad_partition.to(fp32)``, set as the master
+            # partition's .grad; stage3.py likewise) and frees after the update. Both are right at their moment:
+            # 14 through forward and backward, 18 during the step, when the activations are freed. The true peak
+            # is the larger of the two, so the step's 4 bytes count only where they exceed the activations.
+            # Measured in 2-process runs (tests/test_memory_measured.py): the step allocates at least this.
+            temp = int(4 * optimizer / ob)
+    elif training.optimizer is not OptimizerKind.SGD:
+        # torch.optim.AdamW's default multi-tensor (foreach) step builds sqrt(exp_avg_sq) for all of a rank's
+        # parameters at once: 4 bytes per local parameter (MemTracker, tests/test_memory_measured.py; fused=True
+        # builds none). The step runs after backward has freed the activations: only the excess adds.
+        temp = int(4 * params / pb)
+    if temp:
+        detail["optimizer_step_temporaries"] = temp
+        detail["optimizer_step_excess"] = max(0, temp - activations)
+    overhead_parts = (
+        "cuda_context",
+        "comm_buckets",
+        "autocast_weight_copies",
+        "gathered_params",
+        "optimizer_step_excess",
+    )
+    before_reserve = params + grads + optimizer + activations + sum(detail.get(k, 0) for k in overhead_parts)
+    # the caching allocator's reserve: memory reserved in blocks that the live tensors do not fill
+    detail["allocator_reserve"] = int(assumptions.fragmentation * (before_reserve - assumptions.cuda_context_bytes))
+    overhead = sum(detail.get(k, 0) for k in (*overhead_parts, "allocator_reserve"))
     return MemoryBreakdown(
         params=params, grads=grads, optimizer=optimizer, activations=activations, overhead=overhead,
         capacity=hardware.accelerator.memory_bytes, detail=detail, cpu_bytes_per_node=cpu,

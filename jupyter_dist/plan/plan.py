@@ -166,7 +166,7 @@ class Plan:
             f"{self.model.name}: {fmt_count(self.model.params)} params ({self.model.params:,}) on "
             f"{hw.nodes} x {hw.gpus_per_node} {hw.accelerator.label} ({fmt_gib(hw.accelerator.memory_bytes)} each); "
             f"micro-batch {t.micro_batch}, seq {t.seq_len}, {t.precision.value}, {t.optimizer.value}, "
-            f"checkpointing {t.checkpointing.value}, flash-attention {'on' if t.flash_attention else 'off'}"
+            f"checkpointing {t.checkpointing_name}, flash-attention {'on' if t.flash_attention else 'off'}"
         )
 
     def table_rows(self, limit: int | None = None) -> list[list[str]]:
@@ -196,8 +196,14 @@ class Plan:
         rows = self.table_rows(limit)
         widths = [max(len(r[i]) for r in [self._COLUMNS, *rows]) for i in range(len(self._COLUMNS))]
         line = _row(self._COLUMNS, widths)
-        out = [self._header(), "", "Per-GPU memory in GiB (1 GiB = 2^30 bytes); fits: yes, tight (under "
-               f"{100 * self.assumptions.min_headroom:.0f}% headroom) or NO:", line, "-" * len(line)]
+        out = [
+            self._header(),
+            "",
+            "Per-GPU memory in GiB (1 GiB = 2^30 bytes); fits: yes, tight (under "
+            f"{100 * self.assumptions.min_headroom:.0f}% headroom) or NO:",
+            line,
+            "-" * len(line),
+        ]
         for r in rows:
             out.append(_row(r, widths))
         if limit and len(self.candidates) > limit:
@@ -206,6 +212,9 @@ class Plan:
         best = self.best
         out.append(f"Recommended: {best.label} ({best.name})" if best else "Recommended: nothing fits")
         out += [f"  - {r}" for r in self.reasons]
+        if best is not None:
+            out.append(f"Per-GPU peak of {best.name}, GiB:")
+            out += [f"  {label:<45} {value / GiB:8.2f}" for label, value in best.memory.rows()]
         if self.warnings:
             out.append("Warnings:")
             out += [f"  ! {w}" for w in self.warnings]

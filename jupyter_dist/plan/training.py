@@ -10,7 +10,8 @@ from ..errors import PlanInputError
 
 __all__ = [
     "Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "TORCH_DTYPES", "parse_enum", "precision_names",
-]
+    "AC_NAMES", "parse_checkpointing", "checkpointing_name",
+]  # fmt: skip
 
 E = TypeVar("E", bound=Enum)
 
@@ -59,14 +60,59 @@ class OptimizerKind(str, Enum):
 
 
 class Checkpointing(str, Enum):
-    """Activation checkpointing (recomputation), as in Korthikanti et al. 2022."""
+    """Activation checkpointing (recomputation), named as torchtitan, Megatron-LM and Hugging Face name it.
+
+    The user-facing names (``--checkpointing``, ``JD_AC``) are :data:`AC_NAMES`; ``layer:K`` is :attr:`LAYER` with
+    :attr:`TrainingShape.checkpoint_every` = K.
+    """
 
     NONE = "none"
-    """Store every activation."""
+    """Store every activation (HF ``gradient_checkpointing=False``; torchtitan ``mode = "none"``)."""
     SELECTIVE = "selective"
-    """Recompute the attention core only (softmax, dropout, scores)."""
+    """Korthikanti et al. 2022's selective recomputation: recompute the attention core only (Megatron-LM
+    ``--recompute-granularity selective``)."""
+    OP = "op"
+    """PyTorch op-level selective checkpointing with torchtitan's policy: keep the outputs of the attention kernel
+    and of every other matmul, recompute the rest (torchtitan ``mode = "selective"``, ``selective_ac_option =
+    "op"``)."""
+    LAYER = "layer"
+    """Every K-th block fully checkpointed, the others store everything (torchtitan ``selective_ac_option = K``)."""
     FULL = "full"
-    """Store only each block's input; recompute the block in backward."""
+    """Store only each block's input; recompute the block in backward (Megatron-LM ``--recompute-granularity full``,
+    HF ``gradient_checkpointing=True``, torchtitan ``mode = "full"``)."""
+
+
+AC_NAMES: tuple[str, ...] = ("none", "selective", "op", "layer:K", "full")
+"""The activation-checkpointing names users write (planner ``--checkpointing``, wizard, worker ``JD_AC``)."""
+
+
+def parse_checkpointing(value: str | Checkpointing, *, what: str = "checkpointing") -> tuple[Checkpointing, int]:
+    """``"layer:3"`` -> ``(Checkpointing.LAYER, 3)``, ``"full"`` -> ``(Checkpointing.FULL, 1)``; the one table.
+
+    ``layer`` alone means every second block (torchtitan's example ``selective_ac_option = "2"``).
+    """
+    if isinstance(value, Checkpointing):
+        return value, (2 if value is Checkpointing.LAYER else 1)
+    key = str(value).strip().lower().replace("_", "-")
+    name, sep, every = key.partition(":")
+    if name == "layer":
+        if not sep:
+            return Checkpointing.LAYER, 2
+        if not every.isdigit() or int(every) < 1:
+            raise PlanInputError(f"{what} {value!r}: layer:K needs a positive integer K (every K-th block)")
+        return Checkpointing.LAYER, int(every)
+    if sep:
+        raise PlanInputError(f"unknown {what} {value!r}; valid: {', '.join(AC_NAMES)}")
+    key = _ALIASES.get(key, key)
+    for member in Checkpointing:
+        if member.value == key:
+            return member, 1
+    raise PlanInputError(f"unknown {what} {value!r}; valid: {', '.join(AC_NAMES)}")
+
+
+def checkpointing_name(mode: Checkpointing, every: int = 1) -> str:
+    """Inverse of :func:`parse_checkpointing`: the name a user writes (``"layer:3"``)."""
+    return f"layer:{every}" if mode is Checkpointing.LAYER else mode.value
 
 
 _ALIASES: dict[str, str] = {
@@ -107,7 +153,9 @@ class TrainingShape:
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     """Optimizer (see :class:`OptimizerKind`)."""
     checkpointing: Checkpointing = Checkpointing.NONE
-    """Activation checkpointing (see :class:`Checkpointing`)."""
+    """Activation checkpointing (see :class:`Checkpointing`; a string such as ``"layer:3"`` sets both fields)."""
+    checkpoint_every: int = 1
+    """With :attr:`Checkpointing.LAYER`: every how many blocks one is fully checkpointed (``layer:K``)."""
     flash_attention: bool = True
     """Fused attention that never stores the seq x seq score matrix (FlashAttention, SDPA)."""
 
@@ -124,9 +172,19 @@ class TrainingShape:
             raise PlanInputError("give grad-accum or global-batch, not both (global = micro x accum x dp)")
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, what="precision"))
         object.__setattr__(self, "optimizer", parse_enum(OptimizerKind, self.optimizer, what="optimizer"))
-        object.__setattr__(
-            self, "checkpointing", parse_enum(Checkpointing, self.checkpointing, what="checkpointing")
-        )
+        every = self.checkpoint_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise PlanInputError(f"checkpoint-every must be a positive integer, got {every!r}")
+        mode, parsed = parse_checkpointing(self.checkpointing)
+        if ":" in str(getattr(self.checkpointing, "value", self.checkpointing)) or every == 1:
+            every = parsed  # "layer:K" names K itself; "layer" alone is every second block
+        object.__setattr__(self, "checkpointing", mode)
+        object.__setattr__(self, "checkpoint_every", every if mode is Checkpointing.LAYER else 1)
+
+    @property
+    def checkpointing_name(self) -> str:
+        """The checkpointing as users write it: ``none``, ``selective``, ``op``, ``layer:K``, ``full``."""
+        return checkpointing_name(self.checkpointing, self.checkpoint_every)
 
     def accumulation_for(self, dp: int) -> int:
         """Micro-batches per step for ``dp`` data-parallel ranks; raises when the global batch does not split."""
@@ -141,8 +199,10 @@ class TrainingShape:
         return self.global_batch // per_step
 
     def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready dict (enums as their string values)."""
-        return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}
+        """Return a JSON-ready dict (enums as their string values; ``checkpointing`` as :attr:`checkpointing_name`)."""
+        out = {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v) for f in fields(self)}
+        out["checkpointing"] = self.checkpointing_name
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingShape:

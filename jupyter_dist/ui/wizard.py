@@ -205,8 +205,9 @@ class Wizard:
                                       value=inp.precision, description="Precision")  # fmt: skip
         c["optimizer"] = ipw.Dropdown(options=["adamw", "adamw-8bit", "sgd"], value=inp.optimizer,
                                       description="Optimizer")  # fmt: skip
-        c["checkpointing"] = ipw.Dropdown(options=["none", "selective", "full"], value=inp.checkpointing,
-                                          description="Checkpointing")  # fmt: skip
+        ac = ["none", "selective", "op", "layer:2", "full"]  # plan.training.AC_NAMES, with layer:K at K = 2
+        c["checkpointing"] = ipw.Dropdown(options=ac + [inp.checkpointing] * (inp.checkpointing not in ac),
+                                          value=inp.checkpointing, description="Checkpointing")  # fmt: skip
         c["flash_attn"] = ipw.Checkbox(value=inp.flash_attn, description="Flash attention", indent=True)
         c["strategy"] = ipw.Dropdown(options=[("auto (best that fits)", "auto"), *((s, s) for s in strategy_names())],
                                      value=inp.strategy, description="Strategy")  # fmt: skip

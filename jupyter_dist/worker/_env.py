@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import JupyterDistError
+from ..errors import JupyterDistError, PlanInputError
 from ..plan.strategies import get_strategy
-from ..plan.training import Precision
+from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
     "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
@@ -140,8 +140,9 @@ class WorkerEnv:
     """``JD_MICROBATCHES``: micro-batches per optimizer step in :func:`jupyter_dist.worker.train_step` (the plan's
     gradient accumulation; 0: the number of pipeline stages under pipeline parallelism, else 1)."""
     ac: str = "none"
-    """``JD_AC``: activation checkpointing of the repeated blocks, ``none``, ``selective`` (the attention core is
-    recomputed) or ``full`` (each block is recomputed in backward)."""
+    """``JD_AC``: activation checkpointing of the repeated blocks, named as the planner names it
+    (:data:`~jupyter_dist.plan.training.AC_NAMES`): ``none``, ``selective`` (the attention core is recomputed),
+    ``op`` (torchtitan's op-level policy), ``layer:K`` (every K-th block fully) or ``full`` (every block)."""
     profile: str = ""
     """``JD_PROFILE``: the steps whose ``torch.profiler`` trace each rank writes, ``START:STOP`` or ``STEP``
     (``""``: no profiler; see :mod:`jupyter_dist.worker._profile`)."""
@@ -171,8 +172,10 @@ class WorkerEnv:
             raise WorkerError("JD_PP_VIRTUAL and JD_MICROBATCHES must be >= 0 (0: automatic)")
         if self.pp_schedule == "interleaved-1f1b" and self.pp_virtual == 1:
             raise WorkerError("JD_PP_SCHEDULE=interleaved-1f1b needs JD_PP_VIRTUAL >= 2 stages per rank")
-        if self.ac not in ("none", "selective", "full"):
-            raise WorkerError(f"JD_AC={self.ac!r} is not valid; valid: none, selective, full")
+        try:
+            parse_checkpointing(self.ac, what="JD_AC")
+        except PlanInputError:
+            raise WorkerError(f"JD_AC={self.ac!r} is not valid; valid: {', '.join(AC_NAMES)}") from None
         for dim in ("tp", "pp", "cp", "ep", "dp_replicate"):
             value = getattr(self, dim)
             if value < 1:

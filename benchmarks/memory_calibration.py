@@ -1,0 +1,163 @@
+"""Planned against measured memory under each activation-checkpointing mode.
+
+On a GPU: real training steps of a ~1B reference ``jupyter_dist.models.Transformer`` (bf16 weights, fused AdamW,
+one process) under ``none``, ``selective``, ``op``, ``layer:2`` and ``full``, applied as the worker applies ``JD_AC``;
+the peak ``torch.cuda.max_memory_allocated`` of a step against the plan's peak without the parts the allocator
+counter cannot see (CUDA context, allocator reserve). On CPU: a tiny model, and the bytes autograd saves for backward
+per block (saved-tensor hooks, as tests/test_memory_measured.py counts them) against the plan's per-layer figure.
+Prints one table; each ratio is measured/planned from this one run.
+
+    python benchmarks/memory_calibration.py [--layers 20 --dim 2048 --seq 4096 --micro-batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from typing import Any
+
+import torch
+
+from jupyter_dist.models import Transformer, TransformerConfig
+from jupyter_dist.models.transformer import Block
+from jupyter_dist.plan import STRATEGIES, Assumptions, Hardware, ModelSpec, ParallelDims, TrainingShape
+from jupyter_dist.plan.memory import REFERENCE_LAYOUT, activation_bytes_per_layer, estimate_memory
+from jupyter_dist.worker._parallel import apply_activation_checkpointing
+
+MODES = ["none", "selective", "op", "layer:2", "full"]
+
+
+def saved_bytes(blocks: list[Any], run: Any) -> int:
+    """Bytes autograd keeps after ``run()``: saved-tensor hooks + op-level SAC caches, by storage, params excluded."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    held = {p.untyped_storage().data_ptr() for b in blocks for p in b.parameters()}
+    seen: dict[int, int] = {}
+
+    def note(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    caches: list[Any] = []
+    for b in blocks:
+        fn = getattr(b, "checkpoint_fn", None)
+        ctx = getattr(fn, "keywords", {}).get("context_fn") if fn is not None else None
+        if ctx is not None:
+
+            def spy(ctx: Any = ctx) -> Any:
+                modes = ctx()
+                caches.append(modes[0])
+                return modes
+
+            b.checkpoint_fn = functools.partial(fn.func, *fn.args, **{**fn.keywords, "context_fn": spy})
+
+    def pack(t: Any) -> Any:
+        note(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        run()
+    for mode in caches:
+        for per_op in mode.storage.values():
+            for wrapped in per_op.values():
+                for leaf in torch.utils._pytree.tree_leaves(wrapped):
+                    note(getattr(leaf, "val", None))
+    return sum(seen.values())
+
+
+def cpu_table(args: argparse.Namespace) -> None:
+    b, s, h, a, kv = 2, 128, 128, 8, 2
+    cfg = TransformerConfig(dim=h, n_heads=a, n_kv_heads=kv)
+    spec = ModelSpec(layers=1, hidden=h, heads=a, kv_heads=kv, ffn=cfg.hidden_dim, vocab=256)
+    print(f"CPU: saved bytes per block of the reference Transformer, b{b} s{s} h{h} a{a} kv{kv} F{cfg.hidden_dim}")
+    print(f"{'mode':<10} {'dtype':<6} {'measured B':>12} {'planned B':>12} {'ratio':>7}")
+    for mode in MODES:
+        for precision, dtype in (("fp32", torch.float32), ("bf16-true", torch.bfloat16)):
+            n = int(mode.partition(":")[2] or 1)
+            torch.manual_seed(0)
+            blocks = apply_activation_checkpointing([Block(cfg).to(dtype) for _ in range(n)], mode)
+            x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+
+            def run(blocks: list[Any] = blocks, x: torch.Tensor = x) -> None:
+                y = x
+                for blk in blocks:
+                    y = blk(y)
+
+            measured = saved_bytes(blocks, run) / n
+            training = TrainingShape(micro_batch=b, seq_len=s, precision=precision, checkpointing=mode)
+            planned = activation_bytes_per_layer(spec, training, ParallelDims(), layout=REFERENCE_LAYOUT)
+            print(f"{mode:<10} {precision[:4]:<6} {measured:>12,.0f} {planned:>12,.0f} {measured / planned:>7.3f}")
+
+
+def gpu_table(args: argparse.Namespace) -> None:
+    dev = torch.device("cuda")
+    cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                            n_kv_heads=args.kv_heads)  # fmt: skip
+    spec = ModelSpec(layers=args.layers, hidden=args.dim, heads=args.heads, kv_heads=args.kv_heads,
+                     ffn=cfg.hidden_dim, vocab=args.vocab)  # fmt: skip
+    hw = Hardware.from_names(args.gpu)
+    print(f"GPU {torch.cuda.get_device_name()}: reference Transformer {spec.params / 1e9:.2f}B params, bf16 weights, "
+          f"fused AdamW, micro-batch {args.micro_batch}, seq {args.seq}")  # fmt: skip
+    print(f"{'mode':<10} {'measured GiB':>13} {'planned GiB':>12} {'ratio':>7} {'step s':>7}")
+    for mode in MODES:
+        torch.cuda.empty_cache()
+        with torch.device(dev):
+            torch.manual_seed(0)
+            model = Transformer(cfg).to(torch.bfloat16)
+        names = list(model.layers.keys())
+        wrapped = apply_activation_checkpointing([model.layers[k] for k in names], mode)
+        for k, blk in zip(names, wrapped, strict=True):
+            model.layers[k] = blk
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=dev)
+        try:
+            for step in range(3):
+                if step == 2:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                logits = model(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+                del logits, loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            measured = torch.cuda.max_memory_allocated()
+        except torch.OutOfMemoryError:
+            print(f"{mode:<10} {'OOM':>13}")
+            continue
+        finally:
+            del model, opt
+        training = TrainingShape(micro_batch=args.micro_batch, seq_len=args.seq, precision="bf16-true",
+                                 checkpointing=mode)  # fmt: skip
+        mem = estimate_memory(spec, training, hw, STRATEGIES["ddp"], ParallelDims(), grad_accum=1,
+                              assumptions=Assumptions(), layout=REFERENCE_LAYOUT)  # fmt: skip
+        unseen = sum(mem.detail.get(k, 0) for k in ("cuda_context", "allocator_reserve", "comm_buckets"))
+        planned = mem.total - unseen
+        gib = 2**30
+        print(f"{mode:<10} {measured / gib:>13.2f} {planned / gib:>12.2f} {measured / planned:>7.3f} {dt:>7.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--gpu", default="h100-80gb", help="accelerator name for the plan (jupyter-dist plan --list-gpus)")
+    ap.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
+    args = ap.parse_args()
+    if torch.cuda.is_available() and not args.cpu:
+        gpu_table(args)
+    else:
+        cpu_table(args)
+
+
+if __name__ == "__main__":
+    main()
