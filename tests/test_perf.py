@@ -331,7 +331,8 @@ def test_the_breakdown_is_reported_in_words_in_the_plan_and_the_wizard() -> None
     from jupyter_dist.ui.wizard_model import summary_html
 
     shape = TrainingShape(seq_len=4096, checkpointing="full")
-    p = plan("llama-2-70b", Hardware.from_names("h100-80gb", nodes=2), shape, tp=8)
+    # 13B: with the optimizer step's temporaries and the allocator reserve counted, 70B no longer fits 16 GPUs
+    p = plan("llama-2-13b", Hardware.from_names("h100-80gb", nodes=2), shape, tp=8)
     t = p.best.time
     labels = [label for label, _, _ in t.parts()]
     assert labels[0] == t.bound_label == BOUND_LABELS[t.bound_by]

@@ -151,16 +151,28 @@ class StepTime:
         )  # fmt: skip
 
 
-def training_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: Checkpointing) -> tuple[float, float]:
-    """(model FLOPs, executed FLOPs) per token of one training step (forward + backward [+ recomputation])."""
+def training_flops_per_token(
+    model: ModelSpec, seq_len: int, checkpointing: Checkpointing, every: int = 1
+) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) per token of one training step (forward + backward [+ recomputation]).
+
+    ``every``: K of ``layer:K`` checkpointing (one block in K is fully recomputed).
+    """
     attn = 12 * model.layers * model.q_dim * seq_len
     model_flops = 6 * model.matmul_params + attn
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    block_fwd = 2 * (model.matmul_params - model.vocab * model.hidden * scale)
     if checkpointing is Checkpointing.FULL:
         # one more forward of the blocks only: the output layer is not checkpointed, so it is not recomputed
         # (Narayanan et al. 2021, eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh), whose logits term 6 B s V h is that of
         # the 72 B s l h^2 (1 + s/6h + V/12lh) without recomputation)
-        scale = model.params / model.params_from_dims if model.params_override else 1.0
-        extra = 2 * (model.matmul_params - model.vocab * model.hidden * scale) + attn / 3
+        extra = block_fwd + attn / 3
+    elif checkpointing is Checkpointing.LAYER:  # one block in K recomputed whole
+        extra = (block_fwd + attn / 3) / max(1, every)
+    elif checkpointing is Checkpointing.OP:
+        # torchtitan's op-level policy keeps the attention kernel's output and every second matmul's: half of the
+        # blocks' matmuls run again, attention does not
+        extra = block_fwd / 2
     elif checkpointing is Checkpointing.SELECTIVE:
         extra = attn / 3
     else:
@@ -219,12 +231,16 @@ def compute_parts(
     traffic_fwd = model.layers * layer_fwd
     elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise}
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
+    attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward
+    again = traffic_fwd * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     if ck is Checkpointing.FULL:  # one more forward of the blocks: a third of their matmul and elementwise work
-        scale = model.params / model.params_from_dims if model.params_override else 1.0
-        block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
-        attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward
-        again = traffic_fwd * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
         parts["recompute"] = block_matmul + attn_fwd + again
+    elif ck is Checkpointing.LAYER:  # the same for one block in K
+        parts["recompute"] = (block_matmul + attn_fwd + again) / max(1, training.checkpoint_every)
+    elif ck is Checkpointing.OP:  # half of the blocks' matmuls and their elementwise work; attention is kept
+        parts["recompute"] = block_matmul / 2 + again
     elif ck is Checkpointing.SELECTIVE:  # the attention core's forward again
         parts["recompute"] = attention * (2 / 7 if training.flash_attention else 1 / 3)
     return parts
@@ -241,7 +257,7 @@ def estimate_time(
     m = grad_accum
     seq = training.seq_len
     tokens = training.micro_batch * m * dims.dp * seq
-    model_fpt, _ = training_flops_per_token(model, seq, training.checkpointing)
+    model_fpt, _ = training_flops_per_token(model, seq, training.checkpointing, training.checkpoint_every)
     peak = acc.peak_flops(training.precision.compute_dtype)
     parts = compute_parts(model, training, hardware, dims, tokens_per_gpu=tokens / world)
     compute = sum(parts.values())
