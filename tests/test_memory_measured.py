@@ -5,7 +5,7 @@ packs), deduplicated by storage, counting only storages not already held (the pa
 holds anyway such as Hugging Face's shared ``cos``/``sin`` tables); under op-level selective checkpointing the
 outputs PyTorch caches for the policy (the ``_CachingTorchDispatchMode`` storage) are counted too, since they are
 kept outside autograd's hooks. This is the same on CPU and GPU for the same kernels: what differs on a GPU is
-listed in docs/planner.md (the flash kernel's output layout and padded log-sum-exp).
+listed in docs/how-numbers-are-made.md (the flash kernel's output layout and padded log-sum-exp).
 
 The blocks: the reference ``jupyter_dist.models.Transformer`` block and Hugging Face Llama, Mistral, Qwen2 and
 Mixtral decoder layers built from small configs with ``attn_implementation="sdpa"``, at several (micro-batch,
@@ -185,7 +185,7 @@ def test_every_checkpointing_name_is_measured() -> None:
 
 
 # Figures of the first shape (b2 s64 h64 a4 kv2 F176), bf16, as measured when the table was made: the
-# checkpointing modes' ordering and ratios a reader can check by hand (docs/planner.md prints them).
+# checkpointing modes' ordering and ratios a reader can check by hand (docs/how-numbers-are-made.md prints them).
 RECORDED_BF16 = {
     "reference": {"none": 400384, "selective": 381952, "op": 120832, "full": 16384},
     "llama": {"none": 363520, "selective": 361472, "op": 120832, "full": 16384},

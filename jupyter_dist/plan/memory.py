@@ -10,11 +10,15 @@ Sources, cited where each is used:
   parallelism, ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, ``34*s*b*h/t`` with selective
   recomputation, ``2*s*b*h`` with full recomputation; the first pipeline stage holds ``p`` micro-batches in
   flight (1F1B); the output layer stores ``4*s*b*v/t`` bytes of fp32 logits.
-* Measurement (tests/test_memory_measured.py, docs/planner.md): Llama-family blocks' activations op by op as
-  ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
+* Measurement (tests/test_memory_measured.py, docs/how-numbers-are-made.md): Llama-family blocks' activations op
+  by op as ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
   PyTorch's ``MemTracker``, strategy state bytes from the live objects of 2-process runs.
 * DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
   (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py): the CPU memory that offload needs, and a cross-check.
+
+One piece: every row of the per-GPU breakdown is computed from the same model, shape, parallel degrees and
+layout, and the measured test table checks them together; the GPT-style (Korthikanti) and measured Llama-family
+accountings sit side by side so that a model's row can be traced to one function.
 """
 
 from __future__ import annotations
