@@ -116,8 +116,13 @@ def test_parse_candidate_is_strict_and_says_what_is_valid() -> None:
             assert "fsdp2+tp2+sp" in str(info.value)  # the valid forms, by example
 
 
+# layer:2: with the measured activations (tests/test_memory_measured.py) the default shape's fsdp2+tp2+sp leaves
+# under 10% headroom and fsdp2+tp2+pp2+sp is recommended; checkpointing every second block brings tp2+sp back
+P70_SHAPE = TrainingShape(checkpointing="layer:2")
+
+
 def test_a_plan_on_fewer_processes_is_a_rehearsal_that_keeps_every_model_parallel_degree() -> None:
-    p = plan("llama-3-70b", PLANS[1][1])
+    p = plan("llama-3-70b", PLANS[1][1], P70_SHAPE)
     assert p.recommended == "fsdp2+tp2+sp" and p.world_size == 32
     c = resolve_launch("auto", p, 4, nproc_per_node=4)
     assert c.worker_fields() == {"strategy": "fsdp2", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "sp": True,
@@ -222,7 +227,7 @@ def test_precision_and_fsdp1_names_have_one_owner() -> None:
 # --------------------------------------------------------------------------- item 3 through the magic
 @pytest.fixture()
 def big_plan(ip: Any) -> Any:
-    p = plan("llama-3-70b", PLANS[1][1])
+    p = plan("llama-3-70b", PLANS[1][1], P70_SHAPE)
     ip.user_ns["p70"] = p
     return p
 
@@ -230,7 +235,8 @@ def big_plan(ip: Any) -> Any:
 def test_dist_train_plan_on_fewer_processes_carries_tp_and_sp_and_says_so(ip: Any, runs: Path, big_plan: Any) -> None:
     dry = ip.run_cell_magic("dist_train", "--plan p70 --nproc 4 --dry-run", "pass")
     assert {k: dry.env[k] for k in dry.env if k.startswith("JD_") and k != "JD_RUN_DIR"} == {
-        "JD_STRATEGY": "fsdp2", "JD_PRECISION": "bf16-mixed", "JD_TP": "2", "JD_SP": "1"}  # fmt: skip
+        "JD_STRATEGY": "fsdp2", "JD_PRECISION": "bf16-mixed", "JD_TP": "2", "JD_SP": "1",
+        "JD_AC": "layer:2"}  # fmt: skip
     text = dry.to_text()
     assert "# mesh: dp_shard=2 x tp=2 (4 processes), sequence parallel on" in text
     assert "# rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2" in text

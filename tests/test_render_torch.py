@@ -226,8 +226,12 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
     else:
         (call,) = applied
         assert ("apply_activation_checkpointing" in ast.unparse(call)) == (family == "fsdp")
-        expected = "BLOCK_CLASS" if ckpt is Checkpointing.FULL else "ATTENTION_CLASS"
+        expected = "ATTENTION_CLASS" if ckpt is Checkpointing.SELECTIVE else "BLOCK_CLASS"
         assert expected in ast.unparse(call)
+        # layer:K checkpoints every K-th block (K = 2 for "layer"), op passes torchtitan's op-level policy
+        assert ("2" in ast.unparse(call)) == (ckpt is Checkpointing.LAYER) or family == "fsdp"
+        assert ("op_sac_context" in ast.unparse(call)) == (ckpt is Checkpointing.OP)
+        assert s.has_call("create_selective_checkpoint_contexts") == (ckpt is Checkpointing.OP)
 
     # gradient accumulation without redundant communication
     if family in ("ddp", "fsdp"):

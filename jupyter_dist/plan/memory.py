@@ -10,14 +10,15 @@ Sources, cited where each is used:
   parallelism, ``s*b*h/t*(34 + 5*a*s/h)`` with sequence parallelism, ``34*s*b*h/t`` with selective
   recomputation, ``2*s*b*h`` with full recomputation; the first pipeline stage holds ``p`` micro-batches in
   flight (1F1B); the output layer stores ``4*s*b*v/t`` bytes of fp32 logits.
-* Measurement (tests/test_memory_measured.py, docs/planner.md): Llama-family blocks' activations op by op as
-  ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
+* Measurement (tests/test_memory_measured.py, docs/how-numbers-are-made.md): Llama-family blocks' activations op
+  by op as ``torch.autograd.graph.saved_tensors_hooks`` sees them, the loss peak and optimizer-step temporaries with
   PyTorch's ``MemTracker``, strategy state bytes from the live objects of 2-process runs.
 * DeepSpeed 0.19 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
   (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py): the CPU memory that offload needs, and a cross-check.
 
-Planned split: the activation model (per-layer bytes by checkpointing mode, the loss peak) apart from the
-strategy-state, buffer and overhead terms that :func:`estimate_memory` adds up.
+One piece: every row of the per-GPU breakdown is computed from the same model, shape, parallel degrees and
+layout, and the measured test table checks them together; the GPT-style (Korthikanti) and measured Llama-family
+accountings sit side by side so that a model's row can be traced to one function.
 """
 
 from __future__ import annotations
@@ -131,11 +132,18 @@ class MemoryBreakdown:
         """
         d = self.detail
         parts = [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer)]
-        named = {"activations_head": "final norm + head input", "loss_peak": "loss (logits, fp32 softmax, grads)",
-                 "activations_recompute_peak": "recomputation (one block rebuilt)"}  # fmt: skip
-        rest = self.activations - sum(d.get(k, 0) for k in named)
-        parts.append(("activations (blocks)", rest))
-        parts += [(label, d[k]) for k, label in named.items() if d.get(k)]
+        loss, rec = d.get("loss_peak", 0), d.get("activations_recompute_peak", 0)
+        work = d.get("activations_backward_working", 0)
+        loss_row = ("loss (logits, fp32 softmax, grads)", loss)
+        rec_row = ("recomputation (one block rebuilt)", rec)
+        if work:  # the larger of the loss at the start of backward and one block's backward
+            tail = [loss_row] if loss >= rec + work else [rec_row, ("one block's backward (gradients in flight)", work)]
+        else:
+            tail = [loss_row, rec_row]
+        tail = [("final norm + head input", d.get("activations_head", 0)), *tail]
+        tail = [(label, value) for label, value in tail if value]
+        parts.append(("activations (blocks)", self.activations - sum(value for _, value in tail)))
+        parts += tail
         labels = {
             "gathered_params": "FSDP/ZeRO-3 gathered units + reduce-scatter", "comm_buckets": "communication buckets",
             "autocast_weight_copies": "autocast weight copies", "optimizer_step_excess": "optimizer step temporaries",
@@ -464,19 +472,32 @@ def _activation_bytes(
         # Korthikanti Sec. 4.3: final norm + output projection input, fp32 logits
         head = 4 * s * b * h / sp
         loss = 4 * s * b * v / t
-    output = head + loss
     # recomputation rebuilds one block's activations at a time in backward (Korthikanti Sec. 5): full, every K-th
     # block, and op-level (what the policy did not keep)
     recompute_peak = 0.0
     if training.checkpointing in (Checkpointing.FULL, Checkpointing.LAYER, Checkpointing.OP):
         recompute_peak = activation_bytes_per_layer(model, training, dims, recompute=Checkpointing.NONE, layout=layout)
-    first = counts[0] * per_layer * in_flight + embed
+    working = 0.0
+    if measured_layout_applies(model):
+        # a block's backward works on the gradients of its MLP (two e*sbF tensors in flight) and of its output
+        # (e*sbh); that happens after the loss's buffers are freed, so the step's activation peak is the larger of
+        # the loss at the start of backward and one block's backward (rebuilt under recomputation). MemTracker on
+        # real blocks, to within one e*sbh tensor (tests/test_memory_measured.py).
+        e = training.precision.bytes_per_activation
+        working = 2 * e * s * b * model.d_ffn * model.top_k / t + e * s * b * h / sp
+        backward = recompute_peak + working
+        output, after = head + max(loss, backward), 0.0
+        first_extra = backward
+    else:
+        output, after, first_extra = head + loss, recompute_peak, 0.0
+    first = counts[0] * per_layer * in_flight + embed + (first_extra if dims.pp > 1 else 0.0)
     last = counts[-1] * per_layer + output
     total = first + output if dims.pp == 1 else max(first, last)
     return {
         "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,
         "activations_head": int(head), "loss_peak": int(loss), "activations_logits": int(loss),
-        "activations_recompute_peak": int(recompute_peak), "activations": int(total + recompute_peak),
+        "activations_recompute_peak": int(recompute_peak), "activations_backward_working": int(working),
+        "activations": int(total + after),
     }  # fmt: skip
 
 

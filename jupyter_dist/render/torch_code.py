@@ -55,9 +55,8 @@ DEFAULT_STEPS = 1000
 
 
 _DTYPES = {k: f"torch.{v}" for k, v in TORCH_DTYPES.items()}
-_STDLIB = frozenset(
-    {"argparse", "collections", "contextlib", "fnmatch", "functools", "json", "os", "re", "time", "pathlib", "typing"}
-)
+_STDLIB = frozenset({"argparse", "collections", "contextlib", "fnmatch", "functools", "itertools", "json", "os", "re",
+                     "time", "pathlib", "typing"})  # fmt: skip
 _FSDP1_AC = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
 # ===============================================================================================================
@@ -240,11 +239,39 @@ def setup_distributed() -> torch.device:
 '''
 
 _CHECKPOINT_ACTIVATIONS = '''
-def checkpoint_activations(model: nn.Module, module_class: type[nn.Module]) -> None:
-    """Recompute each ``module_class`` in backward instead of keeping its activations (state-dict keys unchanged)."""
-    for module in model.modules():
-        if isinstance(module, module_class):
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+def checkpoint_activations(model: nn.Module, module_class: type[nn.Module], every: int = 1, **kwargs: Any) -> None:
+    """Recompute every ``every``-th ``module_class`` in backward instead of keeping its activations.
+
+    State-dict keys stay unchanged; ``kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (``context_fn``: op-level
+    selective checkpointing).
+    """
+    modules = [m for m in model.modules() if isinstance(m, module_class)]
+    for i, module in enumerate(modules):
+        if (i + 1) % every == 0:
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False, **kwargs)
+'''
+
+_OP_SAC = '''
+_OP_SAC_SAVE = {
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def op_sac_context() -> Any:
+    """Op-level selective checkpointing as torchtitan does it: keep attention and every other matmul output."""
+    meta: dict[str, int] = defaultdict(int)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        key = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            meta[key] += 1
+        keep = op in _OP_SAC_SAVE and not (op == torch.ops.aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 '''
 
 _PARALLELIZE_DDP = '''
@@ -1138,27 +1165,64 @@ class _Script:
 
     def checkpoint_helper(self) -> str:
         """The torch.utils.checkpoint helper (DDP, FSDP2, DeepSpeed); FSDP1 uses apply_activation_checkpointing."""
-        if self.lay.checkpointing is Checkpointing.NONE or self.family == "fsdp":
-            return ""
-        self.use("functools")
-        self.use_from("torch.utils.checkpoint", "checkpoint")
-        return _fill(_CHECKPOINT_ACTIVATIONS)
-
-    def activation_checkpointing(self) -> str:
-        """The call that applies the plan's activation checkpointing to ``model``."""
         if self.lay.checkpointing is Checkpointing.NONE:
             return ""
-        if self.lay.checkpointing is Checkpointing.FULL:
-            cls, what = "BLOCK_CLASS", "full: keep each block's input, recompute the block in backward"
+        if self.family == "fsdp":
+            return self._op_sac()
+        self.use("functools")
+        self.use_from("typing", "Any")
+        self.use_from("torch.utils.checkpoint", "checkpoint")
+        op = self._op_sac()
+        return _fill(_CHECKPOINT_ACTIVATIONS) + (f"\n\n\n{op}" if op else "")
+
+    def _op_sac(self) -> str:
+        if self.lay.checkpointing is not Checkpointing.OP:
+            return ""
+        self.use_from("collections", "defaultdict")
+        self.use_from("typing", "Any")
+        self.use_from("torch.utils.checkpoint", "CheckpointPolicy", "create_selective_checkpoint_contexts")
+        return _fill(_OP_SAC)
+
+    def activation_checkpointing(self) -> str:
+        """The call that applies the plan's activation checkpointing to ``model`` (the names of AC_NAMES)."""
+        mode = self.lay.checkpointing
+        if mode is Checkpointing.NONE:
+            return ""
+        every = self.lay.plan.training.checkpoint_every if mode is Checkpointing.LAYER else 1
+        cls, extra = "BLOCK_CLASS", ""
+        if mode is Checkpointing.FULL:
+            what = "full: keep each block's input, recompute the block in backward"
+        elif mode is Checkpointing.LAYER:
+            what, extra = f"layer:{every}: recompute every {every}-th block whole", f", every={every}"
+        elif mode is Checkpointing.OP:
+            what = "op: keep attention + every other matmul"
+            extra = ", context_fn=op_sac_context"
         else:
             cls, what = "ATTENTION_CLASS", "selective: recompute the attention in backward, keep the rest"
         if self.family == "fsdp":
             self.use_from(_FSDP1_AC, "apply_activation_checkpointing")
+            check = f"lambda module: isinstance(module, {cls})"
+            wrapper = ""
+            if mode is Checkpointing.LAYER:
+                self.use("itertools")
+                check = f"lambda module: isinstance(module, {cls}) and next(count) % {every} == 0"
+            elif mode is Checkpointing.OP:
+                self.use("functools")
+                self.use_from(_FSDP1_AC, "checkpoint_wrapper")
+                self.use_from("typing", "Any")
+                self.use_from("torch.utils.checkpoint", "CheckpointPolicy", "create_selective_checkpoint_contexts")
+                self.use_from("collections", "defaultdict")
+                wrapper = "checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, context_fn=op_sac_context),"
             return _lines(
                 f"# activation checkpointing, {what}",
-                f"apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, {cls}))",
+                *(["count = itertools.count(1)  # the blocks in order"] if mode is Checkpointing.LAYER else []),
+                "apply_activation_checkpointing(",
+                "    model,",
+                *([f"    {wrapper}"] if wrapper else []),
+                f"    check_fn={check},",
+                ")",
             )
-        return f"checkpoint_activations(model, {cls})  # {what}"
+        return f"checkpoint_activations(model, {cls}{extra})  # {what}"
 
     def _precision_comment(self) -> str:
         return (
