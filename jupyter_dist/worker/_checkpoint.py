@@ -475,10 +475,10 @@ def replay_cpu_adam_steps(optimizer: Any) -> int:
     n = max(steps, default=0)
     if n <= 0:
         return 0
-    groups = [g for g in base.param_groups if any(p in base.state for p in g["params"])]
-    # calls that change nothing in the kernel (same betas, same step) are skipped, as the kernel would skip them
-    distinct = {(float(g["betas"][0]), float(g["betas"][1])) for g in groups}
-    if len(distinct) == 1:
+    # every group, also those whose "params" are empty now (ZeRO-3 fills them only while a sub-group steps); with
+    # one set of betas one call a step does it: the kernel ignores the other groups' calls of the same step
+    groups = list(base.param_groups)
+    if len({(float(g["betas"][0]), float(g["betas"][1])) for g in groups}) == 1:
         groups = groups[:1]
     t = [torch.zeros(1, dtype=torch.float32) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq: discarded
     for step in range(1, n + 1):
