@@ -30,7 +30,7 @@ from ._env import WorkerEnv, WorkerError
 
 __all__ = [
     "save", "commit_pending", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state",
-    "COMPLETE",
+    "replay_cpu_adam_steps", "COMPLETE",
 ]  # fmt: skip
 
 COMPLETE = "COMPLETE"
@@ -399,6 +399,7 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
         load_path, _ = engine.load_checkpoint(path, tag="deepspeed")
         if load_path is None:
             raise WorkerError(f"jd.resume: DeepSpeed found no checkpoint under {path}/deepspeed")
+        replay_cpu_adam_steps(engine.optimizer)
     mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
     blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
     if split.modules or split.optimizers:
@@ -415,6 +416,7 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
             set_model_state_dict(module, template[key])
         for key, opt in split.optimizers.items():
             set_optimizer_state_dict(split.owner[key], opt, template[key])
+            replay_cpu_adam_steps(opt)
     out = dict(state)
     for key, value in blob["extras"].items():
         if key in split.stateful:
@@ -424,3 +426,70 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
     if blob.get("rng") and os.path.exists(mine):  # the same rank's generators; a resharded run keeps its own
         set_rng_state(blob["rng"])
     return out
+
+
+def replay_cpu_adam_steps(optimizer: Any) -> int:
+    """Rebuild the hidden step state of DeepSpeed's CPU Adam kernel after a resume; returns the steps replayed.
+
+    Why a DeepSpeed ZeRO run on CPU did not resume bit-exactly (issue 16: 1.2e-10 and 4.7e-10 off an uninterrupted
+    run): DeepSpeed's C++ Adam on the CPU (``Adam_Optimizer`` in ``deepspeed/ops/csrc/includes/cpu_adam.h``, behind
+    ``DeepSpeedCPUAdam`` and behind ``FusedAdam`` when the accelerator is the CPU) keeps the bias-correction powers
+    ``beta1**t`` and ``beta2**t`` in process memory, as float32 running products: ``IncrementStep`` multiplies them
+    by beta once per step (cpu_adam.h lines 80-83) and recomputes them with ``std::pow`` only when the step jumps
+    or the betas change (lines 77-78, 88-89). No checkpoint holds them. A restarted process therefore starts at
+    ``std::pow(beta, 15)`` where the uninterrupted one had fifteen float32 products, which differ in the last bit,
+    so ``1 / sqrt(1 - beta2**t)`` differs by an ulp and every later update drifts by ~1e-10. Model weights, fp32
+    partitions, exp_avg/exp_avg_sq, step, loss scale and RNG all load exactly; this power was the one thing lost.
+
+    The fix replays the step counter through the same C++ kernel, steps ``1..step`` on a throw-away one-element
+    tensor with each param group's hyperparameters, so the running products are built by the very same float32
+    multiplications as in the uninterrupted process (about a microsecond a step). Other optimizers, and FusedAdam on
+    CUDA (whose kernel computes ``std::pow(beta, step)`` at every call), keep no such state and are left alone. Exact
+    when the betas were constant since step 1 (a scheduler that cycles the betas makes the kernel recompute with
+    ``std::pow`` at every step anyway).
+    """
+    import sys
+
+    import torch
+
+    if "deepspeed" not in sys.modules:
+        return 0
+    base = optimizer
+    for _ in range(4):  # DeepSpeedZeroOptimizer / FP16_Optimizer / BF16_Optimizer wrap the optimizer that steps
+        if isinstance(base, torch.optim.Optimizer) and not hasattr(base, "optimizer"):
+            break
+        base = getattr(base, "optimizer", None)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    if isinstance(base, DeepSpeedCPUAdam):
+        cpu_adam = True
+    elif isinstance(base, FusedAdam):
+        from deepspeed.accelerator import get_accelerator
+
+        cpu_adam = get_accelerator().device_name() == "cpu"  # FusedAdam's CPU op is the same Adam_Optimizer
+        if not cpu_adam:
+            return 0
+    else:
+        return 0
+    steps = [int(s) for s in (st.get("step") for st in base.state.values()) if isinstance(s, int | torch.Tensor)]
+    n = max(steps, default=0)
+    if n <= 0:
+        return 0
+    # every group, also those whose "params" are empty now (ZeRO-3 fills them only while a sub-group steps); with
+    # one set of betas one call a step does it: the kernel ignores the other groups' calls of the same step
+    groups = list(base.param_groups)
+    if len({(float(g["betas"][0]), float(g["betas"][1])) for g in groups}) == 1:
+        groups = groups[:1]
+    t = [torch.zeros(1, dtype=torch.float32) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq: discarded
+    for step in range(1, n + 1):
+        for g in groups:
+            lr, (b1, b2), eps, wd = float(g["lr"]), g["betas"], float(g["eps"]), float(g["weight_decay"])
+            bias = bool(g.get("bias_correction", True))
+            if isinstance(base, DeepSpeedCPUAdam):
+                base.ds_opt_adam.adam_update(base.opt_id, step, lr, b1, b2, eps, wd, bias, t[0], t[1], t[2], t[3])
+            else:
+                from deepspeed.ops.adam.fused_adam import multi_tensor_applier
+
+                multi_tensor_applier(base.multi_tensor_adam, base._dummy_overflow_buf, [[t[1]], [t[0]], [t[2]], [t[3]]],
+                                     lr, b1, b2, eps, step, base.adam_w_mode, int(bias), wd)  # fmt: skip
+    return n
