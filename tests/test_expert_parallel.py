@@ -123,7 +123,11 @@ CONFIGS = {
                         "dp_shard=4 (experts: efsdp=2 x ep=2)"),
     "tp2xep2-sp": (4, {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"),
     "hsdp2xep2": (4, {"JD_EP": "2", "JD_DP_REPLICATE": "2"}, "dp_replicate=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
-}
+    # pipelines: each stage sends its layers' balance-loss sum on with the hidden states (the loss_fn adds the mean)
+    "pp2": (2, {"JD_PP": "2", "JD_MICROBATCHES": "4"}, "pp=2 x dp_shard=1"),
+    "pp2xep2": (4, {"JD_PP": "2", "JD_EP": "2", "JD_MICROBATCHES": "2"},
+                "pp=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
+}  # fmt: skip
 
 
 @pytest.mark.slow

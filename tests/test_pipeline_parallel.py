@@ -120,20 +120,51 @@ def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) 
 
 
 # ---------------------------------------------------------------------------------- one cell, every plan (slow)
+STEP_CELL = """
+import torch
+import torch.nn as nn
+
+from jupyter_dist.models import MoETransformer
+
+VOCAB, SEQ, BATCH = 64, 16, 8
+torch.manual_seed(0)
+net = MoETransformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, ffn_dim=32)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # next-token cross-entropy plus the experts' load-balancing loss (net itself: DDP's wrapper hides aux_loss)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + 0.01 * net.aux_loss()
+
+
+opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+model, opt = jd.wrap(net, opt)
+for step in range(STEPS):
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
+    tokens = ((torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(SEQ + 1)) % VOCAB).to(jd.device)
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], loss_fn)
+    jd.log(step, loss=loss, tokens=BATCH * SEQ)
+if jd.is_main:
+    print(f"final loss {loss.item():.3f} mesh {jd.mesh and jd.mesh.describe()}")
+"""
+"""The recommended loop on the mixture-of-experts reference (a model every plan can run), with its balance loss."""
+STEP_PLANS = {  # --strategy: the mesh rank 0 reports (None: no device mesh)
+    "ddp": "None", "fsdp2": "dp_shard=2", "zero2": "None", "fsdp2+tp2+sp": "dp_shard=1 x tp=2",
+    "fsdp2+pp2": "pp=2 x dp_shard=1", "fsdp2+ep2": "dp_shard=2 (experts: efsdp=1 x ep=2)",
+}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> None:  # noqa: ANN001
-    """The wizard's default cell (``jd.train_step``) runs as is under data parallelism, DeepSpeed, tensor and pipeline
-    parallelism; on every rank it exits 0 and the loss falls. (Expert parallelism needs a mixture-of-experts model:
-    the same loop runs it in tests/test_expert_parallel.py.)"""
+    """One cell, unchanged, through ``jd.train_step`` under ddp, fsdp2, DeepSpeed ZeRO-2, tensor (tp2+sp), pipeline
+    (pp2: the stages carry the balance loss) and expert parallelism (ep2): on every rank it exits 0, the loss falls,
+    and the run used the plan's mesh. (Equal math for each lives in the parallelism tests.)"""
     pytest.importorskip("deepspeed")
     import re
 
     from conftest import descendants_gone
 
-    from jupyter_dist.launch.examples import DEMO_CELL
-
-    cell = DEMO_CELL.format(steps=30)
-    for strategy in ("ddp", "zero2", "fsdp2+tp2+sp", "fsdp2+pp2"):  # fsdp2 runs under the last two
+    cell = "STEPS = 16\n" + STEP_CELL
+    for strategy, mesh in STEP_PLANS.items():
         name = "cell_" + re.sub(r"\W", "_", strategy)
         run = ip.run_cell_magic("dist_train", f"--strategy {strategy} --nproc 2 --name {name} --timeout 300 "
                                 "--no-dashboard", cell)  # fmt: skip
@@ -141,7 +172,7 @@ def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> N
         assert run.exit_codes == {0: 0, 1: 0}, strategy
         losses = [r["loss"] for r in run.records("step") if r["rank"] == 0]
         assert losses and losses[-1] < losses[0], (strategy, losses)
-        assert "final loss" in run.logs(0), strategy
+        assert f"mesh {mesh}" in run.logs(0), (strategy, run.logs(0)[-2000:])
         assert descendants_gone(run)
 
 

@@ -586,9 +586,11 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         plan, source = resolve_tp_plan(model, tp_plan, sequence_parallel=env.sp, tp=env.tp)
         check_tp_divisible(model, plan, env.tp)
     stage_plan = None
+    aux_total = 0
     if env.pp > 1:
-        from ._pipeline import prune
+        from ._pipeline import aux_layers, prune
 
+        aux_total = len(aux_layers(model))  # the whole model's MoE layers: the balance loss is their mean
         pp_rank = mesh["pp"].get_local_rank()
         stage_plan = prune(model, pp=env.pp, pp_rank=pp_rank, virtual=env.stages_per_rank)
     if env.precision == "bf16-true" and not on_meta:
@@ -645,7 +647,9 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     if views:
         from ._pipeline import Pipeline
 
-        pipeline = Pipeline(env, views, mesh["pp"].get_group(), device)
+        container = stage_plan.container if stage_plan is not None else "layers"
+        pipeline = Pipeline(env, views, mesh["pp"].get_group(), device, model=model, container=container,
+                            aux_total=aux_total)  # fmt: skip
         _refuse_direct_calls(model, env.pp)
     return model, optimizer, mesh, pipeline
 

@@ -197,7 +197,7 @@ def main() -> None:
     def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-        if callable(getattr(model, "aux_loss", None)) and jd.pipeline is None:  # mixture of experts
+        if callable(getattr(model, "aux_loss", None)):  # mixture of experts (under pp: the stages carry it)
             loss = loss + AUX_COEF * model.aux_loss()
         return loss
 
