@@ -38,6 +38,8 @@ CONFIGS = {
     "dp2xcp2": (4, {"JD_CP": "2"}, "dp_shard=2 x cp=2"),
     "cp2xtp2-sp": (4, {"JD_CP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=1 x cp=2 x tp=2"),
     "hsdp2xcp2-ac": (4, {"JD_CP": "2", "JD_DP_REPLICATE": "2", "JD_AC": "full"}, "dp_replicate=2 x dp_shard=1 x cp=2"),
+    # pipeline x context parallelism: each stage gets this rank's positions, the loss is the mean over cp
+    "pp2xcp2": (4, {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}, "pp=2 x dp_shard=1 x cp=2"),
 }  # fmt: skip
 
 
@@ -52,6 +54,21 @@ def test_context_parallel_run_equals_single_process(config: str, single: dict, t
 def test_adamw_under_dp2_cp2_equals_single_process(single: dict, tmp_path: Path) -> None:
     got = run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="adamw")
     assert_equal_math(single["adamw"], got, elementwise=False)
+
+
+def test_checkpoint_saved_under_dp2_cp2_resumes_under_dp4_and_under_pp2_cp2(tmp_path: Path) -> None:
+    """DCP checkpoints under context parallelism hold the whole model's states (sharded over dp x cp): saved at step 4
+    under dp2 x cp2 (AdamW), resumed under plain dp4 and under pp2 x cp2, the next 5 losses equal the uninterrupted
+    run's."""
+    ckpt = tmp_path / "ckpt"
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt)}
+    full = run(tmp_path / "full.pt", "ref", 4, JD_CP="2", EQ_SAVE_AT="4", **common)
+    assert full["mesh"] == "dp_shard=2 x cp=2" and (ckpt / "step-4" / "COMPLETE").exists()
+    for name, degrees in {"dp4": {}, "pp2xcp2": {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}}.items():
+        resumed = run(tmp_path / f"{name}.pt", "ref", 4, EQ_RESUME="1", **degrees, **common)
+        assert resumed["first"] == 5, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
+                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
 
 
 def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, tmp_path: Path) -> None:

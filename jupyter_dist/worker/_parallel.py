@@ -650,6 +650,12 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         container = stage_plan.container if stage_plan is not None else "layers"
         pipeline = Pipeline(env, views, mesh["pp"].get_group(), device, model=model, container=container,
                             aux_total=aux_total)  # fmt: skip
+        if env.cp > 1:  # each stage's forward gets this rank's positions (after the balance-loss carry's pre-hook)
+            from ._context import positions_hook
+
+            hook = positions_hook(mesh["cp"])
+            for stage in pipeline.stages:
+                stage.submod.register_forward_pre_hook(hook, with_kwargs=True)
         _refuse_direct_calls(model, env.pp)
     return model, optimizer, mesh, pipeline
 

@@ -422,15 +422,13 @@ class Runtime:
         if self.model is None:
             raise WorkerError("jd.train_step: call jd.wrap(model, optimizer) first")
         emitter = self.emitter
-        if self.env.cp > 1 and self.pipeline is not None:
-            raise WorkerError("jd.train_step: pipeline x context parallelism is not supported yet; drop pp or cp")
         if self.env.cp > 1:  # this rank's load-balanced chunks of the sequence
             inputs, targets = self.cp_shard((inputs, targets))
         if self.pipeline is not None:
             emitter.set_phase("forward")
             loss = self.pipeline.step(inputs, targets, loss_fn)
             self.step(None)
-            return loss
+            return self._cp_mean(loss)
         if self.is_engine:  # DeepSpeed accumulates itself: a backward and a step per micro-batch
             n = int(self.model.gradient_accumulation_steps())
         else:
@@ -460,8 +458,11 @@ class Runtime:
             self.step(None)
         else:
             emitter.set_phase("forward")
-        loss = total / n
-        if self.env.cp > 1 and self.mesh is not None:  # each cp rank's loss is its chunk's: the batch's is the mean
+        return self._cp_mean(total / n)
+
+    def _cp_mean(self, loss: Any) -> Any:
+        """Each cp rank's loss is its chunks': the batch's is the mean over the cp ranks (identity without cp)."""
+        if self.env.cp > 1 and self.mesh is not None:
             import torch.distributed as dist
 
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh["cp"].get_group())
