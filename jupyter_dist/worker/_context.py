@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 __all__ = [
-    "SEQ_DIM", "check_context_parallel", "apply_context_parallel", "positions_hook", "fsdp_mesh", "head_tail_order", "shard",
-    "unshard", "local_positions",
+    "SEQ_DIM", "check_context_parallel", "apply_context_parallel", "positions_hook", "fsdp_mesh", "head_tail_order",
+    "shard", "unshard", "local_positions",
 ]  # fmt: skip
 
 SEQ_DIM = 2
