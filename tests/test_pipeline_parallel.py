@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import RTOL, assert_equal_math, run
+from test_tensor_parallel import RTOL, SCRIPT, assert_equal_math, run
 from test_worker import clean_env, run_bounded
 
 from jupyter_dist.errors import ParallelismError
@@ -117,6 +117,45 @@ def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) 
     assert "CASE call: under pipeline parallelism (pp2) the model runs stage by stage" in proc.stdout
     assert "use loss = jd.train_step(inputs, targets, loss_fn)" in proc.stdout
     assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in proc.stdout
+
+
+@pytest.mark.slow
+def test_zero1_tp2_pp2_sp_runs_as_fsdp2_without_resharding_equal_to_one_process_and_the_plan(
+    single4: dict, tmp_path: Path
+) -> None:
+    """The 3-D notebook's fastest shape (zero1+tp8+pp32+sp for Llama-3.1-405B) scaled down: ``zero1+tp2+pp2+sp``
+    on 8 processes runs as FSDP2 with ``reshard_after_forward=False`` over dp (announced once, on rank 0), equals one
+    process, and each rank's parameters, gradients and SGD momentum equal the plan's figures for that candidate (the
+    worst stage to the byte: sharded over dp, not whole as DeepSpeed's ZeRO-1 would keep parameters and gradients)."""
+    import json
+
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+    from jupyter_dist.plan.candidates import resolve_launch
+
+    choice = resolve_launch("zero1+tp2+pp2+sp", None, 8)
+    env = {f"JD_{k.upper()}": str(int(v) if isinstance(v, bool) else v) for k, v in choice.worker_fields().items()}
+    assert env == {"JD_STRATEGY": "zero1", "JD_TP": "2", "JD_PP": "2", "JD_CP": "1", "JD_EP": "1", "JD_SP": "1",
+                   "JD_DP_REPLICATE": "1"}  # fmt: skip
+    out = tmp_path / "out.pt"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", str(SCRIPT),
+            str(out), "ref"]  # fmt: skip
+    proc = run_bounded(argv, clean_env(EQ_OPT="sgd", EQ_LAYERS="4", EQ_MEASURE="1", JD_MICROBATCHES="4", **env), 300,
+                       cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert proc.stdout.count("zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False") == 1
+    got = torch.load(out, weights_only=False)
+    assert got["mesh"] == "pp=2 x dp_shard=2 x tp=2"
+    assert_equal_math(single4["sgd"], got)
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
+    shape = TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4, optimizer="sgd")
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=8), shape, strategy="zero1", tp=2, pp=2)
+    cand = p.candidate("zero1+tp2+pp2+sp")
+    want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+    ranks = [json.loads((tmp_path / f"out.pt.rank{r}.json").read_text()) for r in range(8)]
+    worst = max(ranks, key=lambda g: g["params"])
+    assert {k: worst[k] for k in want} == want, (ranks, want)
+    assert cand.memory.detail["gathered_params"] > 0  # the parameters kept from forward to backward are counted
 
 
 # ---------------------------------------------------------------------------------- one cell, every plan (slow)

@@ -626,14 +626,22 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             dp_mesh = fsdp_mesh(mesh)  # cp ranks shard model states with the dp ranks
         else:
             dp_mesh = mesh.dp_mesh
+        keep = {"reshard_after_forward": env.reshard_after_forward}
+        if env.zero1_as_fsdp2 and env.rank == 0:  # once, in rank 0's log (a notice: the default handler shows it)
+            _log.warning(
+                "jd.wrap: zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False over the "
+                "data-parallel dims (%s): optimizer states and gradients sharded, parameters kept from forward to "
+                "backward (at most ZeRO-1's memory; all-gather + reduce-scatter, the volume of its all-reduce)",
+                mesh.describe(),
+            )
         if env.ep > 1:
-            shard_experts(model, mesh, mp)
+            shard_experts(model, mesh, mp, **keep)
         for block in blocks:
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, **keep)
         for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)
-            fully_shard(view, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(view, mesh=dp_mesh, mp_policy=mp, **keep)
         if not views:
-            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp, **keep)
     if on_meta:
         materialize(model, device)
         if env.precision == "bf16-true":
