@@ -714,6 +714,28 @@ def get_runtime() -> Runtime:
         return _RUNTIME
 
 
+def fresh_runtime() -> Runtime:
+    """Replace the process's runtime by a new one built from ``os.environ``, keeping the process group.
+
+    For harnesses that train several ``JD_*`` configurations in sequence in one launch (the equal-math tests run all
+    configurations of one world size in one torchrun): the next ``jd.wrap`` builds its mesh from the new degrees.
+    The previous runtime drops its model, optimizer, mesh and pipeline; the one that created the process group stays
+    its owner (its exit hooks, if any, are unchanged). Returns the new runtime.
+    """
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        old = _RUNTIME
+        if old is not None:
+            old.model = old.optimizer = old.mesh = old.pipeline = None
+            _PREVIOUS.append(old)
+        _RUNTIME = Runtime(WorkerEnv.from_environ())
+        return _RUNTIME
+
+
+_PREVIOUS: list[Runtime] = []
+"""Runtimes replaced by :func:`fresh_runtime` (the first owns the process group; kept alive for its exit hooks)."""
+
+
 def on_import() -> None:
     """Called when ``jupyter_dist.worker`` is imported: a launched worker (``JD_RUN_DIR`` set) installs its hooks.
 
