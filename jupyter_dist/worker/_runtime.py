@@ -25,7 +25,7 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Runtime", "get_runtime", "on_import"]
+__all__ = ["Runtime", "fresh_runtime", "get_runtime", "on_import"]
 
 _log = logging.getLogger("jupyter_dist.worker")
 
