@@ -278,8 +278,9 @@ def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
     env = pool.dry_run().env
     assert (env["JD_STRATEGY"], env["JD_TP"], env["JD_SP"], env["JD_POOL"]) == ("fsdp2", "2", "1", "1")
     assert Pool(nproc=4, strategy="fsdp2+ep2", runs_dir=runs).dry_run().env["JD_EP"] == "2"
-    with pytest.raises(JupyterDistError, match="expert parallelism with zero1"):
-        Pool(nproc=4, strategy="zero1+ep2", runs_dir=runs)
+    assert Pool(nproc=4, strategy="zero1+ep2", runs_dir=runs).dry_run().env["JD_EP"] == "2"  # FSDP2, no reshard
+    with pytest.raises(JupyterDistError, match="expert parallelism with ddp"):
+        Pool(nproc=4, strategy="ddp+ep2", runs_dir=runs)
 
 
 @pytest.mark.slow
