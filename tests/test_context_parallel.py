@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SCRIPT, assert_equal_math, run
+from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run
 from test_worker import clean_env, run_bounded
 
 torch = pytest.importorskip("torch")
@@ -38,37 +38,73 @@ CONFIGS = {
     "dp2xcp2": (4, {"JD_CP": "2"}, "dp_shard=2 x cp=2"),
     "cp2xtp2-sp": (4, {"JD_CP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=1 x cp=2 x tp=2"),
     "hsdp2xcp2-ac": (4, {"JD_CP": "2", "JD_DP_REPLICATE": "2", "JD_AC": "full"}, "dp_replicate=2 x dp_shard=1 x cp=2"),
+    # pipeline x context parallelism: each stage gets this rank's positions, the loss is the mean over cp
+    "pp2xcp2": (4, {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}, "pp=2 x dp_shard=1 x cp=2"),
 }  # fmt: skip
 
 
+CKPT_RESUMES = {"dp4": {}, "pp2xcp2": {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Every equal-math run of this module: one launch of 2 processes, one of 4."""
+    where = tmp_path_factory.mktemp("launches")
+    configs: dict[str, tuple[int, str, dict[str, str]]] = {
+        name: (nproc, "ref", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", **degrees})
+        for name, (nproc, degrees, _) in CONFIGS.items()
+    }
+    configs["adamw"] = (4, "ref", {"JD_STRATEGY": "fsdp2", "JD_CP": "2", "EQ_OPT": "adamw"})
+    configs["bad-positions"] = (2, "ref", {"JD_STRATEGY": "fsdp2", "JD_CP": "2", "EQ_OPT": "sgd",
+                                           "EQ_BAD_POSITIONS": "1"})  # fmt: skip
+    configs["memory"] = (4, "ref", {"JD_STRATEGY": "fsdp2", "JD_CP": "2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
+                                    "EQ_STEPS": "2"})  # fmt: skip
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
+    configs["ckpt-full"] = (4, "ref", {"JD_CP": "2", "EQ_SAVE_AT": "4", **common})
+    for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
+        configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    return Launches(where, configs)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_context_parallel_run_equals_single_process(config: str, single: dict, tmp_path: Path) -> None:
-    nproc, degrees, mesh = CONFIGS[config]
-    got = run(tmp_path / "out.pt", "ref", nproc, JD_STRATEGY="fsdp2", EQ_OPT="sgd", **degrees)
-    assert got["mesh"] == mesh
+def test_context_parallel_run_equals_single_process(config: str, single: dict, launches: Launches) -> None:
+    got = launches[config]
+    assert got["mesh"] == CONFIGS[config][2]
     assert_equal_math(single["sgd"], got)
 
 
-def test_adamw_under_dp2_cp2_equals_single_process(single: dict, tmp_path: Path) -> None:
-    got = run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="adamw")
-    assert_equal_math(single["adamw"], got, elementwise=False)
+def test_adamw_under_dp2_cp2_equals_single_process(single: dict, launches: Launches) -> None:
+    assert_equal_math(single["adamw"], launches["adamw"], elementwise=False)
 
 
-def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, tmp_path: Path) -> None:
+def test_checkpoint_saved_under_dp2_cp2_resumes_under_dp4_and_under_pp2_cp2(launches: Launches) -> None:
+    """DCP checkpoints under context parallelism hold the whole model's states (sharded over dp x cp): saved at step 4
+    under dp2 x cp2 (AdamW), resumed under plain dp4 and under pp2 x cp2, the next 5 losses equal the uninterrupted
+    run's."""
+    full = launches["ckpt-full"]
+    assert full["mesh"] == "dp_shard=2 x cp=2" and (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    for name in CKPT_RESUMES:
+        resumed = launches[f"ckpt-{name}"]
+        assert resumed["first"] == 5, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
+                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+
+
+def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, launches: Launches) -> None:
     """The check can fail: positions 0..chunk-1 on every rank (what the model computed before it took positions)
     run without an error, but the math differs from the single process."""
-    got = run(tmp_path / "out.pt", "ref", 2, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="sgd", EQ_BAD_POSITIONS="1")
+    got = launches["bad-positions"]
     with pytest.raises(AssertionError):
         assert_equal_math(single["sgd"], got)
 
 
-def test_per_rank_memory_equals_the_plan_to_the_byte(tmp_path: Path) -> None:
+def test_per_rank_memory_equals_the_plan_to_the_byte(launches: Launches) -> None:
     """Under dp2 x cp2, parameters, gradients and AdamW states are sharded over dp x cp = 4, as the planner's
     fsdp2+cp2 candidate says, to the byte on every rank."""
     from jupyter_dist.models import Transformer
     from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 
-    run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_CP="2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2")
+    launches["memory"]
     spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4)
     p = plan(spec, hw, TrainingShape(micro_batch=4, seq_len=16, precision="fp32"), strategy="fsdp2", cp=2)
@@ -79,7 +115,7 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(tmp_path: Path) -> None:
                                                     n_kv_heads=2).parameters())  # fmt: skip
     assert want["params"] == whole // 4
     for rank in range(4):
-        got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
+        got = json.loads(Path(f"{launches.path('memory')}.rank{rank}.json").read_text())
         assert got == want, (rank, got, want)
 
 

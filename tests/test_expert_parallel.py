@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SCRIPT, assert_equal_math, run
+from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run
 from test_worker import clean_env, run_bounded
 
 torch = pytest.importorskip("torch")
@@ -123,51 +123,85 @@ CONFIGS = {
                         "dp_shard=4 (experts: efsdp=2 x ep=2)"),
     "tp2xep2-sp": (4, {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"),
     "hsdp2xep2": (4, {"JD_EP": "2", "JD_DP_REPLICATE": "2"}, "dp_replicate=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
-}
+    # pipelines: each stage sends its layers' balance-loss sum on with the hidden states (the loss_fn adds the mean)
+    "pp2": (2, {"JD_PP": "2", "JD_MICROBATCHES": "4"}, "pp=2 x dp_shard=1"),
+    "pp2xep2": (4, {"JD_PP": "2", "JD_EP": "2", "JD_MICROBATCHES": "2"},
+                "pp=2 x dp_shard=2 (experts: efsdp=1 x ep=2)"),
+}  # fmt: skip
+
+
+MEMORY_CONFIGS = ("ep2xdp2", "tp2xep2-sp")
+CKPT_RESUMES = {"dp4": {}, "ep2xdp2": {"JD_EP": "2"}}
+HF_MODELS = ("mixtral", "qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Every equal-math run of this module: one launch of 2 processes, one of 4."""
+    import importlib.util
+
+    where = tmp_path_factory.mktemp("launches")
+    configs: dict[str, tuple[int, str, dict[str, str]]] = {
+        name: (nproc, "moe", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", **degrees})
+        for name, (nproc, degrees, _) in CONFIGS.items()
+    }
+    if importlib.util.find_spec("transformers") is not None:
+        for model in HF_MODELS:
+            configs[model] = (4, model, {"JD_STRATEGY": "fsdp2", "JD_EP": "2", "EQ_OPT": "sgd"})
+    configs["adamw"] = (4, "moe", {"JD_STRATEGY": "fsdp2", "JD_EP": "2", "EQ_OPT": "adamw"})
+    configs["efsdp-divide"] = (4, "moe", {"JD_STRATEGY": "fsdp2", "JD_EP": "2", "EQ_OPT": "sgd",
+                                          "EQ_EP_EFSDP_DIVIDE": "1"})  # fmt: skip
+    for config in MEMORY_CONFIGS:
+        nproc, degrees, _ = CONFIGS[config]
+        configs[f"memory-{config}"] = (nproc, "moe", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
+                                                      "EQ_STEPS": "2", **degrees})  # fmt: skip
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
+    configs["ckpt-full"] = (4, "moe", {"JD_EP": "2", "EQ_SAVE_AT": "4", **common})
+    for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
+        configs[f"ckpt-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
+    return Launches(where, configs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_expert_parallel_run_equals_single_process(config: str, single: _Single, tmp_path: Path) -> None:
-    nproc, degrees, mesh = CONFIGS[config]
-    got = run(tmp_path / "out.pt", "moe", nproc, JD_STRATEGY="fsdp2", EQ_OPT="sgd", **degrees)
-    assert got["mesh"] == mesh
+def test_expert_parallel_run_equals_single_process(config: str, single: _Single, launches: Launches) -> None:
+    got = launches[config]
+    assert got["mesh"] == CONFIGS[config][2]
     assert_equal_math(single["moe", "sgd"], got)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
-def test_hugging_face_moe_under_ep2_dp2_equals_single_process(model: str, single: _Single, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_hugging_face_moe_under_ep2_dp2_equals_single_process(model: str, single: _Single, launches: Launches) -> None:
     """Real transformers ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (small configs; grouped experts, eager;
     Qwen2-MoE with its gated shared expert): their experts are split by our ExpertParallel (transformers' own
     ``base_model_ep_plan`` assumes every ep rank holds the same tokens and all-reduces expert outputs, which does not
     fit ep ranks borrowed from data parallelism), and their own experts forward runs on the tokens each rank
     receives."""
     pytest.importorskip("transformers")
-    got = run(tmp_path / "out.pt", model, 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="sgd")
+    got = launches[model]
     assert got["mesh"] == "dp_shard=4 (experts: efsdp=2 x ep=2)"
     assert_equal_math(single[model, "sgd"], got)
 
 
 @pytest.mark.slow
-def test_adamw_under_ep2_dp2_equals_single_process(single: _Single, tmp_path: Path) -> None:
-    got = run(tmp_path / "out.pt", "moe", 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="adamw")
-    assert_equal_math(single["moe", "adamw"], got, elementwise=False)
+def test_adamw_under_ep2_dp2_equals_single_process(single: _Single, launches: Launches) -> None:
+    assert_equal_math(single["moe", "adamw"], launches["adamw"], elementwise=False)
 
 
 @pytest.mark.slow
-def test_the_check_catches_expert_gradients_averaged_over_efsdp_only(single: _Single, tmp_path: Path) -> None:
+def test_the_check_catches_expert_gradients_averaged_over_efsdp_only(single: _Single, launches: Launches) -> None:
     """The check can fail: FSDP2's default divides an expert's gradient by its own efsdp group (2 ranks), but the
     gradient summed the tokens of all 4 data-parallel ranks (2 through the all-to-all, 2 through the reduce-scatter):
     it runs without an error and comes out twice too large."""
-    got = run(tmp_path / "out.pt", "moe", 4, JD_STRATEGY="fsdp2", JD_EP="2", EQ_OPT="sgd", EQ_EP_EFSDP_DIVIDE="1")
+    got = launches["efsdp-divide"]
     with pytest.raises(AssertionError):
         assert_equal_math(single["moe", "sgd"], got)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ep2xdp2", "tp2xep2-sp"])
-def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", MEMORY_CONFIGS)
+def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, launches: Launches) -> None:
     """Parameters, gradients and AdamW states each rank holds equal the planner's per-rank figures exactly.
 
     fsdp2+ep2 on 4 processes: dense states sharded over dp = 4, experts split 2 ways and sharded over dp / ep = 2
@@ -178,8 +212,7 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path
     from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 
     nproc, degrees, _ = CONFIGS[config]
-    run(tmp_path / "out.pt", "moe", nproc, JD_STRATEGY="fsdp2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2",
-        **degrees)  # fmt: skip
+    launches[f"memory-{config}"]
     spec = ModelSpec.from_module(MoETransformer, **MOE)
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4, nodes=1)
     tp = int(degrees.get("JD_TP", "1"))
@@ -190,20 +223,18 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path
     if tp == 1:
         assert want["params"] == 4 * spec.params // 4  # fp32, every state 1/4 per rank: nothing left whole
     for rank in range(4):
-        got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
+        got = json.loads(Path(f"{launches.path(f'memory-{config}')}.rank{rank}.json").read_text())
         assert got == want, (rank, got, want)
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_under_ep2_dp2_resumes_under_dp4_without_ep_and_under_ep2_dp2(tmp_path: Path) -> None:
+def test_checkpoint_saved_under_ep2_dp2_resumes_under_dp4_without_ep_and_under_ep2_dp2(launches: Launches) -> None:
     """DCP checkpoints of DTensor experts reshard: saved at step 4 under ep2 x dp2, resumed under plain fsdp2 dp4
     (experts whole on each rank's shard) and under ep2 x dp2; the next 5 losses equal the uninterrupted run's."""
-    ckpt = tmp_path / "ckpt"
-    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt)}
-    full = run(tmp_path / "full.pt", "moe", 4, JD_EP="2", EQ_SAVE_AT="4", **common)
-    assert (ckpt / "step-4" / "COMPLETE").exists()
-    for name, degrees in {"dp4": {}, "ep2xdp2": {"JD_EP": "2"}}.items():
-        resumed = run(tmp_path / f"{name}.pt", "moe", 4, EQ_RESUME="1", **degrees, **common)
+    full = launches["ckpt-full"]
+    assert (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    for name in CKPT_RESUMES:
+        resumed = launches[f"ckpt-{name}"]
         assert resumed["first"] == 5, name
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip

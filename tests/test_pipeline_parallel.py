@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import RTOL, assert_equal_math, run
+from test_tensor_parallel import RTOL, Launches, assert_equal_math, run
 from test_worker import clean_env, run_bounded
 
 from jupyter_dist.errors import ParallelismError
@@ -65,25 +65,47 @@ def single4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {opt: run(d / f"{opt}.pt", "ref", None, EQ_OPT=opt, EQ_LAYERS="4") for opt in ("sgd", "adamw")}
 
 
+CKPT_RESUMES = {"dp4": {}, "tp2xpp2": {"JD_PP": "2", "JD_TP": "2", "JD_MICROBATCHES": "4"}}
+ZERO1 = {"JD_STRATEGY": "zero1", "JD_TP": "2", "JD_PP": "2", "JD_CP": "1", "JD_EP": "1", "JD_SP": "1",
+         "JD_DP_REPLICATE": "1"}  # fmt: skip
+"""What ``--strategy zero1+tp2+pp2+sp`` on 8 processes sets (checked against ``resolve_launch`` in its test)."""
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Every equal-math run of this module: one launch each of 2, 4 and 8 processes."""
+    where = tmp_path_factory.mktemp("launches")
+    base = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", "EQ_LAYERS": "4"}
+    configs: dict[str, tuple[int, str, dict[str, str]]] = {
+        name: (nproc, "ref", {**base, **degrees}) for name, (nproc, degrees) in CONFIGS.items()
+    }
+    configs["memory"] = (4, "ref", {"JD_STRATEGY": "fsdp2", "JD_PP": "2", "JD_MICROBATCHES": "4",
+                                    "JD_PP_SCHEDULE": "1f1b", "EQ_OPT": "adamw", "EQ_MEASURE": "1", "EQ_STEPS": "2",
+                                    "EQ_LAYERS": "4"})  # fmt: skip
+    configs["zero1"] = (8, "ref", {"EQ_OPT": "sgd", "EQ_LAYERS": "4", "EQ_MEASURE": "1", "JD_MICROBATCHES": "4",
+                                   **ZERO1})  # fmt: skip
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt"), "EQ_LAYERS": "4"}
+    configs["ckpt-full"] = (4, "ref", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": "4", **common})
+    for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
+        configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    return Launches(where, configs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_pipelined_run_equals_single_process(config: str, single4: dict, tmp_path: Path) -> None:
-    nproc, degrees = CONFIGS[config]
-    got = run(tmp_path / "out.pt", "ref", nproc, timeout=300, JD_STRATEGY="fsdp2", EQ_OPT="sgd", EQ_LAYERS="4",
-              **degrees)  # fmt: skip
+def test_pipelined_run_equals_single_process(config: str, single4: dict, launches: Launches) -> None:
+    got = launches[config]
     assert got["mesh"] == EXPECTED_MESH[config]
     assert_equal_math(single4["sgd"], got)
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_under_pp2_dp2_resumes_without_pipeline_and_under_tp2_pp2(tmp_path: Path) -> None:
+def test_checkpoint_saved_under_pp2_dp2_resumes_without_pipeline_and_under_tp2_pp2(launches: Launches) -> None:
     """DCP checkpoints of a pipelined model keep the whole model's names: saved at step 4 under pp2 x dp2, resumed
     under dp4 and under tp2 x pp2, the next 5 losses equal the uninterrupted run's."""
-    ckpt = tmp_path / "ckpt"
-    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt), "EQ_LAYERS": "4"}
-    full = run(tmp_path / "full.pt", "ref", 4, JD_PP="2", JD_MICROBATCHES="2", EQ_SAVE_AT="4", **common)
-    for name, degrees in {"dp4": {}, "tp2xpp2": {"JD_PP": "2", "JD_TP": "2", "JD_MICROBATCHES": "4"}}.items():
-        resumed = run(tmp_path / f"{name}.pt", "ref", 4, EQ_RESUME="1", **degrees, **common)
+    full = launches["ckpt-full"]
+    for name in CKPT_RESUMES:
+        resumed = launches[f"ckpt-{name}"]
         assert resumed["first"] == 5, name
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
@@ -119,21 +141,84 @@ def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) 
     assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in proc.stdout
 
 
+@pytest.mark.slow
+def test_zero1_tp2_pp2_sp_runs_as_fsdp2_without_resharding_equal_to_one_process_and_the_plan(
+    single4: dict, launches: Launches
+) -> None:
+    """The 3-D notebook's fastest shape (zero1+tp8+pp32+sp for Llama-3.1-405B) scaled down: ``zero1+tp2+pp2+sp``
+    on 8 processes runs as FSDP2 with ``reshard_after_forward=False`` over dp (announced once, on rank 0), equals one
+    process, and each rank's parameters, gradients and SGD momentum equal the plan's figures for that candidate (the
+    worst stage to the byte: sharded over dp, not whole as DeepSpeed's ZeRO-1 would keep parameters and gradients)."""
+    import json
+
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+    from jupyter_dist.plan.candidates import resolve_launch
+
+    choice = resolve_launch("zero1+tp2+pp2+sp", None, 8)
+    env = {f"JD_{k.upper()}": str(int(v) if isinstance(v, bool) else v) for k, v in choice.worker_fields().items()}
+    assert env == ZERO1
+    got = launches["zero1"]
+    assert launches.stdout[8].count("zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False") == 1
+    assert got["mesh"] == "pp=2 x dp_shard=2 x tp=2"
+    assert_equal_math(single4["sgd"], got)
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
+    shape = TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4, optimizer="sgd")
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=8), shape, strategy="zero1", tp=2, pp=2)
+    cand = p.candidate("zero1+tp2+pp2+sp")
+    want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+    ranks = [json.loads(Path(f"{launches.path('zero1')}.rank{r}.json").read_text()) for r in range(8)]
+    worst = max(ranks, key=lambda g: g["params"])
+    assert {k: worst[k] for k in want} == want, (ranks, want)
+    assert cand.memory.detail["gathered_params"] > 0  # the parameters kept from forward to backward are counted
+
+
 # ---------------------------------------------------------------------------------- one cell, every plan (slow)
+STEP_CELL = """
+import torch
+import torch.nn as nn
+
+from jupyter_dist.models import MoETransformer
+
+VOCAB, SEQ, BATCH = 64, 16, 8
+torch.manual_seed(0)
+net = MoETransformer(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, ffn_dim=32)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # next-token cross-entropy plus the experts' load-balancing loss (net itself: DDP's wrapper hides aux_loss)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + 0.01 * net.aux_loss()
+
+
+opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+model, opt = jd.wrap(net, opt)
+for step in range(STEPS):
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
+    tokens = ((torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(SEQ + 1)) % VOCAB).to(jd.device)
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:], loss_fn)
+    jd.log(step, loss=loss, tokens=BATCH * SEQ)
+if jd.is_main:
+    print(f"final loss {loss.item():.3f} mesh {jd.mesh and jd.mesh.describe()}")
+"""
+"""The recommended loop on the mixture-of-experts reference (a model every plan can run), with its balance loss."""
+STEP_PLANS = {  # --strategy: the mesh rank 0 reports (None: no device mesh)
+    "ddp": "None", "fsdp2": "dp_shard=2", "zero2": "None", "fsdp2+tp2+sp": "dp_shard=1 x tp=2",
+    "fsdp2+pp2": "pp=2 x dp_shard=1", "fsdp2+ep2": "dp_shard=2 (experts: efsdp=1 x ep=2)",
+}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> None:  # noqa: ANN001
-    """The wizard's default cell (``jd.train_step``) runs as is under data parallelism, DeepSpeed, tensor and pipeline
-    parallelism; on every rank it exits 0 and the loss falls. (Expert parallelism needs a mixture-of-experts model:
-    the same loop runs it in tests/test_expert_parallel.py.)"""
+    """One cell, unchanged, through ``jd.train_step`` under ddp, fsdp2, DeepSpeed ZeRO-2, tensor (tp2+sp), pipeline
+    (pp2: the stages carry the balance loss) and expert parallelism (ep2): on every rank it exits 0, the loss falls,
+    and the run used the plan's mesh. (Equal math for each lives in the parallelism tests.)"""
     pytest.importorskip("deepspeed")
     import re
 
     from conftest import descendants_gone
 
-    from jupyter_dist.launch.examples import DEMO_CELL
-
-    cell = DEMO_CELL.format(steps=30)
-    for strategy in ("ddp", "zero2", "fsdp2+tp2+sp", "fsdp2+pp2"):  # fsdp2 runs under the last two
+    cell = "STEPS = 16\n" + STEP_CELL
+    for strategy, mesh in STEP_PLANS.items():
         name = "cell_" + re.sub(r"\W", "_", strategy)
         run = ip.run_cell_magic("dist_train", f"--strategy {strategy} --nproc 2 --name {name} --timeout 300 "
                                 "--no-dashboard", cell)  # fmt: skip
@@ -141,12 +226,12 @@ def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> N
         assert run.exit_codes == {0: 0, 1: 0}, strategy
         losses = [r["loss"] for r in run.records("step") if r["rank"] == 0]
         assert losses and losses[-1] < losses[0], (strategy, losses)
-        assert "final loss" in run.logs(0), strategy
+        assert f"mesh {mesh}" in run.logs(0), (strategy, run.logs(0)[-2000:])
         assert descendants_gone(run)
 
 
 @pytest.mark.slow
-def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(tmp_path: Path) -> None:
+def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(launches: Launches) -> None:
     """Under pp2 x dp2 with 1F1B over 4 micro-batches: the worst stage's parameters, gradients and AdamW states equal
     the planner's per-GPU figures to the byte (the other stage holds less), and the first stage holds the planned
     number of micro-batches in flight (min(pp, micro-batches) = 2; counted from forwards whose backward has not run)."""
@@ -155,14 +240,13 @@ def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(tmp_path: P
     from jupyter_dist.models import Transformer
     from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 
-    run(tmp_path / "out.pt", "ref", 4, JD_STRATEGY="fsdp2", JD_PP="2", JD_MICROBATCHES="4", JD_PP_SCHEDULE="1f1b",
-        EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2", EQ_LAYERS="4")  # fmt: skip
+    launches["memory"]
     spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
     shape = TrainingShape(micro_batch=1, seq_len=16, precision="fp32", grad_accum=4)
     p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=4), shape, strategy="fsdp2", pp=2)
     cand = p.candidate("fsdp2+pp2")
     want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
-    got = [json.loads((tmp_path / f"out.pt.rank{r}.json").read_text()) for r in range(4)]
+    got = [json.loads(Path(f"{launches.path('memory')}.rank{r}.json").read_text()) for r in range(4)]
     worst = max(got, key=lambda g: g["params"])
     assert {k: worst[k] for k in want} == want, (got, want)
     assert all(g[k] <= want[k] for g in got for k in want)

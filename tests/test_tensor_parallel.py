@@ -57,6 +57,57 @@ def assert_equal_math(ref: dict, got: dict, *, elementwise: bool = True) -> None
         assert err <= RTOL, f"{name}: relative error {err:.2e} > {RTOL:.0e} under mesh {got['mesh']}"
 
 
+class Launches:
+    """Equal-math configurations of one test module, run in one torchrun launch per world size.
+
+    ``Launches(where, {name: (processes, model, env)})``; ``launches[name]`` is that configuration's result (what
+    :func:`run` returns), launching its world size's group on first use: the worker trains the group's
+    configurations in sequence (``parallel_train.py --many``), each from a fresh runtime with its own mesh, so the
+    start of N processes (interpreters, imports, the process group) is paid once per world size, not per
+    configuration. Configurations keep their order (a checkpoint's save runs before its resumes); every assertion
+    stays in its own test.
+    """
+
+    def __init__(self, where: Path, configs: dict[str, tuple[int, str, dict[str, str]]],
+                 per_config_s: float = 120) -> None:  # fmt: skip
+        self.where, self.configs, self.per_config_s = where, configs, per_config_s
+        self.results: dict[str, dict] = {}
+        self.failed: dict[int, str] = {}
+        self.stdout: dict[int, str] = {}
+        """Each launch's output (every configuration of that world size), by world size."""
+
+    def path(self, name: str) -> Path:
+        """Where ``name``'s result is saved (memory measurements sit beside it, ``.rank<r>.json``)."""
+        return self.where / f"{name}.pt"
+
+    def __getitem__(self, name: str) -> dict:
+        nproc = self.configs[name][0]
+        if name not in self.results:
+            if nproc in self.failed:
+                pytest.fail(self.failed[nproc])
+            self._launch(nproc)
+        return self.results[name]
+
+    def _launch(self, nproc: int) -> None:
+        group = {n: c for n, c in self.configs.items() if c[0] == nproc}
+        spec = [{"out": str(self.path(n)), "model": model, "env": env} for n, (_, model, env) in group.items()]
+        spec_path = self.where / f"configs-{nproc}.json"
+        spec_path.write_text(json.dumps(spec))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                str(SCRIPT), "--many", str(spec_path)]  # fmt: skip
+        try:
+            proc = run_bounded(argv, clean_env(), 60 + self.per_config_s * len(group), cwd=self.where)
+        except BaseException as e:
+            self.failed[nproc] = f"the {nproc}-process launch of {list(group)}: {e}"
+            raise
+        self.stdout[nproc] = proc.stdout
+        if proc.returncode != 0:
+            self.failed[nproc] = f"the {nproc}-process launch of {list(group)} failed:\n{proc.stdout[-6000:]}"
+            pytest.fail(self.failed[nproc])
+        for n in group:
+            self.results[n] = torch.load(self.path(n), weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
     """The single-process reference of every model, with SGD and with AdamW."""
@@ -82,31 +133,55 @@ EXPECTED_MESH = {
 }  # fmt: skip
 
 
+MEMORY_CONFIGS = ("dp2xtp2-sp-ac", "hsdp2xtp2-sp-sac")
+CKPT_RESUMES = {"dp4": {}, "dp2xtp2": {"JD_TP": "2"}}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    """Every multi-process run of this module: one launch of 2 processes, one of 4."""
+    where = tmp_path_factory.mktemp("launches")
+    configs: dict[str, tuple[int, str, dict[str, str]]] = {}
+    for model in MODELS:
+        for config, (nproc, degrees) in CONFIGS.items():
+            configs[f"{model}-{config}"] = (nproc, model, {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", **degrees})
+        configs[f"{model}-adamw"] = (4, model, {"JD_STRATEGY": "fsdp2", "JD_TP": "2", "JD_SP": "1", "EQ_OPT": "adamw"})
+    configs["bad-data"] = (2, "ref", {"JD_STRATEGY": "fsdp2", "JD_TP": "2", "EQ_OPT": "sgd", "EQ_BAD_DATA": "1"})
+    for config in MEMORY_CONFIGS:
+        nproc, degrees = CONFIGS[config]
+        configs[f"memory-{config}"] = (nproc, "ref", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
+                                                      "EQ_STEPS": "2", **degrees})  # fmt: skip
+    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
+    configs["ckpt-full"] = (4, "ref", {"JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
+    for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
+        configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    return Launches(where, configs)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("model", MODELS)
-def test_parallel_run_equals_single_process(model: str, config: str, single: dict, tmp_path: Path) -> None:
-    nproc, degrees = CONFIGS[config]
-    got = run(tmp_path / "out.pt", model, nproc, JD_STRATEGY="fsdp2", EQ_OPT="sgd", **degrees)
+def test_parallel_run_equals_single_process(model: str, config: str, single: dict, launches: Launches) -> None:
+    got = launches[f"{model}-{config}"]
     assert got["mesh"] == EXPECTED_MESH[config]
     assert_equal_math(single[(model, "sgd")], got)
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_adamw_under_dp2_tp2_sp_equals_single_process(model: str, single: dict, tmp_path: Path) -> None:
-    got = run(tmp_path / "out.pt", model, 4, JD_STRATEGY="fsdp2", JD_TP="2", JD_SP="1", EQ_OPT="adamw")
+def test_adamw_under_dp2_tp2_sp_equals_single_process(model: str, single: dict, launches: Launches) -> None:
+    got = launches[f"{model}-adamw"]
     assert_equal_math(single[(model, "adamw")], got, elementwise=False)
 
 
-def test_the_check_catches_tp_ranks_loading_different_batches(single: dict, tmp_path: Path) -> None:
+def test_the_check_catches_tp_ranks_loading_different_batches(single: dict, launches: Launches) -> None:
     """The check can fail: the classic mistake of sharding data by global rank (each tensor-parallel rank sees a
     different batch) runs without an error, but its math differs from the single process."""
-    got = run(tmp_path / "out.pt", "ref", 2, JD_STRATEGY="fsdp2", JD_TP="2", EQ_OPT="sgd", EQ_BAD_DATA="1")
+    got = launches["bad-data"]
     with pytest.raises(AssertionError):
         assert_equal_math(single[("ref", "sgd")], got)
 
 
-@pytest.mark.parametrize("config", ["dp2xtp2-sp-ac", "hsdp2xtp2-sp-sac"])
-def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", MEMORY_CONFIGS)
+def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, launches: Launches) -> None:
     """Parameters, gradients and AdamW states each rank holds equal the planner's per-rank figures exactly."""
     import json
 
@@ -114,8 +189,8 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path
     from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 
     nproc, degrees = CONFIGS[config]
-    run(tmp_path / "out.pt", "ref", nproc, JD_STRATEGY="fsdp2", EQ_OPT="adamw", EQ_MEASURE="1", EQ_STEPS="2",
-        **degrees)  # fmt: skip
+    launches[f"memory-{config}"]
+    out = launches.path(f"memory-{config}")
     spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
     hybrid = "JD_DP_REPLICATE" in degrees
     # HSDP: 2 "nodes" of 2 processes, sharded inside a node (one dp rank there, with tp2), replicated across
@@ -124,7 +199,7 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, tmp_path: Path
              strategy="fsdp2-hybrid" if hybrid else "fsdp2", tp=2)  # fmt: skip
     cand = p.candidate(("fsdp2-hybrid" if hybrid else "fsdp2") + "+tp2+sp")
     for rank in range(nproc):
-        got = json.loads((tmp_path / f"out.pt.rank{rank}.json").read_text())
+        got = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
         assert got == want, (rank, got, want)
 
@@ -150,15 +225,13 @@ def test_pretrained_hf_checkpoint_loads_sharded_from_meta_with_the_same_logits(t
     torch.testing.assert_close(got["logits"], want, rtol=RTOL, atol=1e-6)
 
 
-def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(tmp_path: Path) -> None:
+def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(launches: Launches) -> None:
     """DCP checkpoints reshard: saved at step 4 under dp2 x tp2 + sp, resumed under dp4 (no tp) and under dp2 x tp2;
     the next 5 losses equal the uninterrupted run's."""
-    ckpt = tmp_path / "ckpt"
-    common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(ckpt)}
-    full = run(tmp_path / "full.pt", "ref", 4, JD_TP="2", JD_SP="1", EQ_SAVE_AT="4", **common)
-    assert (ckpt / "step-4" / "COMPLETE").exists()
-    for name, degrees in {"dp4": {}, "dp2xtp2": {"JD_TP": "2"}}.items():
-        resumed = run(tmp_path / f"{name}.pt", "ref", 4, EQ_RESUME="1", **degrees, **common)
+    full = launches["ckpt-full"]
+    assert (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    for name in CKPT_RESUMES:
+        resumed = launches[f"ckpt-{name}"]
         assert resumed["first"] == 5, name
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip

@@ -122,7 +122,8 @@ def _start_run(
         if not key.replace("_", "a").isalnum() or key[0].isdigit():
             raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
     files: dict[str, str] = {}
-    if strat.startswith("zero"):
+    d = choice.dims
+    if strat.startswith("zero") and max(d.tp, d.pp, d.cp, d.ep) == 1:  # zero1 with tp/pp/cp/ep runs as FSDP2
         from ..render.common import RenderOptions
         from ..render.deepspeed import render_deepspeed_json
 

@@ -29,20 +29,24 @@ MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
 """The model-parallel degrees a candidate name can carry, in the order the planner prints them (then ``sp``)."""
 
 RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
-    "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
-           "tensor parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --tp 1"),
-    "pp": (frozenset({"fsdp2", "fsdp2-hybrid", "none"}),
-           "pipeline parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --pp 1"),
-    "cp": (frozenset({"fsdp2", "fsdp2-hybrid"}),
-           "context parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate (model states are "
+    "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1", "none"}),
+           "tensor parallelism with {base} ({deg}) cannot run (torch's DDP cannot take DTensors); run the "
+           "fsdp2+{deg} or zero1+{deg} candidate or pass --tp 1"),
+    "pp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1", "none"}),
+           "pipeline parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} or zero1+{deg} candidate or "
+           "pass --pp 1"),
+    "cp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1"}),
+           "context parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} candidate (model states are "
            "sharded over dp x cp) or pass --cp 1"),
-    "ep": (frozenset({"fsdp2", "fsdp2-hybrid"}),
-           "expert parallelism with {base} ({deg}) cannot run yet; run the fsdp2+{deg} candidate or pass --ep 1"),
+    "ep": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1"}),
+           "expert parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} candidate or pass --ep 1"),
 }  # fmt: skip
 """What the workers can run today: model-parallel dim -> (base strategies it runs with, the refusal).
 
 The one table to flip when the worker learns a composition (``"none"`` is a plain single-mesh run). Data-parallel
-names alone always run; ``sp`` runs wherever its ``tp`` does."""
+names alone always run; ``sp`` runs wherever its ``tp`` does. ``zero1`` with model parallelism runs as FSDP2 with
+``reshard_after_forward=False`` (optimizer states and gradients sharded, parameters kept from forward to backward;
+the planner's memory for it is that layout's)."""
 
 
 def composable_strategies() -> list[str]:

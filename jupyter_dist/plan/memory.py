@@ -30,7 +30,7 @@ from typing import Any
 from .hardware import Hardware
 from .model import ModelSpec
 from .parallel import ParallelDims
-from .strategies import StrategySpec
+from .strategies import StrategySpec, runs_as
 from .training import Checkpointing, OptimizerKind, Precision, TrainingShape
 from .units import GiB, MiB
 
@@ -594,6 +594,7 @@ def estimate_memory(
     layout: ActivationLayout = HF_LAYOUT,
 ) -> MemoryBreakdown:
     """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank); ``layout``: see :class:`ActivationLayout`."""
+    strategy = runs_as(strategy, model_parallel=not dims.is_data_parallel_only)  # zero1+tp/pp/cp/ep: FSDP2's
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
     if strategy.family == "deepspeed" and training.precision is Precision.FP32 and strategy.shard_optimizer:
         # ZeRO-1/2/3 clone their optimizer partition into fp32 master weights even when the model is already fp32

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import PlanInputError
 from .units import close_match_hint
 
-__all__ = ["FSDP1_SHARDING", "StrategySpec", "STRATEGIES", "get_strategy", "strategy_names"]
+__all__ = ["FSDP1_SHARDING", "StrategySpec", "STRATEGIES", "get_strategy", "runs_as", "strategy_names"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +92,19 @@ STRATEGIES: dict[str, StrategySpec] = {
 
 FSDP1_SHARDING: dict[str, str] = {s.name: s.fsdp1_sharding for s in STRATEGIES.values() if s.family == "fsdp"}
 """FSDP1 strategy name -> member of ``torch.distributed.fsdp.ShardingStrategy`` (from :data:`STRATEGIES`)."""
+
+
+def runs_as(spec: StrategySpec, *, model_parallel: bool) -> StrategySpec:
+    """The layout a worker runs for ``spec`` (what the memory model must count).
+
+    ``zero1`` with tensor/pipeline/context/expert parallelism runs as FSDP2 with ``reshard_after_forward=False``
+    over the data-parallel dims (DeepSpeed's engine cannot take DTensors): optimizer states and gradients sharded,
+    parameters sharded at rest and gathered once per step, kept from forward to backward -- SHARD_GRAD_OP's memory,
+    at most ZeRO-1's, with the same all-gather + reduce-scatter volume as ZeRO-1's all-reduce.
+    """
+    if spec.name == "zero1" and model_parallel:
+        return replace(spec, family="fsdp2", shard_grads=True, keeps_gathered_params=True)
+    return spec
 
 
 def strategy_names() -> list[str]:

@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 __all__ = [
-    "SEQ_DIM", "check_context_parallel", "apply_context_parallel", "fsdp_mesh", "head_tail_order", "shard",
-    "unshard", "local_positions",
+    "SEQ_DIM", "check_context_parallel", "apply_context_parallel", "positions_hook", "fsdp_mesh", "head_tail_order",
+    "shard", "unshard", "local_positions",
 ]  # fmt: skip
 
 SEQ_DIM = 2
@@ -164,9 +164,19 @@ def apply_context_parallel(model: torch.nn.Module, mesh: Any, device_type: str) 
     for core in cores:
         style._apply(core, cp_mesh)
     enable_dispatcher(device_type)
+    model.register_forward_pre_hook(positions_hook(cp_mesh), with_kwargs=True)
+    return len(cores)
+
+
+def positions_hook(cp_mesh: DeviceMesh) -> Any:
+    """A forward pre-hook passing ``positions=`` (this rank's places in the whole sequence) to a model or stage.
+
+    Registered on the model, and under pipeline parallelism on each stage (a stage's input is its hidden states,
+    whose dim 1 is this rank's part of the sequence as the tokens' is).
+    """
     cache: dict[tuple[int, str], torch.Tensor] = {}
 
-    def positions_hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if "positions" in kwargs or len(args) != 1 or args[0].dim() < 2:
             return None
         local = int(args[0].shape[1])
@@ -175,8 +185,7 @@ def apply_context_parallel(model: torch.nn.Module, mesh: Any, device_type: str) 
             cache[key] = local_positions(cp_mesh, local * cp_mesh.size(), args[0].device)
         return args, {**kwargs, "positions": cache[key]}
 
-    model.register_forward_pre_hook(positions_hook, with_kwargs=True)
-    return len(cores)
+    return hook
 
 
 def fsdp_mesh(mesh: Any) -> DeviceMesh:

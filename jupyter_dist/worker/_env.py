@@ -286,8 +286,29 @@ class WorkerEnv:
 
     @property
     def family(self) -> str:
-        """``"none"``, ``"ddp"``, ``"fsdp"`` (FSDP1 wrapper), ``"fsdp2"`` or ``"deepspeed"``."""
+        """``"none"``, ``"ddp"``, ``"fsdp"`` (FSDP1 wrapper), ``"fsdp2"`` or ``"deepspeed"``.
+
+        ``zero1`` with model parallelism is ``"fsdp2"`` (see :attr:`reshard_after_forward`): DeepSpeed's engine
+        cannot take DTensors, and FSDP2 without resharding after forward keeps ZeRO-1's promise.
+        """
+        if self.zero1_as_fsdp2:
+            return "fsdp2"
         return "none" if self.strategy == "none" else get_strategy(self.strategy).family
+
+    @property
+    def zero1_as_fsdp2(self) -> bool:
+        """``zero1`` with tp/pp/cp/ep: run as FSDP2 with ``reshard_after_forward=False`` over the data-parallel dims.
+
+        Optimizer states and gradients sharded, parameters gathered once per step and kept from forward to backward
+        (memory at most ZeRO-1's, which keeps them whole); an all-gather plus a reduce-scatter per step, the volume
+        of ZeRO-1's all-reduce (Megatron-LM's distributed optimizer, torchtitan's ``reshard_after_forward=False``).
+        """
+        return self.strategy == "zero1" and self.model_parallel
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP2 frees the gathered parameters after forward (all but ``zero1`` under model parallelism)."""
+        return not self.zero1_as_fsdp2
 
 
 ENV_VARS: dict[str, str] = {

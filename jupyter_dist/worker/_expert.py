@@ -247,7 +247,7 @@ def apply_expert_parallel(model: torch.nn.Module, mesh: Mesh, *, on_meta: bool) 
     return len(experts)
 
 
-def shard_experts(model: torch.nn.Module, mesh: Mesh, mp: Any) -> None:
+def shard_experts(model: torch.nn.Module, mesh: Mesh, mp: Any, *, reshard_after_forward: bool = True) -> None:
     """FSDP2 over the expert mesh for each experts module (before the blocks', which then skip their parameters)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -256,7 +256,7 @@ def shard_experts(model: torch.nn.Module, mesh: Mesh, mp: Any) -> None:
     assert mesh.expert is not None
     efsdp = mesh.expert["efsdp"].size()
     for _, m in find_experts(model):
-        fully_shard(m, mesh=emesh, mp_policy=mp)
+        fully_shard(m, mesh=emesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         m.set_gradient_divide_factor(float(dp))  # type: ignore[operator]
         if efsdp > 1:
             # a custom factor is a PREMUL_SUM reduce-scatter, which gloo lacks: sum, then divide. Not with one

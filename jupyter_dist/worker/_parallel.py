@@ -663,9 +663,11 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         plan, source = resolve_tp_plan(model, tp_plan, sequence_parallel=env.sp, tp=env.tp)
         check_tp_divisible(model, plan, env.tp)
     stage_plan = None
+    aux_total = 0
     if env.pp > 1:
-        from ._pipeline import prune
+        from ._pipeline import aux_layers, prune
 
+        aux_total = len(aux_layers(model))  # the whole model's MoE layers: the balance loss is their mean
         pp_rank = mesh["pp"].get_local_rank()
         stage_plan = prune(model, pp=env.pp, pp_rank=pp_rank, virtual=env.stages_per_rank)
     if env.precision == "bf16-true" and not on_meta:
@@ -701,14 +703,22 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             dp_mesh = fsdp_mesh(mesh)  # cp ranks shard model states with the dp ranks
         else:
             dp_mesh = mesh.dp_mesh
+        keep = {"reshard_after_forward": env.reshard_after_forward}
+        if env.zero1_as_fsdp2 and env.rank == 0:  # once, in rank 0's log (a notice: the default handler shows it)
+            _log.warning(
+                "jd.wrap: zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False over the "
+                "data-parallel dims (%s): optimizer states and gradients sharded, parameters kept from forward to "
+                "backward (at most ZeRO-1's memory; all-gather + reduce-scatter, the volume of its all-reduce)",
+                mesh.describe(),
+            )
         if env.ep > 1:
-            shard_experts(model, mesh, mp)
+            shard_experts(model, mesh, mp, **keep)
         for block in blocks:
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, **keep)
         for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)
-            fully_shard(view, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(view, mesh=dp_mesh, mp_policy=mp, **keep)
         if not views:
-            fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(model, mesh=dp_mesh, mp_policy=mp, **keep)
     if on_meta:
         materialize(model, device)
         if env.precision == "bf16-true":
@@ -722,7 +732,15 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     if views:
         from ._pipeline import Pipeline
 
-        pipeline = Pipeline(env, views, mesh["pp"].get_group(), device)
+        container = stage_plan.container if stage_plan is not None else "layers"
+        pipeline = Pipeline(env, views, mesh["pp"].get_group(), device, model=model, container=container,
+                            aux_total=aux_total)  # fmt: skip
+        if env.cp > 1:  # each stage's forward gets this rank's positions (after the balance-loss carry's pre-hook)
+            from ._context import positions_hook
+
+            hook = positions_hook(mesh["cp"])
+            for stage in pipeline.stages:
+                stage.submod.register_forward_pre_hook(hook, with_kwargs=True)
         _refuse_direct_calls(model, env.pp)
     return model, optimizer, mesh, pipeline
 

@@ -11,6 +11,13 @@ on the mesh's ``pp`` dimension and a GPipe, 1F1B or interleaved-1F1B schedule ru
 
 A model can be pipelined when its blocks sit in an ``nn.ModuleDict`` keyed by their index and its ``forward`` skips
 parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does); other models get one line saying so.
+
+A mixture-of-experts model (:class:`jupyter_dist.models.MoETransformer`) adds its load-balancing loss, the mean over
+all its MoE layers, to the loss. Its layers sit on every stage, so the stages carry it: each stage sends on, with its
+hidden states, the sum of the balance losses of the layers it ran so far (one scalar), and on the last stage
+``model.aux_loss()`` returns that sum over the whole model's layer count. The loss function, unchanged, adds it; the
+schedule's backward sends the scalar's gradient back with the hidden states' and each layer's router gets the same
+gradient as in one process.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Pipeline", "StagePlan", "prune", "PIPELINE_NEEDS"]
+__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "PIPELINE_NEEDS"]
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -95,6 +102,13 @@ def _view(root: torch.nn.Module, container: str, keys: list[str], run_first: boo
     return view
 
 
+def aux_layers(module: torch.nn.Module) -> list[Any]:
+    """The mixture-of-experts layers (each keeps its last forward's load-balancing loss in ``.aux``) in ``module``."""
+    from ..models.moe import MoE
+
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
 class StagePlan:
     """Which stages and layers this rank keeps (from :func:`prune`)."""
 
@@ -146,10 +160,15 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
 class Pipeline:
     """The pipeline stages of a rank and the schedule that runs them (built on the first :meth:`step`)."""
 
-    def __init__(self, env: WorkerEnv, stages: list[tuple[int, Any]], pp_group: Any, device: torch.device) -> None:
+    def __init__(self, env: WorkerEnv, stages: list[tuple[int, Any]], pp_group: Any, device: torch.device, *,
+                 model: torch.nn.Module | None = None, container: str = "layers",
+                 aux_total: int = 0) -> None:  # fmt: skip
         from torch.distributed.pipelining import PipelineStage
 
         self.env = env
+        self._aux: dict[str, Any] = {}
+        if aux_total and model is not None:  # before PipelineStage: its shape inference runs the stages' forwards
+            self._carry_aux(model, stages, container, aux_total)
         self.n_stages = env.pp * env.stages_per_rank
         self.stages = [
             PipelineStage(view, index, self.n_stages, device, group=pp_group) for index, view in stages
@@ -160,6 +179,45 @@ class Pipeline:
         """This rank's stage indices and the blocks (by global index) each runs."""
         self._schedule: Any = None
         self._loss_fn: Any = None
+
+    def _carry_aux(self, model: torch.nn.Module, stages: list[tuple[int, Any]], container: str, total: int) -> None:
+        """Each stage passes on ``(hidden, balance-loss sum so far)``; the last one's sum is ``model.aux_loss()``."""
+        import torch
+
+        n_stages = self.env.pp * self.env.stages_per_rank
+        for index, view in stages:
+            layers = aux_layers(getattr(view, container))
+            first, last = index == 0, index == n_stages - 1
+
+            def pre(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool = first) -> Any:
+                if first:
+                    return None
+                *rest, carried = args
+                self._aux["carried"] = carried
+                return tuple(rest), kwargs
+
+            def post(_m: Any, _args: Any, out: Any, first: bool = first, last: bool = last,
+                     layers: list[Any] = layers) -> Any:  # fmt: skip
+                local = [m.aux.float() for m in layers if m.aux is not None]
+                carried = torch.zeros((), device=out.device) if first else self._aux.pop("carried")
+                running = carried + torch.stack(local).sum() if local else carried
+                if last:
+                    self._aux["loss"] = running / total
+                    return out
+                return out, running
+
+            view.register_forward_pre_hook(pre, with_kwargs=True)
+            view.register_forward_hook(post)
+
+        def aux_loss() -> torch.Tensor:
+            if "loss" not in self._aux:
+                raise WorkerError(
+                    "model.aux_loss() under pipeline parallelism is the last stage's: call it in the loss_fn given "
+                    "to jd.train_step"
+                )
+            return self._aux["loss"]
+
+        model.aux_loss = aux_loss  # type: ignore[method-assign]
 
     @property
     def is_first(self) -> bool:

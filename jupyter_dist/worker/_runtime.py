@@ -25,7 +25,7 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Runtime", "get_runtime", "on_import"]
+__all__ = ["Runtime", "fresh_runtime", "get_runtime", "on_import"]
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -430,15 +430,13 @@ class Runtime:
         if self.model is None:
             raise WorkerError("jd.train_step: call jd.wrap(model, optimizer) first")
         emitter = self.emitter
-        if self.env.cp > 1 and self.pipeline is not None:
-            raise WorkerError("jd.train_step: pipeline x context parallelism is not supported yet; drop pp or cp")
         if self.env.cp > 1:  # this rank's load-balanced chunks of the sequence
             inputs, targets = self.cp_shard((inputs, targets))
         if self.pipeline is not None:
             emitter.set_phase("forward")
             loss = self.pipeline.step(inputs, targets, loss_fn)
             self.step(None)
-            return loss
+            return self._cp_mean(loss)
         if self.is_engine:  # DeepSpeed accumulates itself: a backward and a step per micro-batch
             n = int(self.model.gradient_accumulation_steps())
         else:
@@ -468,8 +466,11 @@ class Runtime:
             self.step(None)
         else:
             emitter.set_phase("forward")
-        loss = total / n
-        if self.env.cp > 1 and self.mesh is not None:  # each cp rank's loss is its chunk's: the batch's is the mean
+        return self._cp_mean(total / n)
+
+    def _cp_mean(self, loss: Any) -> Any:
+        """Each cp rank's loss is its chunks': the batch's is the mean over the cp ranks (identity without cp)."""
+        if self.env.cp > 1 and self.mesh is not None:
             import torch.distributed as dist
 
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh["cp"].get_group())
@@ -749,6 +750,28 @@ def get_runtime() -> Runtime:
         if _RUNTIME is None:
             _RUNTIME = Runtime(WorkerEnv.from_environ())
         return _RUNTIME
+
+
+def fresh_runtime() -> Runtime:
+    """Replace the process's runtime by a new one built from ``os.environ``, keeping the process group.
+
+    For harnesses that train several ``JD_*`` configurations in sequence in one launch (the equal-math tests run all
+    configurations of one world size in one torchrun): the next ``jd.wrap`` builds its mesh from the new degrees.
+    The previous runtime drops its model, optimizer, mesh and pipeline; the one that created the process group stays
+    its owner (its exit hooks, if any, are unchanged). Returns the new runtime.
+    """
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        old = _RUNTIME
+        if old is not None:
+            old.model = old.optimizer = old.mesh = old.pipeline = None
+            _PREVIOUS.append(old)
+        _RUNTIME = Runtime(WorkerEnv.from_environ())
+        return _RUNTIME
+
+
+_PREVIOUS: list[Runtime] = []
+"""Runtimes replaced by :func:`fresh_runtime` (the first owns the process group; kept alive for its exit hooks)."""
 
 
 def on_import() -> None:

@@ -2,7 +2,10 @@
 the final full parameters (gathered) from rank 0.
 
 Run whole (``python parallel_train.py OUT MODEL``, one process, no jd strategy) for the reference, or under
-``torchrun --nproc-per-node N`` with ``JD_STRATEGY=fsdp2 JD_TP=2 JD_SP=1 ...`` for a parallel run. Every run sees the
+``torchrun --nproc-per-node N`` with ``JD_STRATEGY=fsdp2 JD_TP=2 JD_SP=1 ...`` for a parallel run, or
+``parallel_train.py --many SPEC.json`` under torchrun: several configurations (``[{"out", "model", "env"}]``, each
+``env`` on top of the launch's) trained in sequence in one launch, each from a fresh runtime (its own mesh) on the
+same process group -- what the tests do to pay torchrun's start once per world size. Every run sees the
 same global batch each step: rank ``r`` takes the ``jd.dp_rank``-th of ``jd.dp_size`` equal slices. Adding a model
 to the equal-math tests = adding a builder to ``MODELS``.
 
@@ -140,7 +143,32 @@ def clean(name: str) -> str:
 
 
 def main() -> None:
-    out_path, kind = sys.argv[1], sys.argv[2]
+    if sys.argv[1] == "--many":
+        return main_many(sys.argv[2])
+    train(sys.argv[1], sys.argv[2])
+
+
+def main_many(spec_path: str) -> None:
+    """Each configuration of the spec in turn: the launch's environment plus its own, a fresh runtime, train."""
+    from jupyter_dist.worker._runtime import fresh_runtime
+
+    with open(spec_path) as f:
+        configs = json.load(f)
+    base = dict(os.environ)
+    for i, cfg in enumerate(configs):
+        os.environ.clear()
+        os.environ.update(base)
+        os.environ.update(cfg["env"])
+        if i:
+            fresh_runtime()
+        train(cfg["out"], cfg["model"])
+        if dist.is_initialized():
+            dist.barrier()
+        if jd.rank == 0:
+            print(f"EQ-CONFIG-DONE {cfg['out']}", flush=True)
+
+
+def train(out_path: str, kind: str) -> None:
     steps = int(os.environ.get("EQ_STEPS", "10"))
     n, seq = int(os.environ.get("EQ_BATCH", "8")), int(os.environ.get("EQ_SEQ", "16"))
     torch.manual_seed(0)
@@ -197,7 +225,7 @@ def main() -> None:
     def loss_fn(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
-        if callable(getattr(model, "aux_loss", None)) and jd.pipeline is None:  # mixture of experts
+        if callable(getattr(model, "aux_loss", None)):  # mixture of experts (under pp: the stages carry it)
             loss = loss + AUX_COEF * model.aux_loss()
         return loss
 
