@@ -268,14 +268,14 @@ def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) 
     assert f"/ {0.05:.3g} s" in summary and "tokens/s" in summary
 
 
-def test_cuda_peaks_are_compared_without_the_context_and_fragmentation() -> None:
+def test_cuda_peaks_are_compared_without_the_context_and_the_allocator_reserve() -> None:
     from jupyter_dist.launch.measure import planned_peak
 
     c = plan("llama-2-7b", "h100-80gb").best
     assert c is not None
     mem = c.memory
     assert planned_peak(mem, "rss") == mem.total
-    assert planned_peak(mem, "cuda") == mem.total - mem.detail["cuda_context"] - mem.detail["fragmentation"]
+    assert planned_peak(mem, "cuda") == mem.total - mem.detail["cuda_context"] - mem.detail["allocator_reserve"]
 
 
 @pytest.mark.parametrize(

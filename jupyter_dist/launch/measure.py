@@ -92,12 +92,12 @@ def _dp_size(run: Any, world: int) -> int:
 def planned_peak(memory: Any, kind: str) -> int:
     """The plan's peak in the measurement's terms (bytes).
 
-    CUDA's ``peak_allocated`` sees neither the CUDA context nor the caching allocator's fragmentation, so those are
+    CUDA's ``peak_allocated`` sees neither the CUDA context nor the caching allocator's reserve, so those are
     taken off for ``"cuda"``; a process's RSS holds everything.
     """
     if kind != "cuda":
         return int(memory.total)
-    return int(memory.total - memory.detail.get("cuda_context", 0) - memory.detail.get("fragmentation", 0))
+    return int(memory.total - memory.detail.get("cuda_context", 0) - memory.detail.get("allocator_reserve", 0))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -214,6 +214,9 @@ def _runs_parser() -> MagicArgumentParser:
     p.add_argument("--tag", help="keep runs with this tag")
     p.add_argument("--status", help="keep runs with this status (running, succeeded, failed, ...)")
     p.add_argument("--table", action="store_true", help="show the HTML table, not the widget")
+    return p
+
+
 def _tune_parser() -> MagicArgumentParser:
     from ..cli import add_tune_arguments
 
