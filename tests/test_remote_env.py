@@ -165,7 +165,7 @@ def test_setup_installs_the_wheel_never_a_registry_name(tmp_path: Path) -> None:
     assert "cloudpickle==3.1.3" in text and "jupyter-dist" not in text.replace(f".jd/{wheel.name}", "").split("#")[0]
     for line in text.splitlines():
         assert not line.strip().startswith("pip install -U jupyter-dist")
-    assert "python3 -m pip install -q -r .jd/requirements.txt" in RemoteEnv(
+    assert "pip install -q --disable-pip-version-check -r .jd/requirements.txt" in RemoteEnv(
         wheel=wheel, pins=pins, requirements=".jd/requirements.txt").setup_script()  # fmt: skip
     image = RemoteEnv(wheel=wheel, pins=pins, image="docker:pytorch/pytorch").setup_script()
     assert "torch==" not in image and wheel.name in image

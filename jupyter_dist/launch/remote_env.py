@@ -281,13 +281,13 @@ class RemoteEnv:
 
         ``custom`` (``--setup``) replaces the pins; the wheel is always installed.
         """
-        py = shlex.quote(self.python)
+        pip = f"{shlex.quote(self.python)} -m pip install -q --disable-pip-version-check"  # no index request of its own
         lines = []
         if self.wheel is not None:
             whl = shlex.quote(f".jd/{self.wheel.name}")
             site = self.site or self.wheel.site
             lines.append(
-                f'{py} -m pip install -q --no-index --no-deps --upgrade --target "{site}" {whl}'
+                f'{pip} --no-index --no-deps --upgrade --target "{site}" {whl}'
                 "  # jupyter-dist: the kernel's own code, from the job's files (never a registry)"
             )
             if "$" in site:
@@ -295,14 +295,14 @@ class RemoteEnv:
         if custom is not None:
             lines += [custom] if custom.strip() else []
         elif self.requirements is not None:
-            lines.append(f"{py} -m pip install -q -r {shlex.quote(self.requirements)}  # your requirements file")
+            lines.append(f"{pip} -r {shlex.quote(self.requirements)}  # your requirements file")
         elif self.image is None:
             if self.torch_pin is not None:
                 index = TORCH_INDEX.format(variant=self.torch_variant)
-                lines.append(f"{py} -m pip install -q {shlex.quote(self.torch_pin)} --index-url {index}")
+                lines.append(f"{pip} {shlex.quote(self.torch_pin)} --index-url {index}")
             others = [f"{k}=={v}" for k, v in self.pins.items() if k != "torch"]
             if others:
-                lines.append(f"{py} -m pip install -q " + " ".join(shlex.quote(o) for o in others))
+                lines.append(f"{pip} " + " ".join(shlex.quote(o) for o in others))
         return lines
 
     def setup_script(self, custom: str | None = None) -> str:
