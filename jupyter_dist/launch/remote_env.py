@@ -286,10 +286,17 @@ class RemoteEnv:
         if self.wheel is not None:
             whl = shlex.quote(f".jd/{self.wheel.name}")
             site = self.site or self.wheel.site
-            lines.append(
-                f'{pip} --no-index --no-deps --upgrade --target "{site}" {whl}'
-                "  # jupyter-dist: the kernel's own code, from the job's files (never a registry)"
-            )
+            record = f"{site}/jupyter_dist-{self.wheel.version}.dist-info/RECORD"
+            # Nodes may share this folder (a SLURM home): each installs into its own temporary folder and renames it
+            # into place; rename is atomic, so the first one wins and the others drop theirs. The hash in the name
+            # means an existing folder already holds this exact code.
+            lines += [
+                f"if [ ! -f \"{record}\" ]; then  # jupyter-dist: the kernel's own code, from the job's files",
+                '  JD_TMP="$(mktemp -d "$PWD/.jd/tmp.XXXXXX")"',
+                f'  {pip} --no-index --no-deps --target "$JD_TMP" {whl}  # never a registry',
+                f'  mv -T "$JD_TMP" "{site}" 2>/dev/null || rm -rf "$JD_TMP"',
+                "fi",
+            ]
             if "$" in site:
                 lines.append(f'export JD_SITE="$PWD/{site}"')
         if custom is not None:
