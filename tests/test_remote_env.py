@@ -324,3 +324,23 @@ def test_dry_run_shows_the_price(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     dry = ip.run_cell_magic("dist_train", base + " --infra gcp", "pass\n")
     assert any(n.startswith("price unknown: SkyPilot's price list for gcp is not on this machine") for n in dry.notes)
     assert "# price unknown" in dry.to_text()
+
+
+def test_a_plain_script_on_a_log_stream_still_reports_its_exit(tmp_path: Path) -> None:
+    """SkyPilot: the Run learns exit codes from stream records; a script without jd gets one from the bootstrap."""
+    from jupyter_dist.launch.slurm import BOOTSTRAP_STUB
+    from jupyter_dist.telemetry.records import decode
+
+    (tmp_path / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB)
+    (tmp_path / "script.py").write_text("raise ValueError('bad input')\n")
+    env = {**os.environ, "JD_LOG_STREAM": "1", "JD_TELEMETRY_STDOUT": "1", "JD_RUN_DIR": str(tmp_path), "RANK": "1"}
+    res = subprocess.run([sys.executable, "jd_bootstrap.py", "script.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    assert res.returncode == 1
+    (rec,) = [r for r in map(decode, res.stdout.splitlines()) if r is not None]
+    assert (rec["kind"], rec["rank"], rec["status"], rec["error_type"], rec["error"]) == (
+        "exit", 1, "error", "ValueError", "bad input")  # fmt: skip
+    (tmp_path / "script.py").write_text("import jupyter_dist.worker as jd\n")  # jd writes its own exit record
+    res = subprocess.run([sys.executable, "jd_bootstrap.py", "script.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert [r["kind"] for r in map(decode, res.stdout.splitlines()) if r is not None].count("exit") == 1
