@@ -81,9 +81,17 @@ def test_the_wheel_installs_without_any_index_and_is_what_imports(tmp_path: Path
     (job / ".jd" / wheel.name).write_bytes(wheel.path.read_bytes())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PIP_INDEX_URL"] = "http://127.0.0.1:9/simple"  # any registry request would fail
-    res = subprocess.run(["bash", "-c", renv.setup_script().replace("python3", sys.executable)], cwd=job, env=env,
-                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    # two nodes sharing the folder (a SLURM home) install at once: both succeed, one folder results
+    script = renv.setup_script().replace("python3", sys.executable)
+    procs = [subprocess.Popen(["bash", "-c", script], cwd=job, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    assert sorted(p.name for p in (job / ".jd").iterdir()) == sorted([wheel.name, f"site-{wheel.digest}"])
+    again = subprocess.run(["bash", "-x", "-c", script], cwd=job, env=env, capture_output=True, text=True, timeout=60,
+                           check=True)  # fmt: skip
+    assert "pip install" not in again.stderr  # installed already: the hash in the folder's name says it is this code
     probe = (
         "import os, sys; sys.path.insert(0, os.path.abspath(os.environ['JD_SITE'])); import jupyter_dist; "
         "from importlib.metadata import version; print(jupyter_dist.__file__); print(version('jupyter-dist'))"
@@ -160,12 +168,12 @@ def test_setup_installs_the_wheel_never_a_registry_name(tmp_path: Path) -> None:
     pins = {"torch": "2.13.0+cpu", "cloudpickle": "3.1.3"}
     renv = RemoteEnv(wheel=wheel, pins=pins, torch_variant="cu128")
     text = renv.setup_script()
-    assert f'--no-index --no-deps --upgrade --target "{wheel.site}" .jd/{wheel.name}' in text
+    assert f'--no-index --no-deps --target "$JD_TMP" .jd/{wheel.name}' in text and f'"{wheel.site}"' in text
     assert "torch==2.13.0+cu128 --index-url https://download.pytorch.org/whl/cu128" in text
     assert "cloudpickle==3.1.3" in text and "jupyter-dist" not in text.replace(f".jd/{wheel.name}", "").split("#")[0]
     for line in text.splitlines():
         assert not line.strip().startswith("pip install -U jupyter-dist")
-    assert "python3 -m pip install -q -r .jd/requirements.txt" in RemoteEnv(
+    assert "pip install -q --disable-pip-version-check -r .jd/requirements.txt" in RemoteEnv(
         wheel=wheel, pins=pins, requirements=".jd/requirements.txt").setup_script()  # fmt: skip
     image = RemoteEnv(wheel=wheel, pins=pins, image="docker:pytorch/pytorch").setup_script()
     assert "torch==" not in image and wheel.name in image
@@ -316,3 +324,23 @@ def test_dry_run_shows_the_price(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     dry = ip.run_cell_magic("dist_train", base + " --infra gcp", "pass\n")
     assert any(n.startswith("price unknown: SkyPilot's price list for gcp is not on this machine") for n in dry.notes)
     assert "# price unknown" in dry.to_text()
+
+
+def test_a_plain_script_on_a_log_stream_still_reports_its_exit(tmp_path: Path) -> None:
+    """SkyPilot: the Run learns exit codes from stream records; a script without jd gets one from the bootstrap."""
+    from jupyter_dist.launch.slurm import BOOTSTRAP_STUB
+    from jupyter_dist.telemetry.records import decode
+
+    (tmp_path / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB)
+    (tmp_path / "script.py").write_text("raise ValueError('bad input')\n")
+    env = {**os.environ, "JD_LOG_STREAM": "1", "JD_TELEMETRY_STDOUT": "1", "JD_RUN_DIR": str(tmp_path), "RANK": "1"}
+    res = subprocess.run([sys.executable, "jd_bootstrap.py", "script.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    assert res.returncode == 1
+    (rec,) = [r for r in map(decode, res.stdout.splitlines()) if r is not None]
+    assert (rec["kind"], rec["rank"], rec["status"], rec["error_type"], rec["error"]) == (
+        "exit", 1, "error", "ValueError", "bad input")  # fmt: skip
+    (tmp_path / "script.py").write_text("import jupyter_dist.worker as jd\n")  # jd writes its own exit record
+    res = subprocess.run([sys.executable, "jd_bootstrap.py", "script.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    assert [r["kind"] for r in map(decode, res.stdout.splitlines()) if r is not None].count("exit") == 1

@@ -91,6 +91,38 @@ def test_failing_plain_script_gets_the_same_diagnosis(ip: InteractiveShell, runs
     assert "ValueError: rank 1 gives up" in run.summary(), run.summary()
 
 
+JD_SCRIPT = """import argparse
+import torch
+import jupyter_dist.worker as jd
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=5)
+a = p.parse_args()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+model, opt = jd.wrap(model, opt)
+X = torch.randn(64, 4, generator=torch.Generator().manual_seed(jd.rank))
+y = X.sum(1, keepdim=True)
+for step in range(a.steps):
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    jd.backward(loss)
+    jd.step(opt)
+    jd.log(step, loss=loss)
+"""
+
+
+@pytest.mark.slow
+def test_script_using_jd_feeds_the_same_metrics(ip: InteractiveShell, runs: Path, tmp_path: Path) -> None:
+    script = tmp_path / "jd_train.py"
+    script.write_text(JD_SCRIPT)
+    run = ip.run_line_magic("dist_train", f"--nproc 2 --strategy ddp --telemetry-interval 0 --script {script} "
+                                          "--steps 6")  # fmt: skip
+    assert run.wait(180) == "succeeded", run.summary() + run.logs(0)
+    frame = run.metrics()
+    assert set(frame["rank"]) == {0, 1} and len(frame) == 12 and frame["step"].max() == 5
+    assert {r["strategy"] for r in run.records("start")} == {"ddp"}
+
+
 def test_script_magic_errors_are_one_line(ip: InteractiveShell, runs: Path, plain: Path) -> None:
     from IPython.core.error import UsageError
 

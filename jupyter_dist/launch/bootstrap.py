@@ -173,7 +173,30 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "logs" / f"rank-{rank}.exit.json").write_text(json.dumps(record))
     except OSError:
         pass
+    _stream_exit(rank, code, error)
     return code
+
+
+def _stream_exit(rank: int, code: int, error: str | None) -> None:
+    """On a log-stream back-end (SkyPilot), print the ``exit`` record a script that never imported ``jd`` lacks.
+
+    After the sentinel, so the Run learns this rank's exit code as for any cell (plain torch.distributed scripts).
+    """
+    if os.environ.get("JD_TELEMETRY_STDOUT") != "1" or "jupyter_dist.worker" in sys.modules:
+        return
+    from ..telemetry.records import SENTINEL, encode, make_record
+
+    fields: dict[str, Any] = {"status": "ok" if code == 0 else "error"}
+    if error:
+        kind, _, message = error.partition(": ")
+        fields.update(error_type=kind, error=message)
+    elif code:
+        fields.update(error_type="SystemExit", error=str(code))
+    rec = make_record("exit", rank=rank, seq=int(time.time() * 1000), t=time.time(), **fields)
+    try:
+        print(SENTINEL + encode(rec), flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

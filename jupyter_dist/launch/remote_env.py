@@ -281,28 +281,35 @@ class RemoteEnv:
 
         ``custom`` (``--setup``) replaces the pins; the wheel is always installed.
         """
-        py = shlex.quote(self.python)
+        pip = f"{shlex.quote(self.python)} -m pip install -q --disable-pip-version-check"  # no index request of its own
         lines = []
         if self.wheel is not None:
             whl = shlex.quote(f".jd/{self.wheel.name}")
             site = self.site or self.wheel.site
-            lines.append(
-                f'{py} -m pip install -q --no-index --no-deps --upgrade --target "{site}" {whl}'
-                "  # jupyter-dist: the kernel's own code, from the job's files (never a registry)"
-            )
+            record = f"{site}/jupyter_dist-{self.wheel.version}.dist-info/RECORD"
+            # Nodes may share this folder (a SLURM home): each installs into its own temporary folder and renames it
+            # into place; rename is atomic, so the first one wins and the others drop theirs. The hash in the name
+            # means an existing folder already holds this exact code.
+            lines += [
+                f"if [ ! -f \"{record}\" ]; then  # jupyter-dist: the kernel's own code, from the job's files",
+                '  JD_TMP="$(mktemp -d "$PWD/.jd/tmp.XXXXXX")"',
+                f'  {pip} --no-index --no-deps --target "$JD_TMP" {whl}  # never a registry',
+                f'  mv -T "$JD_TMP" "{site}" 2>/dev/null || rm -rf "$JD_TMP"',
+                "fi",
+            ]
             if "$" in site:
                 lines.append(f'export JD_SITE="$PWD/{site}"')
         if custom is not None:
             lines += [custom] if custom.strip() else []
         elif self.requirements is not None:
-            lines.append(f"{py} -m pip install -q -r {shlex.quote(self.requirements)}  # your requirements file")
+            lines.append(f"{pip} -r {shlex.quote(self.requirements)}  # your requirements file")
         elif self.image is None:
             if self.torch_pin is not None:
                 index = TORCH_INDEX.format(variant=self.torch_variant)
-                lines.append(f"{py} -m pip install -q {shlex.quote(self.torch_pin)} --index-url {index}")
+                lines.append(f"{pip} {shlex.quote(self.torch_pin)} --index-url {index}")
             others = [f"{k}=={v}" for k, v in self.pins.items() if k != "torch"]
             if others:
-                lines.append(f"{py} -m pip install -q " + " ".join(shlex.quote(o) for o in others))
+                lines.append(f"{pip} " + " ".join(shlex.quote(o) for o in others))
         return lines
 
     def setup_script(self, custom: str | None = None) -> str:
