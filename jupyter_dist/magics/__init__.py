@@ -1,4 +1,4 @@
-"""The IPython magics, one module per family (see docs/architecture.md, "Magics").
+"""The IPython magics, one module per family (see docs/architecture.md, "Layers").
 
 * :mod:`.dist` — ``%%dist_train``, ``%dist_plan``, ``%dist_wizard``, ``%dist_check``, ``%dist_status``/``%dist_stop``
   and the extension's load/unload;

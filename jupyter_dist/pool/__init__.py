@@ -6,5 +6,5 @@
 * :mod:`.results` — what the pool returns and raises (``CellResult``, ``RankReport``, ``CellError``...);
 * :mod:`.channel` — the authenticated, length-prefixed control channel between them (127.0.0.1 only).
 
-The magics that drive it are in :mod:`jupyter_dist.magics.pool`. See docs/architecture.md, "Interactive pool".
+The magics that drive it are in :mod:`jupyter_dist.magics.pool`. See docs/architecture.md, "Layers".
 """

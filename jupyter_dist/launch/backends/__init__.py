@@ -6,5 +6,5 @@
 * :mod:`.cluster` — what SLURM and SkyPilot share: cluster options, the shipped cell, the remote launch contract;
 * :mod:`.stream` — the log and telemetry stream a remote back-end brings home into the run directory.
 
-See docs/architecture.md, "Back-ends", for how to add one.
+See docs/architecture.md, "Where to add things", for how to add one.
 """
