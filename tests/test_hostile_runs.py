@@ -22,6 +22,7 @@ from conftest import descendants_gone, run_processes, wait_until
 from IPython.core.interactiveshell import InteractiveShell
 
 import jupyter_dist.launch.run as run_mod
+import jupyter_dist.launch.watch as watch_mod
 import jupyter_dist.pool.kernel as pool_mod
 from jupyter_dist.pool.channel import NONCE_SIZE, Channel, recv_exact
 from jupyter_dist.pool.kernel import Pool
@@ -113,7 +114,7 @@ def test_os_exit_on_one_rank_while_the_other_waits_silently(
     ip: InteractiveShell, runs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0 blocks without a word (here: a long sleep): the run is stopped after the grace, not left to hang."""
-    monkeypatch.setattr(run_mod, "EARLY_EXIT_GRACE", 3.0)
+    monkeypatch.setattr(watch_mod, "EARLY_EXIT_GRACE", 3.0)
     run = _start(ip, "--nproc 2", OS_EXIT_CELL.replace("WAIT", "time.sleep(600)"))
     t0 = time.monotonic()
     assert run.wait(180) == "failed", run.summary()

@@ -7,8 +7,10 @@ A run on a cluster back-end (a :class:`~.base.RemoteLauncher`: SLURM, SkyPilot) 
 thread polls the scheduler, and the job's output stream is routed into the run directory (logs, telemetry records,
 exit codes) by a :class:`~.stream.LogRouter`, so records, metrics, logs and the dashboard work the same way.
 
-Planned split: the watching (the ``_watch*`` methods, early-exit and hang handling, ``kill_tree``/``kill_strays``)
-moves to a watcher module beside the handle; the handle keeps status, logs, metrics and display.
+What the background thread runs (the ``_watch*`` methods, early-exit and hang handling, the final settle,
+``kill_tree``/``kill_strays``) is in :mod:`.watch`; this module is the handle a user holds: status, logs, metrics,
+stop and display. One piece (about 600 lines): each method is one thing a user asks of a run, over the one state
+the watcher keeps.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import atexit
 import html
 import json
 import os
-import re
-import signal
 import subprocess
 import threading
 import time
@@ -27,104 +27,33 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from ..errors import JupyterDistError
 from ..telemetry.reader import read_run_records
 from .backends.local import LocalLauncher
 from .backends.stream import LogRouter
 from .base import RemoteLauncher
 from .rundir import RunDir
+from .watch import (  # re-exported: the states and kill_tree have always been importable from here
+    FAILED,
+    FINAL,
+    HUNG,
+    PENDING,
+    RUNNING,
+    STOPPED,
+    SUCCEEDED,
+    TIMED_OUT,
+    RunStatus,
+    RunWatching,
+    kill_strays,
+    kill_tree,
+)
 
 if TYPE_CHECKING:
     from ..telemetry.diagnose import Diagnosis
 
-__all__ = ["Run", "RunStatus", "open_run", "kill_tree"]
-
-PENDING, RUNNING, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-STOPPED, TIMED_OUT, HUNG = "stopped", "timed out", "hung"
-FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT, HUNG)
-REMOTE_FINAL = (SUCCEEDED, FAILED, STOPPED, TIMED_OUT)
-RunStatus = str
+__all__ = ["Run", "RunStatus", "open_run", "kill_tree", "kill_strays"]
 
 _LIVE: weakref.WeakSet[Run] = weakref.WeakSet()
-
-
-def kill_tree(pids: list[int], *, grace: float = 5.0) -> list[int]:
-    """SIGTERM the whole tree (launchers and ranks), then SIGKILL whatever is left after ``grace`` s.
-
-    The tree is collected before anything is signalled: torchrun starts ranks in sessions of their own, and a rank
-    whose launcher died is re-parented and could no longer be found.
-
-    Returns the PIDs that had to be killed with SIGKILL.
-    """
-    procs: dict[int, psutil.Process] = {}
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-        except psutil.NoSuchProcess:
-            continue
-        procs[pid] = root
-        try:
-            for child in root.children(recursive=True):
-                procs[child.pid] = child
-        except psutil.NoSuchProcess:
-            pass
-    for proc in procs.values():  # roots first (dict order), so launchers see their ranks end as a stop
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
-    killed = []
-    for p in alive:
-        try:
-            for child in p.children(recursive=True):
-                child.kill()
-            p.kill()
-            killed.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=2.0)
-    return killed
-
-
-EARLY_EXIT_GRACE = 60.0
-"""Seconds of silence (nothing printed) from the other ranks, after one rank left with ``os._exit(0)``, before the run
-is stopped: they are most likely waiting for it in a collective (a rank that prints goes on)."""
-
-
-def kill_strays(run_dir: str | os.PathLike[str], *, grace: float = 2.0) -> list[int]:
-    """End the processes a finished run left behind; returns their PIDs.
-
-    Every process of this user (but this one and its ancestors) whose environment carries the run's ``JD_RUN_DIR``:
-    e.g. a child a rank forked (even one that called setsid) and did not wait for. SIGTERM, then SIGKILL after
-    ``grace`` s.
-    """
-    target = os.fspath(run_dir)
-    mine = {os.getpid()} | {p.pid for p in psutil.Process().parents()}
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        if proc.pid in mine:
-            continue
-        try:
-            if proc.environ().get("JD_RUN_DIR") == target and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    for proc in found:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(found, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=2.0)
-    return [p.pid for p in found]
 
 
 def _tail_lines(path: Path, n: int, *, block: int = 1 << 16) -> str:
@@ -145,7 +74,7 @@ def _tail_lines(path: Path, n: int, *, block: int = 1 << 16) -> str:
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-n:])
 
 
-class Run:
+class Run(RunWatching):
     """A distributed job started from the notebook (or reopened from its run directory)."""
 
     def __init__(self, run_dir: RunDir, meta: dict[str, Any], *, procs: list[subprocess.Popen[bytes]] | None = None,
@@ -436,196 +365,6 @@ class Run:
             self._finalize()
         return self.status
 
-    def _pids(self) -> list[int]:
-        return [p.pid for p in self._procs] or [int(p) for p in self._meta.get("pids", [])]
-
-    def _alive(self) -> bool:
-        if self._procs:
-            return any(p.poll() is None for p in self._procs)
-        for pid in self._pids():
-            try:
-                proc = psutil.Process(pid)
-                same = proc.create_time() <= float(self._meta.get("started", 0)) + 5  # not a recycled PID
-                if proc.status() != psutil.STATUS_ZOMBIE and same:
-                    return True
-            except psutil.NoSuchProcess:
-                continue
-        return False
-
-    def _watch(self) -> None:
-        try:
-            self._watch_local()
-        except Exception as exc:  # never die silently (a run that never ends would hang wait()): fail with why
-            self._meta["error"] = f"the run's watcher failed: {type(exc).__name__}: {exc}"
-            if self._stop_reason is None:
-                self._stop_reason = FAILED
-            kill_tree(self._pids(), grace=2.0)
-        finally:
-            self._finalize()
-
-    def _early_exit(self) -> dict[str, Any] | None:
-        """A rank that left with ``os._exit(0)`` (the bootstrap marks it ``early``) while its peers still run."""
-        for r in range(self.world_size):
-            try:
-                rec = json.loads(self._rd.exit_file(r).read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(rec, dict) and rec.get("early") and rec.get("code") == 0:
-                return {"rank": r, **rec}
-        return None
-
-    def _output_size(self, *, skip: int) -> int:
-        """Bytes the ranks but ``skip`` have written to their logs so far (a sign of life)."""
-        total = 0
-        for r in range(self.world_size):
-            if r != skip:
-                try:
-                    total += self._rd.rank_log(r).stat().st_size
-                except OSError:
-                    pass
-        return total
-
-    def _early_reason(self, rec: dict[str, Any], waiting: list[int], stopped: bool) -> str:
-        where = f" at {rec['where']}" if rec.get("where") else ""
-        text = (f"rank {rec['rank']} ended with os._exit({rec.get('code')}){where} before the script finished (no "
-                "process-group teardown)")  # fmt: skip
-        if stopped:
-            return (f"{text} while rank(s) {', '.join(map(str, waiting)) or '-'} still ran; they printed nothing for "
-                    f"{EARLY_EXIT_GRACE:g} s (waiting for it in a collective?), so the run was stopped")  # fmt: skip
-        return f"{text}; the other ranks lost their peer"
-
-    def _on_early_exit(self, rec: dict[str, Any]) -> None:
-        """Stop a run one of whose ranks skipped its normal end: its peers would wait for it in the next collective."""
-        self._stop_reason = FAILED
-        waiting = [r for r, c in self.exit_codes.items() if c is None]
-        reason = self._early_reason(rec, waiting, stopped=True)
-        diagnosis = {"kind": "early_exit", "rank": rec["rank"], "code": rec.get("code"), "waiting": waiting,
-                     "where": rec.get("where"), "reason": reason, "t": time.time()}  # fmt: skip
-        self._meta["diagnosis"] = diagnosis
-        self._meta["reason"] = reason
-        try:
-            (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
-        except OSError:
-            pass
-        kill_tree(self._pids())
-
-    def _watch_local(self) -> None:
-        started = float(self._meta.get("started", time.time()))
-        hang_timeout = self._meta.get("hang_timeout")
-        tracker = reader = None
-        if hang_timeout:
-            from ..telemetry.health import HealthTracker
-            from ..telemetry.reader import TelemetryReader
-
-            tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
-        next_check = next_early = quiet_since = 0.0
-        last_output = -1
-        while self._alive():
-            if tracker is not None and reader is not None and self._stop_reason is None and time.time() >= next_check:
-                next_check = time.time() + 1.0
-                tracker.ingest(reader.poll())
-                report = tracker.hang(time.time(), float(hang_timeout))
-                if report is not None:
-                    self._on_hang(report, tracker)
-            if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
-                self._stop_reason = TIMED_OUT
-                threading.Thread(target=kill_tree, args=(self._pids(),), daemon=True).start()
-            if self._procs and any(p.poll() not in (None, 0) for p in self._procs) and self._stop_reason is None:
-                # one simulated node failed: end the others rather than wait for their rendezvous timeout
-                self._stop_reason = FAILED
-                kill_tree(self._pids())
-            if self._stop_reason is None and time.time() >= next_early:
-                next_early = time.time() + 1.0
-                early = self._early_exit()
-                if early is not None:  # stop once the other ranks have been silent for the grace (not while
-                    output = self._output_size(skip=int(early["rank"]))  # they print: they may be saving)
-                    if output != last_output:
-                        last_output, quiet_since = output, time.time()
-                    if time.time() - max(quiet_since, float(early.get("t", 0.0))) > EARLY_EXIT_GRACE:
-                        self._on_early_exit(early)
-            time.sleep(0.2)
-
-    def _watch_remote(self) -> None:
-        """Poll the scheduler until the job is final; its output goes through the router meanwhile."""
-        lau = self._launcher
-        assert isinstance(lau, RemoteLauncher)
-        started = float(self._meta.get("started", time.time()))
-        self.router = LogRouter(self._rd)
-        follower = None
-        state = "unknown"
-        unknown_since: float | None = None
-        saved_job = (self._meta.get("launcher") or {}).get("job_id")
-        try:
-            follower = lau.follow(self.router)
-            while True:
-                try:
-                    state = lau.poll()
-                except JupyterDistError as exc:  # the scheduler did not answer this time: try again
-                    self._meta["poll_error"] = str(exc)
-                    state = "unknown"
-                changed = self._meta.get("status") != state or saved_job != lau.job_id
-                if state in ("pending", "running") and changed and self._stop_reason is None:
-                    with self._lock:  # the job id goes into run.json as soon as it is known (reattach needs it)
-                        self._meta["status"] = state
-                        self._meta["launcher"] = lau.to_dict()
-                        self._rd.write_meta(self._meta)
-                    saved_job = lau.job_id
-                if state in REMOTE_FINAL:
-                    break
-                if state == "unknown":  # forgotten by the controller, no accounting: judge from the exit files
-                    unknown_since = unknown_since or time.time()
-                    codes = self.exit_codes
-                    if all(c is not None for c in codes.values()) or time.time() - unknown_since > lau.unknown_grace:
-                        state = SUCCEEDED if codes and all(c == 0 for c in codes.values()) else FAILED
-                        break
-                else:
-                    unknown_since = None
-                if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
-                    self._stop_reason = TIMED_OUT
-                    lau.cancel()
-                time.sleep(lau.poll_interval)
-        except Exception as exc:  # never die silently: the run is failed with the reason
-            self._meta["error"] = f"{type(exc).__name__}: {exc}"
-            state = FAILED
-        finally:
-            if follower is not None:
-                follower.finish(timeout=30.0)
-                if follower.error is not None:
-                    self._meta["stream_error"] = f"{type(follower.error).__name__}: {follower.error}"
-            self.router.close()
-        self._meta["job_state"] = state
-        self._finalize(remote_state=state)
-
-    def _on_hang(self, report: dict[str, Any], tracker: Any) -> None:
-        """Write ``diagnosis.json`` (who is behind, phases, collectives, every rank's thread stacks), then stop."""
-        self._stop_reason = HUNG
-        marks = {r: len(self.logs(r)) for r in range(self.world_size)}
-        for pid in tracker.pids.values():  # bootstrap registered faulthandler on SIGUSR1: stacks go to the log
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(1.5)
-        stacks = {str(r): self.logs(r)[marks[r] :][-6000:] for r in range(self.world_size)}
-        diagnosis = {"kind": "hang", **report, "where": self._script_lines(stacks), "stacks": stacks, "t": time.time()}
-        (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
-        self._meta["diagnosis"] = {k: v for k, v in diagnosis.items() if k != "stacks"}
-        kill_tree(self._pids())
-
-    def _script_lines(self, stacks: dict[str, str]) -> dict[str, str]:
-        """Per rank, the cell line its main thread was on (from faulthandler's "Current thread" block)."""
-        try:
-            source = self._rd.script.read_text().splitlines()
-        except OSError:
-            return {}
-        where = {}
-        for rank, text in stacks.items():
-            current = text.rsplit("Current thread", 1)[-1]
-            m = re.search(r'script\.py", line (\d+)', current)
-            if m and 0 < int(m.group(1)) <= len(source):
-                where[rank] = f"script.py:{m.group(1)}: {source[int(m.group(1)) - 1].strip()}"
-        return where
-
     def diagnosis(self) -> Diagnosis | None:
         """Why the run failed or hung, always a :class:`~jupyter_dist.telemetry.diagnose.Diagnosis` (or ``None``).
 
@@ -651,54 +390,6 @@ class Run:
                 times[r] = float(rec.get("t", 0.0))
         logs = {r: self.logs(r) for r in range(self.world_size)}
         return diagnose_ranks(logs, times or None, exit_codes=codes)
-
-    def _finalize(self, remote_state: str | None = None) -> None:
-        with self._lock:
-            if self.done:
-                return
-            try:
-                self._settle(remote_state)
-            finally:  # whatever happened above, the run is over: wait() and the dashboard must return
-                self._done.set()
-
-    def _settle(self, remote_state: str | None) -> None:
-        """Final status, exit codes and leftovers into ``run.json`` (kept in memory when it cannot be written)."""
-        if not self.remote:
-            strays = kill_strays(self.dir)
-            if strays:
-                self._meta["strays_killed"] = strays
-        codes = [p.poll() for p in self._procs]
-        rank_codes = self.exit_codes
-        if not self._meta.get("reason") and self._stop_reason != STOPPED and any(c for c in codes):
-            early = self._early_exit()  # a peer noticed the rank that left early and failed: say who began it
-            if early is not None:
-                self._meta["reason"] = self._early_reason(early, [], stopped=False)
-        if self._stop_reason in (STOPPED, TIMED_OUT, HUNG, FAILED):  # FAILED: a node or an early exit; the agents
-            status = self._stop_reason  # may still exit 0 on our SIGTERM
-        elif remote_state in REMOTE_FINAL:
-            status = str(remote_state)
-        elif self._procs:
-            status = SUCCEEDED if all(c == 0 for c in codes) else FAILED
-        else:  # reattached: judge from what the ranks recorded
-            status = SUCCEEDED if rank_codes and all(c == 0 for c in rank_codes.values()) else FAILED
-        self._meta.update(status=status, ended=time.time(), agent_exit_codes=codes,
-                          exit_codes={str(k): v for k, v in rank_codes.items()})  # fmt: skip
-        if isinstance(self._launcher, RemoteLauncher):
-            self._meta["launcher"] = self._launcher.to_dict()
-        if status == TIMED_OUT:
-            self._meta["timeout_report"] = {str(r): self.logs(r, tail=5) for r in range(self.world_size)}
-        try:
-            self._rd.write_meta(self._meta)
-        except OSError as exc:  # deleted or read-only run directory: the status lives on in this handle
-            why = "was deleted" if not self.dir.is_dir() else f"is not writable ({exc.strerror or exc})"
-            self._meta["meta_error"] = f"run.json not updated: the run directory {why}"
-            return
-        try:  # the runs table reads this small file instead of every telemetry line
-            from ..telemetry.summary import write_summary
-
-            write_summary(self.dir)
-        except OSError:
-            pass
 
     # ---- display --------------------------------------------------------------------------------------------
     def summary(self) -> str:
