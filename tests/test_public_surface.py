@@ -219,7 +219,7 @@ def test_precision_and_fsdp1_names_have_one_owner() -> None:
     assert list(PRECISIONS) == precision_names() == [p.value for p in Precision]
     assert torch_code.FSDP1_SHARDING is FSDP1_SHARDING
     assert set(FSDP1_SHARDING) == {s.name for s in STRATEGIES.values() if s.family == "fsdp"}
-    for src in ("jupyter_dist/cli.py", "jupyter_dist/ui/wizard.py", "jupyter_dist/render/torch_code.py",
+    for src in ("jupyter_dist/cli/flags.py", "jupyter_dist/ui/wizard.py", "jupyter_dist/render/torch_code.py",
                 "jupyter_dist/worker/_env.py"):  # fmt: skip
         text = (ROOT / src).read_text()
         assert '"bf16-mixed", "fp16-mixed"' not in text and "bf16-mixed, fp16-mixed, bf16-true" not in text, src

@@ -1,6 +1,6 @@
 """IPython magics: thin wrappers that parse a line, call the layers and display the result.
 
-``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli`).
+``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli.flags`).
 
 One piece (about 700 lines): :class:`DistMagics` is one IPython ``Magics`` class whose magics share its state (the
 last run that ``%dist_status``/``%dist_stop`` act on, the runs folder); the pool's magics (:mod:`.pool`) and the line
@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from ..cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
+from ..cli.flags import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
 from ..errors import JupyterDistError
 from .args import parse_magic_line
 
@@ -169,7 +169,7 @@ def _add_cluster_arguments(p: MagicArgumentParser) -> None:
 
 
 def _check_parser() -> MagicArgumentParser:
-    from ..cli import add_check_arguments
+    from ..cli.flags import add_check_arguments
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
         prog="%dist_check",
@@ -218,7 +218,7 @@ def _runs_parser() -> MagicArgumentParser:
 
 
 def _tune_parser() -> MagicArgumentParser:
-    from ..cli import add_tune_arguments
+    from ..cli.flags import add_tune_arguments
 
     p = MagicArgumentParser(  # type: ignore[no-untyped-call]
         prog="%dist_tune",
@@ -557,7 +557,7 @@ class DistMagics(Magics):
         args = self._parse(self.check_parser, line)
         if args is None:
             return None
-        from ..cli import check_from_args
+        from ..cli.flags import check_from_args
 
         plan = None
         if args.plan:
@@ -633,7 +633,7 @@ class DistMagics(Magics):
             print(self.tune_parser.format_help())
             return None
         args = self.tune_parser.parse_args(argv)
-        from ..cli import tune_from_args
+        from ..cli.flags import tune_from_args
 
         ns = self.shell.user_ns if self.shell is not None else {}
         plan = None
@@ -693,7 +693,7 @@ class DistMagics(Magics):
                     raise UsageError(f"--model-var {args.model_var}: no variable of that name in the notebook")
                 spec = ModelSpec.from_module(ns[args.model_var], name=args.model_var)
             elif args.module:
-                from ..cli import _load_module
+                from ..cli.flags import load_module as _load_module
 
                 spec = ModelSpec.from_module(_load_module(args.module))
             inputs = inputs_from_args(args, spec)

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from ..cli import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, float_arg, int_arg
+from ..cli.flags import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, float_arg, int_arg
 from ..errors import JupyterDistError
 from .args import parse_magic_line
 

@@ -1,30 +1,22 @@
-"""``jupyter-dist`` command line: mirrors the magics. ``plan`` today; ``--json`` prints one JSON object.
+"""The flags ``jupyter-dist`` shares with the magics, defined once.
 
-Exit codes: 0 success, 2 bad input (one line on stderr saying what is wrong and what is valid).
-
-Planned split: the flag groups of each command (plan, render, check, tune) and their ``*_from_args`` move into a
-``cli/`` package, one module per command, beside a small ``main``.
+Bounded number types, the plan, render, check and tune flag groups, and what they build (``plan_from_args``,
+``render_options_from_args``, ``check_from_args``, ``tune_from_args``). ``%dist_plan`` takes exactly the flags of
+``jupyter-dist plan``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any
 
-from .errors import JupyterDistError
+from ..errors import JupyterDistError
 
-__all__ = ["main", "build_parser", "plan_from_args"]
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+__all__ = ["MAX_LOCAL_NPROC", "MAX_SECONDS", "MAX_COUNT", "int_arg", "float_arg", "add_plan_arguments",
+           "add_render_arguments", "render_options_from_args", "plan_from_args", "add_check_arguments",
+           "check_from_args", "add_tune_arguments", "tune_from_args", "load_module"]  # fmt: skip
 
 
 MAX_LOCAL_NPROC = 512
@@ -131,7 +123,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--global-batch", type=int_arg(), help="sequences per optimizer step (sets grad-accum per candidate)"
     )
-    from .plan.training import precision_names
+    from ..plan.training import precision_names
 
     names = precision_names()
     tr.add_argument("--precision", default=names[0], help=f"{names[0]} (default), {', '.join(names[1:])}")
@@ -207,7 +199,7 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
 
 def render_options_from_args(args: argparse.Namespace) -> Any:
     """Turn parsed compile flags into :class:`~jupyter_dist.render.common.RenderOptions`."""
-    from .render.common import RenderOptions
+    from ..render.common import RenderOptions
 
     env = []
     for item in args.env:
@@ -229,7 +221,8 @@ def render_options_from_args(args: argparse.Namespace) -> Any:
     return RenderOptions(**kwargs)
 
 
-def _load_module(target: str) -> Any:
+def load_module(target: str) -> Any:
+    """The object a ``--module`` flag names (``MODULE:CALLABLE``, e.g. ``mypkg.model:GPT``)."""
     import importlib
 
     mod_name, _, attr = target.partition(":")
@@ -250,8 +243,8 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     """Turn parsed plan flags into a :class:`~jupyter_dist.plan.Plan` (raises JupyterDistError on bad input)."""
     from dataclasses import replace
 
-    from .plan import Assumptions, Hardware, ModelSpec, TrainingShape, get_accelerator, plan
-    from .plan.units import parse_bytes
+    from ..plan import Assumptions, Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+    from ..plan.units import parse_bytes
 
     sources = [n for n in ("model", "params", "hf_config", "module") if getattr(args, n)]
     if len(sources) > 1:
@@ -276,7 +269,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     elif args.hf_config:
         spec = ModelSpec.from_hf_config(args.hf_config)
     elif args.module:
-        spec = ModelSpec.from_module(_load_module(args.module))
+        spec = ModelSpec.from_module(load_module(args.module))
     elif overrides:
         missing = [f for f in ("layers", "hidden", "heads", "vocab") if f not in overrides]
         if missing:
@@ -314,79 +307,11 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         assume["min_headroom"] = args.min_headroom
     calibration = None
     if getattr(args, "calibration", True) and args.efficiency is None:  # --efficiency wins over a measurement
-        from .plan.calibration import load_calibration
+        from ..plan.calibration import load_calibration
 
         calibration = load_calibration(acc.name)
     return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                 sp=args.sp, assumptions=Assumptions(**assume), calibration=calibration)  # fmt: skip
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``jupyter-dist`` parser with its sub-commands."""
-    parser = _Parser(prog="jupyter-dist", description="Plan, compile, run and watch distributed PyTorch training.")
-    from ._version import __version__
-
-    parser.add_argument("--version", action="version", version=f"jupyter-dist {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    p = sub.add_parser("plan", help="which strategy, will it fit, how fast, and why",
-                       description="Per-GPU memory, step time and a recommendation for every strategy. Memory in "
-                                   "--json output is in bytes; the table is in GiB.")  # fmt: skip
-    add_plan_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object (memory in bytes)")
-    p.add_argument("--all", action="store_true", help="show every candidate in the table, not the first 12")
-    p.add_argument("--list-models", action="store_true", help="list model presets and exit")
-    p.add_argument("--list-gpus", action="store_true", help="list accelerators and interconnects and exit")
-    c = sub.add_parser("config", help="compile a plan into DeepSpeed JSON, code, commands, SkyPilot, SLURM ...",
-                       description="Plan (same flags as `plan`), then compile the recommendation (or --candidate) into "
-                                   "every artifact: train.py, ds_config.json, accelerate_config.yaml, launch.sh, "
-                                   "skypilot.yaml, job.sbatch, nccl.env, plan.json.")  # fmt: skip
-    add_plan_arguments(c)
-    add_render_arguments(c)
-    c.add_argument("--out", metavar="DIR", help="write every file into DIR")
-    c.add_argument("--show", metavar="FILE", help="print one file (e.g. ds_config.json) to stdout")
-    c.add_argument("--json", action="store_true", help="print one JSON object: files, commands (argv + env), notes")
-    d = sub.add_parser("demo", help="execute the quickstart notebook: plan, train on 2 CPU processes, watch, report",
-                       description="Write the quickstart notebook into RUNS_DIR/demo-<time>/, execute it on a "
-                                   "real kernel (wizard plan, %%%%dist_train on fresh torchrun processes, gloo on "
-                                   "CPU), print the ranks' progress, and leave the executed notebook, an offline HTML "
-                                   "report and the run's panels (dashboard.html).")  # fmt: skip
-    d.add_argument("--nproc", type=int_arg(1, MAX_LOCAL_NPROC), default=2, help="processes (default 2)")
-    d.add_argument("--strategy", default="auto", help="auto (the plan's choice; default), ddp, fsdp2, zero2 ...")
-    d.add_argument("--steps", type=int_arg(1, 10**7), help="optimizer steps (default 200; 300 with --terminal)")
-    d.add_argument("--runs-dir", default="runs", help="where the demo folder goes (default ./runs)")
-    d.add_argument("--terminal", action="store_true", help="no notebook: train and print progress only")
-    k = sub.add_parser("check", help="preflight: versions, correctness and collective bandwidth on fresh ranks",
-                       description="Run all-reduce, all-gather, reduce-scatter and broadcast over a range of message "
-                                   "sizes on the launcher a training run uses; report bus bandwidth the nccl-tests "
-                                   "way and a verdict (healthy / degraded / broken) with the evidence.")  # fmt: skip
-    add_check_arguments(k)
-    from .launch.scriptrun import add_launch_arguments
-
-    la = sub.add_parser("launch", help="run an existing training script on fresh ranks (local, SLURM, SkyPilot)",
-                        description="Run SCRIPT unmodified on every rank (plain torch.distributed or using jd), "
-                                    "follow it to the end and print its summary; exit 0 when it succeeded. "
-                                    "Everything after SCRIPT is the script's.")  # fmt: skip
-    add_launch_arguments(la)
-
-    s = sub.add_parser("log-to", help="forward a run's metrics to tensorboard, wandb, mlflow, trackio",
-                       description="Forward the step records of a run directory to metric sinks from this process (a "
-                                   "finished run at once; a running one until it ends), as %%%%dist_train --log-to "
-                                   "does from the notebook.")  # fmt: skip
-    s.add_argument("run_dir", metavar="RUN_DIR", help="a jupyter-dist run directory (with run.json)")
-    s.add_argument("sinks", metavar="SINKS", help="comma-separated: tensorboard, wandb, mlflow, trackio")
-    s.add_argument("--secret", action="append", default=[], metavar="NAME",
-                   help="an environment variable the sinks need (checked, read by name, never written)")  # fmt: skip
-
-    t = sub.add_parser("tune", help="measure the plan's top candidates on this hardware; save a calibration",
-                       description="Plan (same flags as `plan`), run the top candidates (and micro-batch sizes around "
-                                   "the planned one) for a few steps each on fresh torchrun processes, show predicted "
-                                   "against measured step time, tokens/s and peak memory per rank, and save a "
-                                   "calibration that later plans on this hardware use.")  # fmt: skip
-    add_plan_arguments(t)
-    add_tune_arguments(t)
-    t.add_argument("--script", metavar="FILE", help="the training script (default: the reference transformer)")
-    t.add_argument("--json", action="store_true", help="print one JSON object: trials, calibration, plan")
-    return parser
 
 
 def add_check_arguments(k: argparse.ArgumentParser) -> None:
@@ -415,8 +340,8 @@ def add_check_arguments(k: argparse.ArgumentParser) -> None:
 
 def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
     """Run the preflight described by parsed ``check`` flags; returns the :class:`CheckReport`."""
-    from .launch.check import parse_size, parse_sizes, run_check
-    from .plan.hardware import Hardware
+    from ..launch.check import parse_size, parse_sizes, run_check
+    from ..plan.hardware import Hardware
 
     if args.nproc is not None and args.nproc < 1:
         raise JupyterDistError(f"--nproc must be >= 1, got {args.nproc}")
@@ -440,7 +365,7 @@ def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
 # ---------------------------------------------------------------------------------------------------------------
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     """The tune flags; the plan flags (``add_plan_arguments``) say what is planned."""
-    from .launch.measure import WARMUP_STEPS
+    from ..launch.measure import WARMUP_STEPS
 
     g = p.add_argument_group("tune")
     g.add_argument("--top", type=int_arg(1, 32), default=3, help="measure the plan's N best fitting candidates (3)")
@@ -477,8 +402,8 @@ def tune_from_args(
     cluster: Any = None,
 ) -> Any:
     """Plan from the flags (unless ``plan`` is given), check the machine can run it, and tune."""
-    from .launch.session import local_gpu_count
-    from .launch.tune import tune
+    from ..launch.session import local_gpu_count
+    from ..launch.tune import tune
 
     if plan is None:
         plan = plan_from_args(args)
@@ -498,155 +423,3 @@ def tune_from_args(
     return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
                 backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
                 trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    if args.list_models:
-        from .plan import PRESETS
-        from .plan.units import fmt_count
-
-        for name, spec in PRESETS.items():
-            print(f"{name:16} {fmt_count(spec.params):>8}  ({spec.params:,} params)")
-        return 0
-    if args.list_gpus:
-        from .plan import ACCELERATORS, INTERCONNECTS
-        from .plan.units import fmt_gib
-
-        for acc in ACCELERATORS.values():
-            print(f"{acc.name:12} {acc.label:28} {fmt_gib(acc.memory_bytes):>10}  "
-                  f"{acc.peak_flops('bf16') / 1e12:7.0f} TFLOPS  {acc.intra_node_link}")  # fmt: skip
-        print()
-        for ic in INTERCONNECTS.values():
-            print(f"{ic.name:16} {ic.label}")
-        return 0
-    result = plan_from_args(args)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.to_text(limit=None if args.all else 12))
-    return 0
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    from .render.bundle import render_bundle
-
-    bundle = render_bundle(plan_from_args(args), render_options_from_args(args))
-    if args.show:
-        if args.show not in bundle.files:
-            raise JupyterDistError(f"no file {args.show!r} in this bundle; have: {', '.join(bundle.files)}")
-        sys.stdout.write(bundle.files[args.show])
-        return 0
-    if args.json:
-        print(json.dumps(bundle.to_dict(), indent=2))
-        return 0
-    print(bundle.to_text())
-    if args.out:
-        try:
-            paths = bundle.write_to(args.out)
-        except OSError as exc:
-            raise JupyterDistError(f"cannot write to {args.out}: {exc.strerror}") from None
-        print(f"wrote {len(paths)} files to {args.out}")
-    else:
-        print("(--out DIR writes them; --show FILE prints one)")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo, run_quickstart
-    from .launch.session import STRATEGY_CHOICES
-
-    steps = args.steps if args.steps is not None else (300 if args.terminal else 200)
-    if args.nproc < 1 or steps < 1:
-        raise JupyterDistError(f"--nproc and --steps must be >= 1, got {args.nproc} and {steps}")
-    if args.strategy not in STRATEGY_CHOICES:
-        raise JupyterDistError(f"--strategy {args.strategy!r} is not one of {', '.join(STRATEGY_CHOICES)}")
-    if args.terminal:
-        run = run_demo(nproc=args.nproc, strategy=args.strategy, steps=steps, runs_dir=args.runs_dir)
-    else:
-        run, _ = run_quickstart(nproc=args.nproc, strategy=args.strategy, steps=steps, runs_dir=args.runs_dir)
-    return 0 if run.status == "succeeded" else 1
-
-
-def _cmd_tune(args: argparse.Namespace) -> int:
-    code = None
-    if args.script:
-        try:
-            code = open(args.script, encoding="utf-8").read()
-        except OSError as exc:
-            raise JupyterDistError(f"--script {args.script}: {exc.strerror}") from None
-    shown = [0]
-
-    def progress(result: Any) -> None:  # a line per finished trial
-        for trial in result.trials[shown[0] :]:
-            if not args.json:
-                print(f"  {trial.label}: {trial.status}" + (f" ({trial.error})" if trial.error else ""), flush=True)
-        shown[0] = len(result.trials)
-
-    result = tune_from_args(args, code=code, on_trial=progress)
-    if args.json:
-        print(json.dumps({
-            "trials": [{"candidate": t.candidate, "micro_batch": t.micro_batch, "status": t.status, "error": t.error,
-                        "predicted": {"step_time_s": t.predicted.time.step_time_s,
-                                      "tokens_per_s": t.predicted.time.tokens_per_s,
-                                      "peak_bytes": t.predicted.memory.total},
-                        "measured": None if t.measured is None else {
-                            "step_time_s": t.measured.step_time_s, "tokens_per_s": t.measured.tokens_per_s,
-                            "peak_bytes": {str(k): v for k, v in t.measured.peak_bytes.items()},
-                            "memory_kind": t.measured.memory_kind},
-                        "run_dir": t.run_dir} for t in result.trials],
-            "calibration": result.calibration.to_dict() if result.calibration is not None else None,
-            "calibration_path": result.calibration_path or None,
-            "plan": result.plan.to_dict() if result.plan is not None else None,
-        }, indent=2))  # fmt: skip
-    else:
-        print(result.to_text())
-        if result.plan is not None:
-            print()
-            print(result.plan.to_text())
-    return 0 if result.plan is not None else 1
-
-
-def _cmd_check(args: argparse.Namespace) -> int:
-    report: Any = check_from_args(args)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
-    return {"healthy": 0, "degraded": 1}.get(report.verdict, 3)
-
-
-def _cmd_log_to(args: argparse.Namespace) -> int:
-    from .launch.run import open_run
-
-    run = open_run(args.run_dir)
-    forwarder = run.log_to(args.sinks, secrets=args.secret)
-    forwarder.wait()
-    print(f"{run.name}: {forwarder.describe()}")
-    return 1 if forwarder.errors else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jupyter-dist`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    try:
-        from .launch.scriptrun import cmd_launch
-
-        commands = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check,
-                    "launch": cmd_launch, "log-to": _cmd_log_to, "tune": _cmd_tune}  # fmt: skip
-        return commands[args.command](args)
-    except JupyterDistError as exc:
-        print(f"jupyter-dist {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `jupyter-dist plan | head`: the reader left; not an error worth a traceback
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second EPIPE at interpreter exit
-        return 141
-    except KeyboardInterrupt:  # Ctrl-C (a check or demo has already ended its processes): no traceback
-        print(f"jupyter-dist {args.command}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
