@@ -62,13 +62,16 @@ def test_wizard_replans_when_a_control_changes_in_the_page(jupyterlab: JupyterLa
     assert chart.inner_html() != chart_before
     expect(chart).to_contain_text(f"\u2605 {second}")
 
-    # a dropdown: on 24 GB GPUs nothing fits a 70B model on 32 GPUs, and the panel says so
+    # a dropdown: on 24 GB GPUs a 70B model needs 32 of them (ZeRO-3 with its optimizer on the host); on one node of
+    # 8 nothing fits, and the panel says so; an 80 GB H100 node fits it again
     gpu = wiz.locator(".jd-wiz-gpu select")
     gpu.select_option(label="NVIDIA A10G 24GB (22 GiB)")
+    expect(verdict).to_have_attribute("data-candidate", "zero3-offload", timeout=15_000)
+    _commit(nodes, "1")
     expect(verdict).to_have_attribute("data-fits", "no", timeout=15_000)
     expect(verdict).to_contain_text("Nothing fits")
     screenshot_cell(page, 0, artifacts / "wizard-nothing-fits.png")
-    gpu.select_option(label="NVIDIA A100 80GB SXM4 (80 GiB)")
+    gpu.select_option(label="NVIDIA H100 80GB SXM5 (80 GiB)")
     expect(verdict).to_have_attribute("data-fits", "yes", timeout=15_000)
     screenshot_cell(page, 0, artifacts / "wizard-after-change.png")
 
@@ -76,7 +79,7 @@ def test_wizard_replans_when_a_control_changes_in_the_page(jupyterlab: JupyterLa
     wiz.locator(".lm-TabBar-tab", has_text="Configs").first.click()
     plan_pane = wiz.locator(".jd-wiz-file[data-file='plan.json']")
     expect(plan_pane).to_be_visible(timeout=15_000)
-    expect(plan_pane).to_contain_text('"nodes": 4')
+    expect(plan_pane).to_contain_text('"nodes": 1')
     screenshot_cell(page, 0, artifacts / "wizard-configs.png")
 
     # a laptop-width window: the control columns wrap, nothing overflows the cell sideways
