@@ -1,5 +1,6 @@
-"""What each ``jupyter-dist`` sub-command does with its parsed flags (``launch`` is in
-:mod:`jupyter_dist.launch.scriptrun`, beside ``%dist_train --script``).
+"""What each ``jupyter-dist`` sub-command does with its parsed flags.
+
+``launch`` is in :mod:`jupyter_dist.launch.scriptrun`, beside ``%dist_train --script``.
 """
 
 from __future__ import annotations

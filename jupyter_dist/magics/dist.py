@@ -1,6 +1,7 @@
 """IPython magics: thin wrappers that parse a line, call the layers and display the result.
 
-``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in :mod:`jupyter_dist.cli.flags`).
+``%dist_plan`` takes exactly the flags of ``jupyter-dist plan`` (one shared definition in
+:mod:`jupyter_dist.cli.flags`).
 
 One piece (about 700 lines): :class:`DistMagics` is one IPython ``Magics`` class whose magics share its state (the
 last run that ``%dist_status``/``%dist_stop`` act on, the runs folder); the pool's magics (:mod:`.pool`) and the line
