@@ -296,16 +296,16 @@ def test_unmodified_hf_trainer_script_under_dist_train_script_fills_the_panels(
     assert ip.user_ns["hf_script"] is run
     run.wait(420)
     assert run.status == "succeeded", run.summary() + run.logs(0, tail=40)
-    assert "autoattach()" in (run.dir / "script.py").read_text()
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
         assert [r["step"] for r in recs if "loss" in r] == [2, 4, 6], f"rank {rank}: {recs}"
-        assert [r["step"] for r in recs if "eval_loss" in r] == [4]
+        assert [r["step"] for r in recs if "eval_loss" in r] == [4, 6]  # every 4 steps and at the end
     frame = run.metrics()
     assert set(frame["rank"]) == {0, 1} and frame["loss"].notna().sum() == 6
     rank0 = [r for r in step_calls(run.dir, 0) if "loss" in r]
     panel = loss_panel(run)
     assert panel["rank 0"]["x"] == [2, 4, 6] and panel["rank 0"]["y"] == pytest.approx([r["loss"] for r in rank0])
+    assert "autoattach()" in (run.dir / "script.py").read_text()
     assert descendants_gone(run)
 
 

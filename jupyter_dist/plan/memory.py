@@ -39,6 +39,7 @@ __all__ = [
     "MemoryBreakdown",
     "state_bytes_per_param",
     "zero_paper_model_states",
+    "deepspeed_zero_model_states",
     "activation_bytes_per_layer",
     "korthikanti_per_layer",
     "estimate_memory",
@@ -211,6 +212,19 @@ def zero_paper_model_states(params: int, stage: int, dp: int, k: int = 12) -> in
     if stage == 3:
         return (2 + 2 + k) * params // dp
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+def deepspeed_zero_model_states(params: int, stage: int, dp: int, *, grad_accum: int, k: int = 12) -> int:
+    """Model-state bytes per device as DeepSpeed implements ZeRO (fp16/bf16 params and grads, K bytes).
+
+    The paper's figures (:func:`zero_paper_model_states`) except stage 1 with one micro-batch per step: DeepSpeed's
+    stage 1 keeps only its gradient partition at every accumulation boundary (see
+    :func:`~.strategies.runs_as`), so it holds what stage 2 holds; with ``grad_accum`` > 1 the gradients accumulate
+    whole between boundaries, the paper's P_os.
+    """
+    if stage == 1 and grad_accum == 1:
+        return zero_paper_model_states(params, 2, dp, k)
+    return zero_paper_model_states(params, stage, dp, k)
 
 
 def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
@@ -594,7 +608,8 @@ def estimate_memory(
     layout: ActivationLayout = HF_LAYOUT,
 ) -> MemoryBreakdown:
     """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank); ``layout``: see :class:`ActivationLayout`."""
-    strategy = runs_as(strategy, model_parallel=not dims.is_data_parallel_only)  # zero1+tp/pp/cp/ep: FSDP2's
+    # zero1+tp/pp/cp/ep: FSDP2's layout; zero1 with one micro-batch per step: DeepSpeed's partitioned gradients
+    strategy = runs_as(strategy, model_parallel=not dims.is_data_parallel_only, grad_accum=grad_accum)
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
     if strategy.family == "deepspeed" and training.precision is Precision.FP32 and strategy.shard_optimizer:
         # ZeRO-1/2/3 clone their optimizer partition into fp32 master weights even when the model is already fp32
