@@ -165,8 +165,8 @@ def test_plain_script_on_two_slurm_nodes(ip: InteractiveShell, runs: Path, plain
     assert "plain rank 1/2 steps 4 allreduce 3.0 node 1" in run.logs(1)
     # the same script through `jupyter-dist launch` on the same cluster (one cluster start for both): it submits the
     # job, follows it to its end and exits with its status
-    cmd = [sys.executable, "-m", "jupyter_dist.cli", "launch", "--backend", "slurm", "--nodes", "2", "--nproc", "1",
-           "--time", "00:05:00", "--runs-dir", str(runs / "cli"), "--name", "cli_slurm", str(plain), "--steps", "3"]  # fmt: skip
+    cli = [sys.executable, "-m", "jupyter_dist.cli", "launch", "--backend", "slurm", "--runs-dir", str(runs / "cli")]
+    cmd = [*cli, "--nodes", "2", "--nproc", "1", "--time", "00:05:00", "--name", "cli_slurm", str(plain), "--steps=3"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "run directory:" in res.stdout and "succeeded (2 ranks" in res.stdout, res.stdout
