@@ -578,6 +578,21 @@ def deepspeed_zero3_estimate(
 # ---------------------------------------------------------------------------------------------------------------
 # The whole breakdown
 # ---------------------------------------------------------------------------------------------------------------
+def over_bucket_params(model: ModelSpec, bucket: int) -> int:
+    """Parameters in tensors of more than ``bucket`` elements (one full-model replica, before any parallelism).
+
+    DeepSpeed's ZeRO-1/2 reduce such a gradient on its own instead of copying it into the reduce bucket
+    (``extra_large_param_to_reduce``, stage_1_and_2.py). Counted per tensor: the token embedding, an untied output
+    projection, the q/k/v/o projections and the MLP matrices (per expert).
+    """
+    h, f, kv = model.hidden, model.d_ffn, model.kv_dim
+    per_layer = [h * h, h * kv, h * kv, h * h] + [h * f] * (3 if model.gated_mlp else 2) * model.experts
+    total = model.layers * sum(n for n in per_layer if n > bucket)
+    total += sum(n for n in (model.vocab * h, model.lm_head_params) if n > bucket)
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    return int(total * scale)
+
+
 def comm_settings(model: ModelSpec, strategy: StrategySpec) -> dict[str, int]:
     """Bucket sizes the plan decides and the compiler writes (elements), so memory and configs agree.
 
@@ -670,6 +685,13 @@ def estimate_memory(
             detail["autocast_weight_copies"] = int(2 * local)
     elif strategy.family == "deepspeed":
         detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
+        if strategy.name == "zero1" and strategy.shard_grads and not strategy.offload_optimizer:
+            # DeepSpeed's ZeRO-1 partitions its gradients in backward (runs_as), but a gradient larger than the reduce
+            # bucket is reduced in place and, when it lies in another rank's partition, kept until backward ends
+            # (stage 2 frees it: ``clear_grad_attribute``; stage 1 only at the epilogue's ``_clear_param_grad_only``).
+            # Measured: ZeRO-1's backward peak minus ZeRO-2's (tests/test_memory_measured.py).
+            big = over_bucket_params(model, settings["reduce_bucket_size"])
+            detail["zero1_unbucketed_grads"] = int(gb * big * (1 - 1 / shard))
     elif strategy.family == "fsdp" and not strategy.shard_params and not strategy.keeps_gathered_params:
         detail["comm_buckets"] = int(gb * local / max(model.layers, 1))  # one flat-parameter's gradient
     largest_unit = max(
@@ -714,6 +736,7 @@ def estimate_memory(
     overhead_parts = (
         "cuda_context",
         "comm_buckets",
+        "zero1_unbucketed_grads",
         "autocast_weight_copies",
         "gathered_params",
         "optimizer_step_excess",
