@@ -337,8 +337,8 @@ class Wizard:
                                                   ("SkyPilot", "skypilot")], value="local", description="Run on"))
         self.nproc = _row(ipw.IntText(value=2, description="Procs per node"))
         self.launch_nodes = _row(ipw.IntText(value=1, description="Nodes"))
-        self.launch_steps = _row(ipw.IntText(value=100, description="Steps",
-                                             tooltip="optimizer steps the run takes: SkyPilot's cost estimate"))  # fmt: skip
+        steps_tip = "optimizer steps the run takes: SkyPilot's cost estimate"
+        self.launch_steps = _row(ipw.IntText(value=100, description="Steps", tooltip=steps_tip))
         self.run_name = _row(ipw.Text(value="wizard", description="Run name"))
         self.cluster_flags = _row(ipw.Text(value="", description="Cluster flags",
                                            placeholder="SLURM: --partition gpu --time 02:00:00 | SkyPilot: --gpus "
