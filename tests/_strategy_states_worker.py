@@ -5,7 +5,8 @@ argument (``ddp``, ``fsdp2``, ``zero1``..``zero3`` x ``fp32``, ``bf16``) trains 
 steps; after the second backward it records what the rank holds: parameters (a DTensor's local shard, ZeRO-3's
 ``ds_tensor``), gradients (``.grad``; DeepSpeed's partitioned gradient buffers), optimizer states (the inner torch
 optimizer's state tensors) and DeepSpeed's fp32 master partition, plus the bytes the optimizer step allocates on
-top (PyTorch's MemTracker). Rank 0 prints one ``RESULT <json>`` line.
+top and, for DeepSpeed, the peak the second backward allocates (PyTorch's MemTracker). Rank 0 prints one
+``RESULT <json>`` line.
 """
 
 from __future__ import annotations
@@ -90,14 +91,20 @@ def run(strategy: str, precision: str) -> dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "bf16": {"enabled": bf16},
+        # overlap_comm and contiguous_gradients as jupyter-dist's DeepSpeed config sets them (render/deepspeed.py)
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096,
+                              "overlap_comm": True, "contiguous_gradients": True,
                               "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 4096},
     }  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     zero = engine.optimizer
     for step in range(2):
-        engine.backward(loss_of(engine, tokens))
+        loss = loss_of(engine, tokens)
+        if step == 1:  # what backward allocates at its peak (activation gradients, gradients, reduce buckets)
+            out["backward_peak"] = step_allocations(lambda loss=loss: engine.backward(loss), engine.module, inner(zero))
+        else:
+            engine.backward(loss)
         if step == 1:
             if stage == 3:
                 grads = getattr(zero, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", {})

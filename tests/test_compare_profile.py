@@ -129,6 +129,35 @@ def test_profiled_run_traces_and_the_slow_rank(two_runs: tuple[Any, Any, Path]) 
     assert "rank 1 is the slowest" in a._repr_mimebundle_()["text/html"]  # the finished run's card shows it
 
 
+@pytest.mark.slow
+def test_profiled_traces_open_with_holistic_trace_analysis(two_runs: tuple[Any, Any, Path]) -> None:
+    """The traces open with a profiler's own loader, not only as JSON: PyTorch's HolisticTraceAnalysis (``hta``, in
+    the [test] extra; it needs no other torch) parses both ranks' files as one distributed trace; its frames hold the
+    profiled window's steps, and rank 0's all-reduces, which wait for the slowed rank 1, take longer than rank 1's,
+    as the raw events say."""
+    pytest.importorskip("hta", reason='HolisticTraceAnalysis is not installed: pip install "jupyter-dist[test]"')
+    from hta.trace_analysis import TraceAnalysis
+
+    a, _, _ = two_runs
+    # include_last_profiler_step: HTA drops the last step by default (often cut short); ours is whole
+    analysis = TraceAnalysis(trace_dir=str(a.dir / "profile"), include_last_profiler_step=True)
+    assert sorted(analysis.t.get_ranks()) == [0, 1]  # from each file's distributedInfo
+    symbols = analysis.t.symbol_table.sym_table
+    waited = {}
+    for rank in (0, 1):
+        frame = analysis.t.get_trace(rank)
+        names = frame["name"].map(lambda i: symbols[i])
+        steps = sorted(int(m.group(1)) for n in names if (m := re.match(r"ProfilerStep#(\d+)$", n)))
+        assert steps == [3, 4, 5], (rank, steps)
+        is_ar = names.str.contains("all_reduce|allreduce", regex=True)
+        assert is_ar.any(), sorted(set(names))[:40]
+        waited[rank] = float(frame.loc[is_ar, "dur"].sum())
+        raw = [e for e in load_trace(a.dir / "profile" / f"rank-{rank}.pt.trace.json")["traceEvents"]
+               if e.get("ph") == "X" and re.search("all_reduce|allreduce", e["name"])]  # fmt: skip
+        assert waited[rank] == pytest.approx(sum(e["dur"] for e in raw), rel=0.01)  # the same events, read by hta
+    assert waited[0] > 2 * waited[1], waited
+
+
 def test_profile_summary_errors(tmp_path: Path) -> None:
     with pytest.raises(JupyterDistError, match="no profiler traces in"):
         profile_summary(tmp_path)

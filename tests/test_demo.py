@@ -23,12 +23,23 @@ def test_demo_executes_the_quickstart_notebook(tmp_path: Path) -> None:
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", res.stdout)]
     assert len(losses) >= 2 and losses[-1] < 0.5 * losses[0], res.stdout
     assert "succeeded (2 ranks, strategy ddp)" in res.stdout
+    # how the plan did: predicted against measured step time, tokens/s and peak memory of each of the 2 ranks
+    plan_vs_measured = re.compile(
+        r"plan vs measured \(ddp, predicted / measured\): step (\S+) s / (\S+) s \(\S+x the plan\); "
+        r"tokens/s ([\d,]+) / ([\d,]+); peak per rank ([\d,]+) MiB / ([\d,]+), ([\d,]+) MiB \(process max RSS\)"
+    )
+    found = plan_vs_measured.search(res.stdout)
+    assert found, res.stdout[-3000:]
+    figures = [float(x.replace(",", "")) for x in found.groups()]
+    assert all(f > 0 for f in figures), found.group(0)
+    assert "run.save_calibration()" in res.stdout
     (folder,) = list(tmp_path.iterdir())
     nb = nbformat.read(folder / "quickstart.ipynb", as_version=4)
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outs)
     assert "succeeded" in text and "PyTorch DDP" in text
+    assert plan_vs_measured.search(text), text[-3000:]  # the notebook's summary cell says it too
     views = [o for o in outs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert views and "widgets" in nb.metadata  # the wizard and the live panels, with their saved state
     report = (folder / "quickstart.html").read_text()

@@ -280,6 +280,36 @@ def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tenso
 
 
 @pytest.mark.slow
+def test_unmodified_hf_trainer_script_under_dist_train_script_fills_the_panels(
+    ip: Any, runs: Path, tmp_path: Path
+) -> None:
+    """``%dist_train --script train.py`` (the line magic) on 2 CPU processes: the script is an unmodified HF
+    ``Trainer`` (no jupyter-dist in it); the job's ``script.py`` arms the callbacks as a cell's prelude does, so its
+    loss reaches the run's records, metrics and loss panel."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "proj" / "train_hf.py"
+    script.parent.mkdir()
+    script.write_text(hf_cell(6))
+    assert "jupyter_dist" not in script.read_text() and " jd." not in script.read_text()
+    run = ip.run_line_magic("dist_train", f"--nproc 2 --name hf_script --telemetry-interval 0 --timeout 400 "
+                                          f"--script {script}")  # fmt: skip
+    assert ip.user_ns["hf_script"] is run
+    run.wait(420)
+    assert run.status == "succeeded", run.summary() + run.logs(0, tail=40)
+    for rank in (0, 1):
+        recs = step_calls(run.dir, rank)
+        assert [r["step"] for r in recs if "loss" in r] == [2, 4, 6], f"rank {rank}: {recs}"
+        assert [r["step"] for r in recs if "eval_loss" in r] == [4, 6]  # every 4 steps and at the end
+    frame = run.metrics()
+    assert set(frame["rank"]) == {0, 1} and frame["loss"].notna().sum() == 6
+    rank0 = [r for r in step_calls(run.dir, 0) if "loss" in r]
+    panel = loss_panel(run)
+    assert panel["rank 0"]["x"] == [2, 4, 6] and panel["rank 0"]["y"] == pytest.approx([r["loss"] for r in rank0])
+    assert "autoattach()" in (run.dir / "script.py").read_text()
+    assert descendants_gone(run)
+
+
+@pytest.mark.slow
 def test_lightning_ddp_on_two_processes_under_dist_train_fills_the_panels(ip: Any, runs: Path) -> None:
     pytest.importorskip("lightning")
     line = "--nproc 2 --name pl_run --telemetry-interval 0 --timeout 400"

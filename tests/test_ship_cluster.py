@@ -13,6 +13,7 @@ The same on SkyPilot-on-SLURM is in test_skypilot.py (one provisioning for the m
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,7 @@ def test_jupyter_dist_launch_runs_the_script_and_exits_with_its_status(tmp_path:
 
 @pytest.mark.slow
 def test_plain_script_on_two_slurm_nodes(ip: InteractiveShell, runs: Path, plain: Path, slurm_cluster: Any) -> None:
+    """``%dist_train --script`` and ``jupyter-dist launch`` run an unmodified script on two SLURM nodes."""
     run = ip.run_line_magic("dist_train", f"--backend slurm --nodes 2 --nproc 1 --time 00:05:00 --script {plain} "
                                           "-- --steps 4")  # fmt: skip
     assert run.remote and run.job_id
@@ -161,6 +163,19 @@ def test_plain_script_on_two_slurm_nodes(ip: InteractiveShell, runs: Path, plain
     assert run.exit_codes == {0: 0, 1: 0}
     assert "plain rank 0/2 steps 4 allreduce 3.0 node 0" in run.logs(0)
     assert "plain rank 1/2 steps 4 allreduce 3.0 node 1" in run.logs(1)
+    # the same script through `jupyter-dist launch` on the same cluster (one cluster start for both): it submits the
+    # job, follows it to its end and exits with its status
+    cli = [sys.executable, "-m", "jupyter_dist.cli", "launch", "--backend", "slurm", "--runs-dir", str(runs / "cli")]
+    cmd = [*cli, "--nodes", "2", "--nproc", "1", "--time", "00:05:00", "--name", "cli_slurm", str(plain), "--steps=3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "run directory:" in res.stdout and "succeeded (2 ranks" in res.stdout, res.stdout
+    (run_dir,) = (runs / "cli").glob("cli_slurm-*")
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["launcher"]["kind"] == "slurm" and meta["status"] == "succeeded", meta
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert f"plain rank {rank}/2 steps 3 allreduce 3.0 node {rank}" in log, log
 
 
 @pytest.mark.slow

@@ -415,3 +415,70 @@ def test_launch_on_the_slurm_cluster(ip: Any, runs: Path, slurm_cluster: Any) ->
     assert run.wait(240) == "succeeded", run.logs()
     assert max(r["step"] for r in run.records("step")) == 14
     assert {r["rank"] for r in run.records("step")} == {0, 1}
+
+
+VMS = """InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,GpuInfo,Price,SpotPrice,Region,AvailabilityZone
+p5.48xlarge,H100,8,192,2048,,98.32,40.10,us-east-1,us-east-1a
+p4d.24xlarge,A100,8,96,1152,,32.77,12.00,us-east-1,us-east-1a
+"""
+
+
+def price_text(w: Wizard) -> str:
+    return html.unescape(re.sub("<[^>]+>", "", w.price.value))
+
+
+def test_launch_tab_prices_the_skypilot_nodes_and_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ip: Any
+) -> None:
+    """On SkyPilot the Launch tab shows the requested nodes' hourly price from SkyPilot's price list (a catalog file
+    here, as `sky show-gpus` caches it) and the run's estimate, the selected candidate's planned step time x Steps;
+    it follows every control, says why where no price is known, and is the line the dry run of the same run prints."""
+    from jupyter_dist.launch import cost
+
+    (tmp_path / "cat" / "aws").mkdir(parents=True)
+    (tmp_path / "cat" / "aws" / "vms.csv").write_text(VMS)
+    monkeypatch.setattr(cost, "catalog_dir", lambda: tmp_path / "cat")
+    w = Wizard(gpu="h100-80gb", gpus_per_node=8, nodes=2)
+    assert w.price.value == ""  # this machine: nothing to price
+    w.backend.value = "skypilot"
+    w.nproc.value, w.launch_nodes.value, w.launch_steps.value = 8, 2, 1000
+    w.cluster_flags.value = "--infra aws"
+    step = w.plan.candidate(w.plan.recommended).time.step_time_s
+
+    def estimate(per_hour: float, steps: int, step_s: float = step) -> str:
+        return f"estimated ${per_hour * step_s * steps / 3600:,.2f} for {steps} steps x {step_s:.3g} s"
+
+    text = price_text(w)
+    assert text.startswith("price: $196.64/hour for 2 x p5.48xlarge (aws us-east-1, on demand, $98.32/node-hour")
+    assert estimate(196.64, 1000) in text, text
+    w.launch_steps.value = 4000  # every control moves it
+    assert estimate(196.64, 4000) in price_text(w)
+    w.launch_nodes.value = 4
+    assert "$393.28/hour for 4 x p5.48xlarge" in price_text(w) and estimate(393.28, 4000) in price_text(w)
+    w.cluster_flags.value = "--infra aws --spot --steps 500"  # the flags' --steps wins over the Steps box
+    assert "$160.40/hour for 4 x p5.48xlarge (aws us-east-1, spot" in price_text(w)
+    assert estimate(160.40, 500) in price_text(w)
+    other = next(c for c in w.plan.candidates if c.fits and c.time.step_time_s != step)
+    w.candidate.value = other.name  # the compiled candidate's step time
+    assert estimate(160.40, 500, other.time.step_time_s) in price_text(w)
+    w.candidate.value = ""
+    w.cluster_flags.value = "--infra gcp"
+    assert price_text(w).startswith("price unknown: SkyPilot's price list for gcp is not on this machine "
+                                    "(`sky show-gpus H100:8 --infra gcp` downloads it)")  # fmt: skip
+    w.cluster_flags.value = "--gpus H100:4 --infra aws"
+    assert price_text(w) == "price unknown: no H100:4 instance in SkyPilot's price list for aws"
+    w.cluster_flags.value = "--steps many"
+    assert "cluster flags: --steps 'many'" in price_text(w)
+    w.backend.value = "slurm"
+    assert w.price.value == ""
+    cpu = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2)
+    cpu.backend.value = "skypilot"
+    assert price_text(cpu) == "price: CPU processes, no accelerator requested (not priced)"
+    # the same run's dry run prints the same line
+    pytest.importorskip("sky")
+    w.backend.value, w.cluster_flags.value, w.launch_nodes.value = "skypilot", "--infra aws", 2
+    ip.user_ns["wizard_plan"] = w.plan
+    dry = ip.run_cell_magic("dist_train", f"--plan wizard_plan --nproc 8 --nodes 2 --backend skypilot --infra aws "
+                                          f"--steps 4000 --dry-run --runs-dir {tmp_path}", "pass\n")  # fmt: skip
+    (line,) = [n for n in dry.notes if n.startswith("price")]
+    assert line == price_text(w)

@@ -5,6 +5,8 @@ SkyPilot keeps a price list per cloud (``vms.csv`` under its catalog folder, ``~
 the cheapest instance with the requested accelerators, per node, on demand or spot, on the requested cloud or on any
 cloud whose list is here. The estimate of a run is that price x nodes x the plan's step time x the steps given
 (``--steps``). Where no list knows the accelerator, the answer says so and why, rather than guessing.
+:func:`price_for` prices one of the planner's accelerators, and :func:`price_line` is the one line the dry run and
+the wizard's Launch tab show.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Price", "catalog_dir", "price_nodes"]
+__all__ = ["CPU_NOT_PRICED", "Price", "catalog_dir", "price_for", "price_line", "price_nodes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,3 +118,33 @@ def price_nodes(accelerator: str, count: int, nodes: int, *, infra: str | None =
             reason = f"no {accelerator}:{count} instance in SkyPilot's price list for {where}"
         return Price(per_node_hour=None, nodes=nodes, spot=spot, reason=reason)
     return Price(per_node_hour=best[0], nodes=nodes, instance=best[1], cloud=best[2], region=best[3], spot=spot)
+
+
+CPU_NOT_PRICED = "CPU processes, no accelerator requested"
+"""The reason a run of CPU processes has no price."""
+
+
+def price_for(accelerator: Any, gpus_per_node: int, nodes: int, *, infra: str | None = None, spot: bool = False,
+              root: Path | None = None) -> Price:  # fmt: skip
+    """:func:`price_nodes` for one of our accelerators (an :class:`~jupyter_dist.plan.Accelerator`).
+
+    Its SkyPilot name is looked up; CPU processes and accelerators SkyPilot has no name for are unknown, with the
+    reason.
+    """
+    if accelerator.vendor == "cpu":
+        return Price(per_node_hour=None, nodes=nodes, spot=spot, reason=CPU_NOT_PRICED)
+    from ..render.skypilot import SKYPILOT_ACCELERATORS
+
+    name = SKYPILOT_ACCELERATORS.get(accelerator.name)
+    if name is None:
+        return Price(per_node_hour=None, nodes=nodes, spot=spot,
+                     reason=f"{accelerator.name} has no SkyPilot accelerator name (add one to "
+                            "jupyter_dist.render.skypilot.SKYPILOT_ACCELERATORS)")  # fmt: skip
+    return price_nodes(name, gpus_per_node, nodes, infra=infra, spot=spot, root=root)
+
+
+def price_line(price: Price, *, step_time_s: float | None = None, steps: int | None = None) -> str:
+    """The one line the SkyPilot dry run and the wizard's Launch tab show (one function: they cannot disagree)."""
+    if price.reason == CPU_NOT_PRICED:
+        return f"price: {CPU_NOT_PRICED} (not priced)"
+    return price.describe(step_time_s, steps)

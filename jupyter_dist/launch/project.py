@@ -170,13 +170,17 @@ def sync_workdir(src: str | Path, dst: str | Path) -> None:
 def script_runner(path: str, args: tuple[str, ...] = ()) -> str:
     """The job's ``script.py`` for ``--script``: run ``path`` as ``__main__`` with ``args``.
 
-    As ``python path args`` would: its folder first on ``sys.path``.
+    As ``python path args`` would: its folder first on ``sys.path``. First it arms
+    :func:`jupyter_dist.integrations.autoattach`, as a cell's prelude does, so that an unmodified Hugging Face
+    ``Trainer`` script logs to the run's panels (Lightning also finds the callback through its entry point); it
+    imports nothing until the script imports the framework, and ``JD_AUTO_CALLBACKS=0`` turns it off.
     """
     return (
         "# --- added by jupyter-dist: runs an existing script as `python "
         + shlex.join([path, *args]).replace("\n", " ")
-        + "` would ---\n"
+        + "` would; HF / Lightning Trainers log to the run (JD_AUTO_CALLBACKS) ---\n"
         "import os, runpy, sys  # noqa: E401\n"
+        '__import__("jupyter_dist.integrations", fromlist=["_"]).autoattach()\n'
         f"_jd_path = os.path.abspath({path!r})\n"
         f"sys.argv = [_jd_path, *{list(args)!r}]\n"
         "sys.path.insert(0, os.path.dirname(_jd_path))\n"

@@ -39,6 +39,7 @@ __all__ = [
     "MemoryBreakdown",
     "state_bytes_per_param",
     "zero_paper_model_states",
+    "deepspeed_zero_model_states",
     "activation_bytes_per_layer",
     "korthikanti_per_layer",
     "estimate_memory",
@@ -211,6 +212,19 @@ def zero_paper_model_states(params: int, stage: int, dp: int, k: int = 12) -> in
     if stage == 3:
         return (2 + 2 + k) * params // dp
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+
+
+def deepspeed_zero_model_states(params: int, stage: int, dp: int, *, grad_accum: int, k: int = 12) -> int:
+    """Model-state bytes per device as DeepSpeed implements ZeRO (fp16/bf16 params and grads, K bytes).
+
+    The paper's figures (:func:`zero_paper_model_states`) except stage 1 with one micro-batch per step: DeepSpeed's
+    stage 1 keeps only its gradient partition at every accumulation boundary (see
+    :func:`~.strategies.runs_as`), so it holds what stage 2 holds; with ``grad_accum`` > 1 the gradients accumulate
+    whole between boundaries, the paper's P_os.
+    """
+    if stage == 1 and grad_accum == 1:
+        return zero_paper_model_states(params, 2, dp, k)
+    return zero_paper_model_states(params, stage, dp, k)
 
 
 def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
@@ -564,6 +578,21 @@ def deepspeed_zero3_estimate(
 # ---------------------------------------------------------------------------------------------------------------
 # The whole breakdown
 # ---------------------------------------------------------------------------------------------------------------
+def over_bucket_params(model: ModelSpec, bucket: int) -> int:
+    """Parameters in tensors of more than ``bucket`` elements (one full-model replica, before any parallelism).
+
+    DeepSpeed's ZeRO-1/2 reduce such a gradient on its own instead of copying it into the reduce bucket
+    (``extra_large_param_to_reduce``, stage_1_and_2.py). Counted per tensor: the token embedding, an untied output
+    projection, the q/k/v/o projections and the MLP matrices (per expert).
+    """
+    h, f, kv = model.hidden, model.d_ffn, model.kv_dim
+    per_layer = [h * h, h * kv, h * kv, h * h] + [h * f] * (3 if model.gated_mlp else 2) * model.experts
+    total = model.layers * sum(n for n in per_layer if n > bucket)
+    total += sum(n for n in (model.vocab * h, model.lm_head_params) if n > bucket)
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    return int(total * scale)
+
+
 def comm_settings(model: ModelSpec, strategy: StrategySpec) -> dict[str, int]:
     """Bucket sizes the plan decides and the compiler writes (elements), so memory and configs agree.
 
@@ -594,7 +623,8 @@ def estimate_memory(
     layout: ActivationLayout = HF_LAYOUT,
 ) -> MemoryBreakdown:
     """Peak per-GPU memory of ``strategy`` with ``dims`` (the worst rank); ``layout``: see :class:`ActivationLayout`."""
-    strategy = runs_as(strategy, model_parallel=not dims.is_data_parallel_only)  # zero1+tp/pp/cp/ep: FSDP2's
+    # zero1+tp/pp/cp/ep: FSDP2's layout; zero1 with one micro-batch per step: DeepSpeed's partitioned gradients
+    strategy = runs_as(strategy, model_parallel=not dims.is_data_parallel_only, grad_accum=grad_accum)
     pb, gb, ob = state_bytes_per_param(training.precision, training.optimizer, strategy.family)
     if strategy.family == "deepspeed" and training.precision is Precision.FP32 and strategy.shard_optimizer:
         # ZeRO-1/2/3 clone their optimizer partition into fp32 master weights even when the model is already fp32
@@ -655,6 +685,13 @@ def estimate_memory(
             detail["autocast_weight_copies"] = int(2 * local)
     elif strategy.family == "deepspeed":
         detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
+        if strategy.name == "zero1" and strategy.shard_grads and not strategy.offload_optimizer:
+            # DeepSpeed's ZeRO-1 partitions its gradients in backward (runs_as), but a gradient larger than the reduce
+            # bucket is reduced in place and, when it lies in another rank's partition, kept until backward ends
+            # (stage 2 frees it: ``clear_grad_attribute``; stage 1 only at the epilogue's ``_clear_param_grad_only``).
+            # Measured: ZeRO-1's backward peak minus ZeRO-2's (tests/test_memory_measured.py).
+            big = over_bucket_params(model, settings["reduce_bucket_size"])
+            detail["zero1_unbucketed_grads"] = int(gb * big * (1 - 1 / shard))
     elif strategy.family == "fsdp" and not strategy.shard_params and not strategy.keeps_gathered_params:
         detail["comm_buckets"] = int(gb * local / max(model.layers, 1))  # one flat-parameter's gradient
     largest_unit = max(
@@ -699,6 +736,7 @@ def estimate_memory(
     overhead_parts = (
         "cuda_context",
         "comm_buckets",
+        "zero1_unbucketed_grads",
         "autocast_weight_copies",
         "gathered_params",
         "optimizer_step_excess",

@@ -94,16 +94,29 @@ FSDP1_SHARDING: dict[str, str] = {s.name: s.fsdp1_sharding for s in STRATEGIES.v
 """FSDP1 strategy name -> member of ``torch.distributed.fsdp.ShardingStrategy`` (from :data:`STRATEGIES`)."""
 
 
-def runs_as(spec: StrategySpec, *, model_parallel: bool) -> StrategySpec:
+def runs_as(spec: StrategySpec, *, model_parallel: bool, grad_accum: int | None = None) -> StrategySpec:
     """The layout a worker runs for ``spec`` (what the memory model must count).
 
     ``zero1`` with tensor/pipeline/context/expert parallelism runs as FSDP2 with ``reshard_after_forward=False``
     over the data-parallel dims (DeepSpeed's engine cannot take DTensors): optimizer states and gradients sharded,
     parameters sharded at rest and gathered once per step, kept from forward to backward -- SHARD_GRAD_OP's memory,
     at most ZeRO-1's, with the same all-gather + reduce-scatter volume as ZeRO-1's all-reduce.
+
+    ``zero1`` on DeepSpeed holds its gradients as DeepSpeed implements stage 1, not as the ZeRO paper's P_os
+    (whole gradients, all-reduced): stage 1 is the stage-2 optimizer (``DeepSpeedZeroOptimizer`` with
+    ``partition_grads=False``, deepspeed/runtime/zero/stage_1_and_2.py) and, at a gradient-accumulation boundary,
+    reduces each gradient through the stage-2 buckets and keeps only its own partition
+    (``reduce_ipg_grads``: "zero stage 1 - partition only optimizer state" still ``copy_grads_in_partition``; the
+    rest stays a view of the reused bucket). With the ``overlap_comm`` our DeepSpeed config sets, that happens in
+    backward as each gradient is ready, so with one micro-batch per step (every backward is a boundary) the
+    gradients are partitioned as ZeRO-2's: measured 2P/N in bf16 (tests/test_memory_measured.py). Between boundaries
+    stage 1 does not communicate (``engine.allreduce_gradients``: "Communicate only at gradient accumulation
+    boundaries"), so with ``grad_accum`` > 1 the gradients accumulate whole, the paper's figure.
     """
     if spec.name == "zero1" and model_parallel:
         return replace(spec, family="fsdp2", shard_grads=True, keeps_gathered_params=True)
+    if spec.name == "zero1" and spec.family == "deepspeed" and grad_accum == 1:
+        return replace(spec, shard_grads=True)
     return spec
 
 

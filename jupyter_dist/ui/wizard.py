@@ -4,7 +4,8 @@
 warnings, a per-GPU memory chart of every strategy against the device limit, speed and the effective batch; a
 what-if table per slider (nodes, micro-batch, sequence length) showing where each strategy stops fitting; every
 artifact of the compiler's bundle with copy, download and "write to folder"; and a Launch button that runs the plan
-with ``%%dist_train`` semantics and shows the run's live panels.
+with ``%%dist_train`` semantics and shows the run's live panels (on SkyPilot, the Launch tab first prices the requested
+nodes per hour and the run, the planned step time x Steps, from SkyPilot's price list, as the dry run does).
 
 Planning and compiling live elsewhere: the handler copies control values into a
 :class:`~jupyter_dist.ui.wizard_model.WizardInputs`, calls :func:`~jupyter_dist.ui.wizard_model.evaluate`
@@ -47,7 +48,7 @@ from .wizard_model import (
     whatif_html,
 )
 
-__all__ = ["Wizard", "BUNDLE_FILES"]
+__all__ = ["Wizard", "BUNDLE_FILES", "cost_flags"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,43 @@ def _row(w: Any) -> Any:
     w.layout.min_width = "0"
     w.style.description_width = "108px"
     return w
+
+
+def cost_flags(text: str) -> dict[str, Any]:
+    """What of the Launch tab's cluster flags the price depends on.
+
+    ``--gpus NAME:N`` (its N), ``--infra`` / ``--cloud``, ``--spot`` and ``--steps``; ``ValueError`` for a value
+    that is missing or not a number.
+    """
+    import shlex
+
+    out: dict[str, Any] = {"gpus_per_node": None, "infra": None, "spot": False, "steps": None}
+    words = shlex.split(text)
+    i = 0
+    while i < len(words):
+        flag, eq, value = words[i].partition("=")
+        i += 1
+        if flag == "--spot":
+            out["spot"] = True
+            continue
+        if flag not in ("--gpus", "--infra", "--cloud", "--steps"):
+            continue
+        if not eq:
+            if i >= len(words):
+                raise ValueError(f"{flag} needs a value")
+            value, i = words[i], i + 1
+        if flag == "--gpus":
+            count = value.partition(":")[2] or "1"
+            if not count.isdigit():
+                raise ValueError(f"--gpus {value!r}: write NAME[:COUNT] per node, e.g. H100:8")
+            out["gpus_per_node"] = int(count)
+        elif flag == "--steps":
+            if not value.isdigit():
+                raise ValueError(f"--steps {value!r}: want a whole number of steps")
+            out["steps"] = int(value)
+        else:
+            out["infra"] = value
+    return out
 
 
 def _file_pane(name: str, text: str, description: str) -> str:
@@ -299,6 +337,8 @@ class Wizard:
                                                   ("SkyPilot", "skypilot")], value="local", description="Run on"))
         self.nproc = _row(ipw.IntText(value=2, description="Procs per node"))
         self.launch_nodes = _row(ipw.IntText(value=1, description="Nodes"))
+        steps_tip = "optimizer steps the run takes: SkyPilot's cost estimate"
+        self.launch_steps = _row(ipw.IntText(value=100, description="Steps", tooltip=steps_tip))
         self.run_name = _row(ipw.Text(value="wizard", description="Run name"))
         self.cluster_flags = _row(ipw.Text(value="", description="Cluster flags",
                                            placeholder="SLURM: --partition gpu --time 02:00:00 | SkyPilot: --gpus "
@@ -311,16 +351,22 @@ class Wizard:
         self.launch_button.on_click(lambda _: self.launch())
         self.launch_msg = ipw.HTML()
         self.launch_msg.add_class("jd-wiz-launch-msg")
+        self.price = ipw.HTML()
+        """The cost line on SkyPilot: the requested nodes' hourly price and the run's estimate (empty elsewhere)."""
+        self.price.add_class("jd-wiz-price")
+        self._prices: dict[tuple[Any, ...], Any] = {}  # (accelerator, per node, nodes, infra, spot) -> Price
+        for w in (self.backend, self.nproc, self.launch_nodes, self.launch_steps, self.cluster_flags):
+            w.observe(lambda _: self._guard(self._draw_price), names="value")
         self.launch_line = ipw.HTML()
         self.launch_area = ipw.Box(layout=ipw.Layout(width="100%"))
         launch_tab = ipw.VBox([
             ipw.HTML("<small>Runs the selected candidate's strategy with <code>%%dist_train --plan</code>: on this "
                      "machine's processes (CPU/gloo without GPUs), or on a SLURM or SkyPilot cluster, and shows its "
                      "live panels here.</small>"),
-            ipw.HBox([self.backend, self.nproc, self.launch_nodes, self.run_name],
+            ipw.HBox([self.backend, self.nproc, self.launch_nodes, self.launch_steps, self.run_name],
                      layout=ipw.Layout(flex_flow="row wrap", width="100%")),
-            self.cluster_flags, self.code, self.launch_button, self.launch_msg, self.launch_line, self.launch_out,
-            self.launch_area,
+            self.cluster_flags, self.price, self.code, self.launch_button, self.launch_msg, self.launch_line,
+            self.launch_out, self.launch_area,
         ])  # fmt: skip
 
         self.tabs = ipw.Tab(children=[plan_tab, whatif_tab, configs_tab, launch_tab], titles=list(_TABS))
@@ -435,6 +481,7 @@ class Wizard:
     def _on_compile_change(self, change: dict[str, Any]) -> None:
         if not self._holding:
             self._guard(self._compile)
+            self._guard(self._draw_price)
 
     # ---- recompute --------------------------------------------------------------------------------------------
     @staticmethod
@@ -494,6 +541,7 @@ class Wizard:
             self.candidate.options = options
             self.candidate.value = keep
         self._compile()
+        self._draw_price()
         self._whatif_stale = True
         if self.tabs.selected_index == _WHATIF_TAB:
             self._draw_whatif()
@@ -551,6 +599,40 @@ class Wizard:
                 pane.value = f"<div class='jd-wiz-file' data-file='{fname}'><i>{html.escape(why)}</i></div>"
             else:
                 pane.value = _file_pane(fname, text, _DESCRIPTIONS.get(fname, ""))
+
+    def _draw_price(self) -> None:
+        """The Launch tab's cost on SkyPilot: the nodes the run asks for, per hour, and planned step time x steps.
+
+        From SkyPilot's price list (:mod:`jupyter_dist.launch.cost`), the line the dry run prints.
+        """
+        from ..launch.cost import price_for, price_line
+
+        if self.backend.value != "skypilot":
+            self.price.value = ""
+            return
+        p, name = self.plan, self._selected()
+        if p is None or name is None:
+            self.price.value = self._msg("price: no strategy fits, so there is no run to price")
+            return
+        try:
+            flags = cost_flags(self.cluster_flags.value)
+        except ValueError as exc:
+            self.price.value = self._msg(f"price: cluster flags: {exc}")
+            return
+        nproc = flags["gpus_per_node"] or self.nproc.value
+        nodes, steps = self.launch_nodes.value, flags["steps"] or self.launch_steps.value
+        for what, value in (("processes per node", nproc), ("nodes", nodes), ("steps", steps)):
+            if not isinstance(value, int) or value < 1:
+                self.price.value = self._msg(f"price: {what} must be >= 1, got {value!r}")
+                return
+        nodes = nodes if nodes > 1 else p.hardware.nodes  # as %%dist_train --plan: no --nodes runs the plan's
+        acc = p.hardware.accelerator
+        key = (acc.name, nproc, nodes, flags["infra"], flags["spot"])
+        if key not in self._prices:  # reading SkyPilot's price lists takes a moment: once per request
+            self._prices[key] = price_for(acc, nproc, nodes, infra=flags["infra"], spot=flags["spot"])
+        text = price_line(self._prices[key], step_time_s=p.candidate(name).time.step_time_s, steps=steps)
+        text = text.replace("give --steps N for the run's estimate", "set Steps for the run's estimate")
+        self.price.value = f"<div><small>{html.escape(text)}</small></div>"
 
     def _draw_whatif(self) -> None:
         inp = self._read()
@@ -628,6 +710,8 @@ class Wizard:
             extra += ["--nodes", str(nodes)]
         if backend != "local":
             extra += ["--backend", backend]
+        if backend == "skypilot" and "--steps" not in " ".join(flags):  # the dry run of the line prices the same run
+            extra += ["--steps", str(self.launch_steps.value)]
         line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=shlex.join(extra + flags))
         shell = self._shell_with_magics()
         ns = getattr(shell, "user_ns", None)

@@ -463,16 +463,11 @@ def _notes(renv: Any, cluster: Any) -> list[str]:
 def _price_note(plan: Any, opts: Any, cluster: Any, nodes: int, layout: Any = None) -> str:
     """The nodes' hourly price from SkyPilot's catalog, and the run's estimate (plan's step time x ``--steps``)."""
     from ...render.common import layout_of
-    from ...render.skypilot import skypilot_accelerator
-    from ..cost import price_nodes
+    from ..cost import price_for, price_line
 
     lay = layout or layout_of(plan, opts)
-    acc = plan.hardware.accelerator
-    if acc.vendor == "cpu":
-        return "price: CPU processes, no accelerator requested (not priced)"
-    price = price_nodes(skypilot_accelerator(acc.name), lay.gpus_per_node, nodes, infra=cluster.infra,
-                        spot=cluster.spot)  # fmt: skip
-    return price.describe(lay.candidate.time.step_time_s, cluster.steps)
+    price = price_for(plan.hardware.accelerator, lay.gpus_per_node, nodes, infra=cluster.infra, spot=cluster.spot)
+    return price_line(price, step_time_s=lay.candidate.time.step_time_s, steps=cluster.steps)
 
 
 _REF = re.compile(r"^([a-z][a-z0-9-]*)/(\d+)$")
