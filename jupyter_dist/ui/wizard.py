@@ -12,9 +12,9 @@ Planning and compiling live elsewhere: the handler copies control values into a
 (the planner) and :func:`~jupyter_dist.render.bundle.render_bundle` (the compiler), and shows what they return.
 Invalid inputs are shown as a one-line message next to their control; the panel never shows a traceback.
 
-Planned split, along the tabs: the :class:`Wizard` keeps the controls and the one change handler, and each tab
-(Plan, What-if, Configs, Launch) gets a module with its builder and refresh; it is one piece today because the
-handler and the four tabs share the controls' state.
+What the Launch tab does (start the run through ``%%dist_train``, price it on SkyPilot) is
+:class:`~.wizard_launch.LaunchTab`, in its own module. The rest is one piece: the controls, the one change handler
+and the Plan, What-if and Configs tabs it redraws share the controls' state.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..plan import ACCELERATORS, INTERCONNECTS, ModelSpec, Plan, preset_names, s
 from ..plan.training import precision_names
 from ..plan.units import GiB
 from .static import figure_svg
+from .wizard_launch import LaunchTab, cost_flags
 from .wizard_model import (
     DIM_FIELDS,
     WHATIF_VALUES,
@@ -43,7 +44,6 @@ from .wizard_model import (
     evaluate,
     memory_figure,
     summary_html,
-    train_line,
     whatif,
     whatif_html,
 )
@@ -78,43 +78,6 @@ def _row(w: Any) -> Any:
     return w
 
 
-def cost_flags(text: str) -> dict[str, Any]:
-    """What of the Launch tab's cluster flags the price depends on.
-
-    ``--gpus NAME:N`` (its N), ``--infra`` / ``--cloud``, ``--spot`` and ``--steps``; ``ValueError`` for a value
-    that is missing or not a number.
-    """
-    import shlex
-
-    out: dict[str, Any] = {"gpus_per_node": None, "infra": None, "spot": False, "steps": None}
-    words = shlex.split(text)
-    i = 0
-    while i < len(words):
-        flag, eq, value = words[i].partition("=")
-        i += 1
-        if flag == "--spot":
-            out["spot"] = True
-            continue
-        if flag not in ("--gpus", "--infra", "--cloud", "--steps"):
-            continue
-        if not eq:
-            if i >= len(words):
-                raise ValueError(f"{flag} needs a value")
-            value, i = words[i], i + 1
-        if flag == "--gpus":
-            count = value.partition(":")[2] or "1"
-            if not count.isdigit():
-                raise ValueError(f"--gpus {value!r}: write NAME[:COUNT] per node, e.g. H100:8")
-            out["gpus_per_node"] = int(count)
-        elif flag == "--steps":
-            if not value.isdigit():
-                raise ValueError(f"--steps {value!r}: want a whole number of steps")
-            out["steps"] = int(value)
-        else:
-            out["infra"] = value
-    return out
-
-
 def _file_pane(name: str, text: str, description: str) -> str:
     e = html.escape
     data = base64.b64encode(text.encode()).decode()
@@ -127,7 +90,7 @@ def _file_pane(name: str, text: str, description: str) -> str:
     )
 
 
-class Wizard:
+class Wizard(LaunchTab):
     """Plan live in a notebook: controls, the recommendation, what-if, configs and a Launch button.
 
     Parameters
@@ -600,40 +563,6 @@ class Wizard:
             else:
                 pane.value = _file_pane(fname, text, _DESCRIPTIONS.get(fname, ""))
 
-    def _draw_price(self) -> None:
-        """The Launch tab's cost on SkyPilot: the nodes the run asks for, per hour, and planned step time x steps.
-
-        From SkyPilot's price list (:mod:`jupyter_dist.launch.cost`), the line the dry run prints.
-        """
-        from ..launch.cost import price_for, price_line
-
-        if self.backend.value != "skypilot":
-            self.price.value = ""
-            return
-        p, name = self.plan, self._selected()
-        if p is None or name is None:
-            self.price.value = self._msg("price: no strategy fits, so there is no run to price")
-            return
-        try:
-            flags = cost_flags(self.cluster_flags.value)
-        except ValueError as exc:
-            self.price.value = self._msg(f"price: cluster flags: {exc}")
-            return
-        nproc = flags["gpus_per_node"] or self.nproc.value
-        nodes, steps = self.launch_nodes.value, flags["steps"] or self.launch_steps.value
-        for what, value in (("processes per node", nproc), ("nodes", nodes), ("steps", steps)):
-            if not isinstance(value, int) or value < 1:
-                self.price.value = self._msg(f"price: {what} must be >= 1, got {value!r}")
-                return
-        nodes = nodes if nodes > 1 else p.hardware.nodes  # as %%dist_train --plan: no --nodes runs the plan's
-        acc = p.hardware.accelerator
-        key = (acc.name, nproc, nodes, flags["infra"], flags["spot"])
-        if key not in self._prices:  # reading SkyPilot's price lists takes a moment: once per request
-            self._prices[key] = price_for(acc, nproc, nodes, infra=flags["infra"], spot=flags["spot"])
-        text = price_line(self._prices[key], step_time_s=p.candidate(name).time.step_time_s, steps=steps)
-        text = text.replace("give --steps N for the run's estimate", "set Steps for the run's estimate")
-        self.price.value = f"<div><small>{html.escape(text)}</small></div>"
-
     def _draw_whatif(self) -> None:
         inp = self._read()
         if self.answer is None or self.answer.problems:
@@ -659,128 +588,6 @@ class Wizard:
         self.write_msg.value = (f"<small>wrote {len(paths)} files to <code>{html.escape(str(target.resolve()))}"
                                 f"</code>: {html.escape(', '.join(p.name for p in paths))}</small>")  # fmt: skip
         return paths
-
-    def launch(self, *, timeout: float | None = None) -> Any:
-        """Run the selected candidate with ``%%dist_train --plan`` semantics; returns the Run (``None`` on an error).
-
-        In IPython/Jupyter the run goes through the ``%%dist_train`` magic itself with exactly the line the panel
-        prints (plus ``--no-dashboard``: the panels appear under the Launch button), so the printed line reproduces
-        it; on a cluster back-end (``Run on``: SLURM, SkyPilot) too. Without IPython, local runs start directly.
-        """
-        import shlex
-
-        from ..launch.session import start_run
-        from ..plan.candidates import resolve_launch
-
-        p = self.plan
-        if p is None or (self.answer is not None and self.answer.problems):
-            self.launch_msg.value = self._msg("fix the inputs marked above first: there is no valid plan to run")
-            return None
-        name = self._selected()
-        if name is None:
-            self.launch_msg.value = self._msg("nothing fits on this hardware, so there is no strategy to run")
-            return None
-        cand = p.candidate(name)
-        nproc, nodes = self.nproc.value, self.launch_nodes.value
-        for what, value in (("processes per node", nproc), ("nodes", nodes)):
-            if not isinstance(value, int) or value < 1:
-                self.launch_msg.value = self._msg(f"{what} must be >= 1, got {value!r}")
-                return None
-        run_name = self.run_name.value.strip()
-        if not run_name.isidentifier():
-            self.launch_msg.value = self._msg(f"run name {run_name!r} must be a valid Python variable name")
-            return None
-        strategy = "auto" if name == p.recommended else cand.name  # the candidate with its degrees
-        try:
-            resolve_launch(strategy, p, nproc * nodes, nproc_per_node=nproc)  # what cannot run yet, or fit: one line
-        except JupyterDistError as exc:
-            self.launch_msg.value = self._msg(str(exc))
-            return None
-        backend = self.backend.value
-        try:
-            flags = shlex.split(self.cluster_flags.value)
-        except ValueError as exc:
-            self.launch_msg.value = self._msg(f"cluster flags: {exc}")
-            return None
-        if flags and backend == "local":
-            self.launch_msg.value = self._msg("cluster flags need Run on: SLURM or SkyPilot")
-            return None
-        extra = [] if strategy == "auto" else ["--strategy", strategy]
-        if nodes > 1:
-            extra += ["--nodes", str(nodes)]
-        if backend != "local":
-            extra += ["--backend", backend]
-        if backend == "skypilot" and "--steps" not in " ".join(flags):  # the dry run of the line prices the same run
-            extra += ["--steps", str(self.launch_steps.value)]
-        line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=shlex.join(extra + flags))
-        shell = self._shell_with_magics()
-        ns = getattr(shell, "user_ns", None)
-        if ns is not None:
-            ns[self.plan_var] = p
-        if timeout is not None:
-            line += f" --timeout {timeout:g}"
-        try:
-            if shell is not None:
-                from IPython.core.error import UsageError
-
-                with self.launch_out:
-                    try:
-                        run = shell.run_cell_magic("dist_train", line.removeprefix("%%dist_train ") + " --no-dashboard",
-                                                   self.code.value)  # fmt: skip
-                    except UsageError as exc:
-                        raise JupyterDistError(str(exc)) from None
-            elif backend == "local":
-                run = start_run(self.code.value, nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
-                                runs_dir=self.runs_dir, timeout=timeout)  # fmt: skip
-            else:
-                raise JupyterDistError(f"a {backend} run launches through the %%dist_train magic: use the wizard in "
-                                       "IPython or Jupyter")  # fmt: skip
-        except JupyterDistError as exc:
-            self.launch_msg.value = self._msg(str(exc))
-            return None
-        self.run = run
-        if ns is not None:
-            ns[run_name] = run
-        notes = list(getattr(run, "notes", []))  # the mesh, and a rehearsal note when the plan was for more GPUs
-        where = {"local": "on this machine", "slurm": "on SLURM", "skypilot": "on SkyPilot"}[backend]
-        what = html.escape(run.candidate or cand.name)
-        self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> {where} ({what}, "
-                                 f"{nodes} x {nproc} processes) in <code>{html.escape(str(run.dir))}</code>"
-                                 + "".join(f"<br><small>{html.escape(n)}</small>" for n in notes) + "</div>")
-        shown = line.removesuffix(f" --timeout {timeout:g}") if timeout is not None else line
-        data = base64.b64encode(shown.encode()).decode()
-        self.launch_line.value = (
-            f"<div>The same run in a cell (the plan is bound to <code>{html.escape(self.plan_var)}</code>): "
-            f"<code class='jd-wiz-line'>{html.escape(shown)}</code> "
-            f"<button onclick=\"navigator.clipboard.writeText(atob('{data}'))\">Copy</button></div>"
-        )
-        self.train_line = shown
-        try:
-            dash = run.dashboard(interval=0.5)
-        except JupyterDistError as exc:  # no anywidget/plotly: the run goes on, its card says where it is
-            self.launch_area.children = ()
-            self.launch_msg.value += f"<small>(no live panels: {html.escape(str(exc))})</small>"
-        else:
-            self.dashboard = dash
-            if dash.widget is not None:
-                self.launch_area.children = (dash.widget,)
-        return run
-
-    def _shell_with_magics(self) -> Any:
-        """The IPython shell with ``%%dist_train`` registered (loading the extension if needed), or ``None``."""
-        shell = self._shell
-        if shell is None:
-            try:
-                from IPython import get_ipython
-
-                shell = get_ipython()
-            except ImportError:
-                return None
-        if shell is None or not hasattr(shell, "run_cell_magic"):
-            return None
-        if "dist_train" not in shell.magics_manager.magics.get("cell", {}):
-            shell.run_line_magic("load_ext", "jupyter_dist")
-        return shell
 
     # ---- display ---------------------------------------------------------------------------------------------
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
