@@ -13,10 +13,13 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import JupyterDistError
 from ..rundir import RunDir, new_run_dir, scrub_env
+
+if TYPE_CHECKING:
+    from ...render.common import Layout
 
 __all__ = ["CLUSTER_BACKENDS", "ClusterOptions", "parse_gpus", "start_cluster_run"]
 
@@ -319,7 +322,7 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
                  cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
                  extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
                  port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
-                 ship_fn: Any, layout: Any, renv: Any = None) -> Any:  # fmt: skip
+                 ship_fn: Any, layout: Layout, renv: Any = None) -> Any:  # fmt: skip
     from ...render.common import RenderOptions
     from ...render.slurm import render_sbatch
     from .local import _free_port

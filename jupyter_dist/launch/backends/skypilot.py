@@ -35,12 +35,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import JupyterDistError
 from ..base import Follower, JobState, RemoteLauncher
 from ..rundir import RunDir, new_run_dir, scrub_env
 from .slurm import BOOTSTRAP_STUB
+
+if TYPE_CHECKING:
+    from ...render.common import Layout
 
 __all__ = ["SkyPilotLauncher", "SkyPilotError", "attach_job", "down", "import_sky", "job_state", "start_skypilot"]
 
@@ -368,7 +371,7 @@ def down(cluster: str, timeout: float = 300.0) -> float:
 def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
                    cluster: Any, nproc: int, nodes: int, job: str, name: str, strat: str, jd_env: dict[str, str],
                    ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path, port: int | None,
-                   dry_run: bool, max_restarts: int, layout: Any = None, renv: Any = None,
+                   dry_run: bool, max_restarts: int, layout: Layout | None = None, renv: Any = None,
                    script_copy: Path | None = None) -> Any:  # fmt: skip
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
     from ...render.common import RenderOptions
