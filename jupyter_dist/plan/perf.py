@@ -37,9 +37,9 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     25 MB) or the first unit's gather and the last unit's reduce-scatter (FSDP/ZeRO-3: one block); ZeRO-1's
     all-gather after the optimizer step is not hidden. Tensor parallel: 4 all-reduces of ``s b h`` per layer and
     micro-batch (6 with full recomputation; Shoeybi et al. 2019), not overlapped, over NVLink inside a node and the
-    network across nodes. Pipeline: the GPipe/1F1B bubble ``(p-1)/m`` of the compute, ``(p-1)/(v m)`` interleaved over ``v``
-    stages per rank (Narayanan et al. 2021), plus the
-    stage-to-stage sends. Context parallel: the ring's K/V passes, hidden behind the attention. Expert parallel: the
+    network across nodes. Pipeline: the GPipe/1F1B bubble ``(p-1)/m`` of the compute, ``(p-1)/(v m)`` interleaved
+    over ``v`` stages per rank (Narayanan et al. 2021), plus the stage-to-stage sends. Context parallel: the ring's
+    K/V passes, hidden behind the attention. Expert parallel: the
     dispatch and combine all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic
     and the CPU optimizer step.
 

@@ -80,7 +80,9 @@ def stages_per_rank(schedule: str, virtual: int = 0) -> int:
     return 2 if schedule == "interleaved-1f1b" else 1
 
 
-def schedule_actions(schedule: str, *, pp: int, microbatches: int, rank: int, virtual: int = 1) -> list[tuple[str, int]]:
+def schedule_actions(
+    schedule: str, *, pp: int, microbatches: int, rank: int, virtual: int = 1
+) -> list[tuple[str, int]]:
     """The forwards (``"F"``) and backwards (``"B"``) pp rank ``rank`` runs in one step, in order, with their stage.
 
     Stage ``i`` of ``pp * virtual`` lives on rank ``i % pp``. The order is PyTorch 2.13's

@@ -194,7 +194,9 @@ class TrainingShape:
         if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 0:
             raise PlanInputError(f"pp-virtual must be a non-negative integer, got {virtual!r}")
         if virtual > 1 and schedule != "interleaved-1f1b":
-            raise PlanInputError(f"pp-virtual {virtual}: more than one stage per rank needs pp-schedule interleaved-1f1b")
+            raise PlanInputError(
+                f"pp-virtual {virtual}: more than one stage per rank needs pp-schedule interleaved-1f1b"
+            )
         if virtual == 1 and schedule == "interleaved-1f1b":
             raise PlanInputError("pp-schedule interleaved-1f1b needs pp-virtual >= 2 stages per rank (0: 2)")
 
