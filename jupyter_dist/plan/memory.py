@@ -23,7 +23,6 @@ accountings sit side by side so that a model's row can be traced to one function
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -659,10 +658,9 @@ def estimate_memory(
 
     shard = dims.shard_size
     eshard = dims.expert_shard_size
-    if strategy.hybrid:  # shard inside a node, replicate across nodes
-        per_node = max(1, hardware.gpus_per_node // (dims.tp * dims.pp))
-        shard = math.gcd(shard, per_node)
-        eshard = max(1, math.gcd(eshard, per_node))
+    if strategy.hybrid:  # shard inside a node, replicate across nodes (as the mesh lays the replicas out)
+        shard = dims.shard_size // dims.hybrid_replicas(hardware.gpus_per_node)
+        eshard = max(1, shard // dims.ep)
 
     def sharded(bytes_per_param: int, on: bool) -> int:
         if not on:

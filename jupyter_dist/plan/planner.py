@@ -143,7 +143,7 @@ def _evaluate(
     suffix = dims.label()
     settings: dict[str, Any] = dict(comm_settings(model, strategy))
     settings["shard_group_size"] = (
-        math.gcd(dims.shard_size, max(1, hardware.gpus_per_node // dims.tp)) if strategy.hybrid
+        dims.shard_size // dims.hybrid_replicas(hardware.gpus_per_node) if strategy.hybrid
         else dims.shard_size if strategy.shard_optimizer else 1
     )  # fmt: skip
     if strategy.hybrid and strategy.family == "fsdp" and settings["shard_group_size"] < 2:
