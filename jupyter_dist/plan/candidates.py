@@ -258,6 +258,6 @@ def resolve_launch(
                 f"{dp_from}")  # fmt: skip
     dp_replicate = 1
     spec = cand.spec
-    if spec is not None and spec.hybrid:  # always set: the workers' mesh is then exactly the plan's
+    if spec is not None and spec.hybrid and spec.family == "fsdp2":  # the mesh's replicas are then the plan's
         dp_replicate = dims.hybrid_replicas(nproc_per_node or world)
     return LaunchChoice(candidate=cand, dims=dims, dp_replicate=dp_replicate, note=note)
