@@ -360,8 +360,8 @@ def test_a_cp_candidate_launches_from_the_magic(ip: Any, runs: Path) -> None:
                             "--no-dashboard", CP_CELL)  # fmt: skip
     assert run.wait(300) == "succeeded", run.logs()
     assert json.loads((run.dir / "run.json").read_text())["env"]["JD_CP"] == "2"
-    losses = [r["loss"] for r in run.records("step") if r["rank"] == 0]
-    assert len(losses) == 12 and losses[-1] < losses[0], losses
+    steps = [r for r in run.records("step") if r["rank"] == 0]  # coalesced by the telemetry interval
+    assert max(r["step"] for r in steps) == 11 and steps[-1]["loss"] < steps[0]["loss"], steps
     assert "mesh dp_shard=1 x cp=2" in run.logs(0), run.logs(0)[-2000:]
     assert descendants_gone(run)
 
@@ -386,7 +386,7 @@ def test_the_wizard_launches_a_pipeline_candidate(ip: Any, runs: Path) -> None:
     env = json.loads((run.dir / "run.json").read_text())["env"]
     assert (env["JD_STRATEGY"], env["JD_PP"]) == ("fsdp2", "2")
     assert "mesh pp=2 x dp_shard=1" in run.logs(0), run.logs(0)[-2000:]
-    assert len([r for r in run.records("step") if r["rank"] == 0]) == 6
+    assert max(r["step"] for r in run.records("step") if r["rank"] == 0) == 5
     if w.dashboard is not None:
         w.dashboard.stop() if hasattr(w.dashboard, "stop") else None
     assert descendants_gone(run)
