@@ -7,8 +7,9 @@ one thread each) and times, on every stage, the forward and backward compute of 
 stage module and its first block, and the loss) against the wall time of the schedule's step (the optimizer step
 apart). Idle = step time - compute; the planner's bubble is
 idle / compute = (p - 1) / m (Narayanan et al. 2021, section 2.2: the pipeline flush costs p - 1 micro-batch slots
-out of m). Steps after the first (schedule set-up) are averaged. Each stage holds the same number of blocks and the
-head is kept small, so the stages cost the same and the measured bubble is the schedule's, not an imbalance.
+out of m). Steps after the first (schedule set-up) are summarised by their medians. Each stage holds the same number
+of blocks and the head is kept small, so the stages cost the same and the measured bubble is the schedule's, not an
+imbalance.
 
 Idle also holds each micro-batch's send and receive where they are not hidden (gloo copies through the host): the
 defaults (dim 512, sequence 256, two blocks per stage) give about half a second of compute per micro-batch and stage
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()
@@ -112,9 +114,10 @@ def main() -> None:
             plan = (a.stages - 1) / m
             ratios = []
             for s, rows in enumerate(per_stage):
-                wall = sum(r["wall"] for r in rows) / len(rows)
-                busy = sum(r["busy"] for r in rows) / len(rows)
-                bubble = (wall - busy) / busy
+                # medians over the steps: another process taking the shared cores for a moment inflates one step
+                wall = statistics.median(r["wall"] for r in rows)
+                busy = statistics.median(r["busy"] for r in rows)
+                bubble = statistics.median((r["wall"] - r["busy"]) / r["busy"] for r in rows)
                 ratios.append(bubble / plan)
                 print(f"{m:>13} {s:>5} {wall:>8.3f} {busy:>10.3f} {bubble:>13.3f} {plan:>6.3f} {bubble / plan:>6.2f}")
             summary.append((m, sum(ratios) / len(ratios)))
