@@ -7,8 +7,15 @@ one thread each) and times, on every stage, the forward and backward compute of 
 stage module and its first block, and the loss) against the wall time of the schedule's step (the optimizer step
 apart). Idle = step time - compute; the planner's bubble is
 idle / compute = (p - 1) / m (Narayanan et al. 2021, section 2.2: the pipeline flush costs p - 1 micro-batch slots
-out of m). Steps after the first (schedule set-up) are averaged. Each stage holds the same number of blocks and the
-head is kept small, so the stages cost the same and the measured bubble is the schedule's, not an imbalance.
+out of m). Steps after the first (schedule set-up) are summarised by their medians. Each stage holds the same number
+of blocks and the head is kept small, so the stages cost the same and the measured bubble is the schedule's, not an
+imbalance.
+
+Idle also holds each micro-batch's send and receive where they are not hidden (gloo copies through the host): the
+defaults (dim 512, sequence 256, two blocks per stage) give about half a second of compute per micro-batch and stage
+against 1 MiB sent, so what is measured is the bubble; at dim 256, sequence 128 the transfers were a third of the
+idle time and the ratio came out 1.5-3x. The last line is the measured over the planned bubble per m, the mean over
+the stages (issue 19: within 20%). The machine's other load shows up as noise: run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,39 +99,30 @@ def measure(stages: int, microbatches: int, steps: int, dim: int, seq: int, tmp:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()
     print(f"1F1B, {a.stages} stages, reference transformer dim {a.dim}, seq {a.seq}, CPU/gloo, 1 thread per stage")
     head = ("micro-batches", "stage", "step s", "compute s", "idle/compute", "plan", "ratio")
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, (13, 5, 8, 10, 13, 6, 6), strict=True)))
-    fit: list[tuple[int, float, float]] = []  # (m, idle s, compute per micro-batch s), stage 0
+    summary = []
     with tempfile.TemporaryDirectory() as d:
         for m in a.microbatches:
             per_stage = measure(a.stages, m, a.steps, a.dim, a.seq, Path(d))
             plan = (a.stages - 1) / m
+            ratios = []
             for s, rows in enumerate(per_stage):
-                wall = sum(r["wall"] for r in rows) / len(rows)
-                busy = sum(r["busy"] for r in rows) / len(rows)
-                bubble = (wall - busy) / busy
+                # medians over the steps: another process taking the shared cores for a moment inflates one step
+                wall = statistics.median(r["wall"] for r in rows)
+                busy = statistics.median(r["busy"] for r in rows)
+                bubble = statistics.median((r["wall"] - r["busy"]) / r["busy"] for r in rows)
+                ratios.append(bubble / plan)
                 print(f"{m:>13} {s:>5} {wall:>8.3f} {busy:>10.3f} {bubble:>13.3f} {plan:>6.3f} {bubble / plan:>6.2f}")
-                if s == 0:
-                    fit.append((m, wall - busy, busy / m))
-    if len(fit) >= 2:
-        # idle = bubble + m x (per-micro-batch send/recv not hidden behind compute): a line in m; its intercept is
-        # the bubble, which the planner puts at (p - 1) x one micro-batch's compute (the p2p term is its pp_p2p)
-        ms, idles = [f[0] for f in fit], [f[1] for f in fit]
-        mean_m, mean_i = sum(ms) / len(ms), sum(idles) / len(idles)
-        slope = sum((x - mean_m) * (y - mean_i) for x, y in zip(ms, idles, strict=True)) / sum(
-            (x - mean_m) ** 2 for x in ms)  # fmt: skip
-        intercept = mean_i - slope * mean_m
-        per_mb = sum(f[2] for f in fit) / len(fit)
-        planned = (a.stages - 1) * per_mb
-        print(f"idle = {intercept * 1e3:.1f} ms + m x {slope * 1e3:.2f} ms (send/recv per micro-batch); the bubble "
-              f"{intercept * 1e3:.1f} ms against the plan's (p-1) x {per_mb * 1e3:.1f} ms = {planned * 1e3:.1f} ms: "
-              f"ratio {intercept / planned:.2f}")
+            summary.append((m, sum(ratios) / len(ratios)))
+    print("measured / planned bubble, mean over the stages: " + ", ".join(
+        f"m={m}: {r:.2f}{'' if abs(r - 1) <= 0.2 else ' (outside 20%)'}" for m, r in summary))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,14 +42,79 @@ def test_bad_splits_get_one_line() -> None:
         stage_bounds(4, 0)
 
 
+def test_the_schedule_order_is_pytorchs_interleaved_1f1b() -> None:
+    """The planner's order of a rank's forwards and backwards under interleaved 1F1B (what its memory counts from)
+    is the order PyTorch's ``ScheduleInterleaved1F1B`` computes for every rank, for 987 shapes (pp, m, virtual)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    from jupyter_dist.plan.pipeline import schedule_actions
+
+    shapes = 0
+    for pp in (2, 3, 4, 8):
+        for m in range(1, 33):
+            rounds = max(1, m // pp)
+            if m % rounds:
+                with pytest.raises(ParallelismError, match="multiple of"):
+                    schedule_actions("interleaved-1f1b", pp=pp, microbatches=m, rank=0, virtual=2)
+                continue
+            for v in (2, 3, 4):
+                torch_side = SimpleNamespace(pp_group_size=pp, n_local_stages=v, _n_microbatches=m,
+                                             number_of_rounds=rounds, microbatches_per_round=m // rounds)  # fmt: skip
+                for rank in range(pp):
+                    ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(torch_side, rank)
+                    want = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index)
+                            for a in ops if a is not None]  # fmt: skip
+                    assert schedule_actions("interleaved-1f1b", pp=pp, microbatches=m, rank=rank, virtual=v) == want
+                    shapes += 1
+    assert shapes == 987
+
+
+def test_the_planner_counts_what_each_schedule_holds() -> None:
+    """GPipe holds all m micro-batches on every stage, 1F1B min(pp, m) on the first, interleaved 1F1B its warm-up
+    plus one forward over the rank's stages; the bubble is (p-1)/m, interleaved (p-1)/(v m)."""
+    from jupyter_dist.plan import Hardware, TrainingShape, plan
+
+    hw = Hardware.from_names("h100", gpus_per_node=8)
+    got = {}
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        shape = TrainingShape(grad_accum=8, pp_schedule=schedule)
+        c = plan("llama-3-8b", hw, shape, strategy="fsdp2", pp=4).candidate("fsdp2+pp4")
+        got[schedule] = c
+    detail = {k: (c.memory.detail["activations_in_flight"], c.memory.detail["activations_blocks_in_flight"])
+              for k, c in got.items()}  # fmt: skip
+    from jupyter_dist.plan.memory import pipeline_blocks
+    from jupyter_dist.plan.planner import resolve_model
+
+    four, eight = pipeline_blocks(resolve_model("llama-3-8b"), 4), pipeline_blocks(resolve_model("llama-3-8b"), 8)
+    # interleaved (rank 0 holds stages 0 and 4 of 8, of 5 and 4 blocks): rounds of 4 micro-batches, a warm-up of
+    # (2 - 1) x 4 + 2 x 3 = 10 forwards (4 on stage 0, 4 on stage 4, 2 on stage 0), then forward-backward pairs hold
+    # 11; the most blocks once stage 0 holds all 8 micro-batches and stage 4 three
+    assert eight[0] != eight[4]
+    assert detail == {"gpipe": (8, 8 * four[0]), "1f1b": (4, 4 * four[0]),
+                      "interleaved-1f1b": (11, 8 * eight[0] + 3 * eight[4])}  # fmt: skip
+    acts = {k: c.memory.activations for k, c in got.items()}
+    assert acts["1f1b"] < acts["interleaved-1f1b"] < acts["gpipe"]
+    bubble = {k: c.time.breakdown["pp_bubble"] / c.time.compute_s for k, c in got.items()}
+    assert bubble["gpipe"] == pytest.approx(3 / 8) and bubble["1f1b"] == pytest.approx(3 / 8)
+    assert bubble["interleaved-1f1b"] == pytest.approx(3 / 16)
+    with pytest.raises(ParallelismError, match="stages per rank"):
+        plan("gpt2", hw, TrainingShape(pp_schedule="interleaved-1f1b", pp_virtual=4), pp=4)
+
+
 # ----------------------------------------------------------------------------------------- equal math (slow)
 CONFIGS = {
-    # name: (processes, JD_* degrees)
-    "pp2-gpipe": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "gpipe", "JD_MICROBATCHES": "4"}),
-    "pp2-1f1b": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "1f1b", "JD_MICROBATCHES": "4"}),
-    "pp2-interleaved": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "interleaved-1f1b", "JD_MICROBATCHES": "4"}),
+    # name: (processes, JD_* degrees); EQ_MEASURE: each rank also writes the bytes it holds and, on the first
+    # pipeline rank, the micro-batches in flight (test_memory_and_in_flight_equal_the_plan_per_schedule)
+    "pp2-gpipe": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "gpipe", "JD_MICROBATCHES": "4", "EQ_MEASURE": "1"}),
+    "pp2-1f1b": (2, {"JD_PP": "2", "JD_PP_SCHEDULE": "1f1b", "JD_MICROBATCHES": "4", "EQ_MEASURE": "1"}),
+    "pp2-interleaved": (
+        2,
+        {"JD_PP": "2", "JD_PP_SCHEDULE": "interleaved-1f1b", "JD_MICROBATCHES": "4", "EQ_MEASURE": "1"},
+    ),
     "pp2xdp2": (4, {"JD_PP": "2", "JD_MICROBATCHES": "2"}),
-    "tp2xpp2-sp": (4, {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_MICROBATCHES": "4"}),
+    "tp2xpp2-sp": (4, {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_MICROBATCHES": "4", "EQ_MEASURE": "1"}),
     "dp2xtp2xpp2-sp-ac": (8, {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_AC": "full", "JD_MICROBATCHES": "2"}),
 }
 EXPECTED_MESH = {
@@ -252,3 +317,42 @@ def test_per_stage_memory_and_micro_batches_in_flight_equal_the_plan(launches: L
     assert all(g[k] <= want[k] for g in got for k in want)
     first_stage = [g["in_flight"] for g in got if g["in_flight"]]  # ranks 0 and 1 (dp2) run stage 0
     assert first_stage == [cand.memory.detail["activations_in_flight"]] * 2 == [2, 2]
+
+
+MEASURED_SCHEDULES = {  # config: (candidate, tp, schedule, first rank's forwards held, their blocks)
+    "pp2-gpipe": ("fsdp2+pp2", None, "gpipe", 4, 8),  # all 4 forwards before any backward, 2 blocks each
+    "pp2-1f1b": ("fsdp2+pp2", None, "1f1b", 2, 4),  # warm-up of pp = 2 forwards, then one backward per forward
+    # 2 stages of 1 block per rank: warm-up (2 - 1) x 2 + 2 x (2 - 1) = 4 forwards, plus the first steady forward
+    "pp2-interleaved": ("fsdp2+pp2", None, "interleaved-1f1b", 5, 5),
+    "tp2xpp2-sp": ("fsdp2+tp2+pp2+sp", 2, "1f1b", 2, 4),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(MEASURED_SCHEDULES))
+def test_memory_and_in_flight_equal_the_plan_per_schedule(config: str, launches: Launches) -> None:
+    """Under GPipe, 1F1B and interleaved 1F1B (and tp2 x pp2 + sp), 4 micro-batches: the worst pipeline rank's
+    parameters, gradients and SGD momentum equal the plan's per-GPU figures to the byte, and the first rank holds
+    the forwards (and blocks) the plan counts for that schedule at once (hooks on each of its stages)."""
+    import json
+
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
+
+    name, tp, schedule, forwards, blocks = MEASURED_SCHEDULES[config]
+    nproc = CONFIGS[config][0]
+    launches[config]
+    spec = ModelSpec.from_module(Transformer, vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2)
+    shape = TrainingShape(micro_batch=8 // 4, seq_len=16, precision="fp32", grad_accum=4, optimizer="sgd",
+                          pp_schedule=schedule)  # fmt: skip
+    p = plan(spec, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc), shape, strategy="fsdp2", pp=2,
+             tp=tp)  # fmt: skip
+    cand = p.candidate(name)
+    want = {"params": cand.memory.params, "grads": cand.memory.grads, "optimizer": cand.memory.optimizer}
+    got = [json.loads(Path(f"{launches.path(config)}.rank{r}.json").read_text()) for r in range(nproc)]
+    worst = max(got, key=lambda g: g["params"])
+    assert {k: worst[k] for k in want} == want, (got, want)
+    planned = (cand.memory.detail["activations_in_flight"], cand.memory.detail["activations_blocks_in_flight"])
+    assert planned == (forwards, blocks)
+    first = [(g["in_flight"], g["in_flight_blocks"]) for g in got if g["in_flight"]]  # the first pp rank's tp ranks
+    assert first == [planned] * (tp or 1), (first, planned)

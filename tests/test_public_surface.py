@@ -278,6 +278,120 @@ def test_every_name_the_cpu_planner_prints_is_known_to_dist_train(ip: Any, runs:
         assert WorkerEnv.from_environ({**dry.env, "JD_RUN_DIR": ""}).strategy == c.strategy  # the worker reads it
 
 
+LARGE_PLANS = {  # model: (gpus per node, nodes, training shape, what its candidates must include)
+    "mixtral-8x7b": (8, 2, {}, ("ep",)),  # expert parallelism
+    "llama-3-8b": (8, 2, {"seq_len": 65536}, ("cp",)),  # context parallelism; recommended fsdp2-hybrid+cp16
+    "llama-3-70b": (8, 4, {}, ("tp", "pp")),
+    "llama-3.1-405b": (8, 32, {}, ("tp", "pp")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", list(LARGE_PLANS))
+def test_every_candidate_of_a_large_plan_dry_runs_with_its_mesh(ip: Any, runs: Path, model: str) -> None:
+    """Every candidate the planner prints for an MoE model (ep), a long sequence (cp) and 70B / 405B (tp, pp) on
+    H100 nodes is accepted by ``%%dist_train --plan p --strategy NAME --dry-run`` in a real shell, and the launch
+    environment carries its degrees: JD_TP/PP/CP/EP/SP as the name says, and for the hybrid strategies the replica
+    count whose shard groups are the ones the planner's memory assumed."""
+    gpn, nodes, shape, kinds = LARGE_PLANS[model]
+    p = plan(model, Hardware.from_names("h100", gpus_per_node=gpn, nodes=nodes), TrainingShape(**shape))
+    ip.user_ns["p"] = p
+    names = [c.name for c in p.candidates]
+    for kind in kinds:
+        assert any(re.search(rf"\+{kind}\d", n) for n in names), (kind, names)
+    if model == "llama-3-8b":
+        assert p.recommended == "fsdp2-hybrid+cp16"
+    defaults = {"JD_TP": "1", "JD_PP": "1", "JD_CP": "1", "JD_EP": "1", "JD_SP": "0", "JD_DP_REPLICATE": "1"}
+    for c in p.candidates:
+        line = f"--plan p --strategy {c.name} --nproc {gpn} --nodes {nodes} --dry-run"
+        try:
+            dry = ip.run_cell_magic("dist_train", line, "pass")
+        except UsageError as exc:
+            pytest.fail(f"{model}: %%dist_train {line} refused: {exc}")
+        d = c.dims
+        want = {"JD_STRATEGY": c.strategy, "JD_TP": str(d.tp), "JD_PP": str(d.pp), "JD_CP": str(d.cp),
+                "JD_EP": str(d.ep), "JD_SP": "1" if d.sp else "0",
+                "JD_DP_REPLICATE": str(d.hybrid_replicas(gpn) if c.strategy == "fsdp2-hybrid" else 1)}  # fmt: skip
+        got = {k: dry.env.get(k, defaults.get(k)) for k in want}
+        assert got == want, (model, c.name, got, want)
+        env = WorkerEnv.from_environ({**dry.env, "JD_RUN_DIR": ""})  # the worker reads it back
+        assert (env.strategy, env.tp, env.pp, env.cp, env.ep, env.sp) == (c.strategy, d.tp, d.pp, d.cp, d.ep, d.sp)
+        if c.strategy == "fsdp2-hybrid":  # FSDP2 shards over dp_shard x cp: the group the plan's memory counted
+            dp_shard = gpn * nodes // (d.pp * int(want["JD_DP_REPLICATE"]) * d.cp * d.tp)
+            assert dp_shard * d.cp == c.settings["shard_group_size"], (c.name, dp_shard, c.settings)
+    # the plan's pipeline schedule travels with it (its memory and bubble are that schedule's)
+    if "pp" in kinds:
+        q = plan(model, Hardware.from_names("h100", gpus_per_node=gpn, nodes=nodes),
+                 TrainingShape(**shape, pp_schedule="interleaved-1f1b"))  # fmt: skip
+        ip.user_ns["q"] = q
+        name = next(c.name for c in q.candidates if c.dims.pp > 1)
+        dry = ip.run_cell_magic("dist_train", f"--plan q --strategy {name} --nproc {gpn} --nodes {nodes} --dry-run",
+                                "pass")  # fmt: skip
+        assert dry.env["JD_PP_SCHEDULE"] == "interleaved-1f1b"
+
+
+CP_CELL = """
+import torch
+import torch.nn.functional as F
+
+from jupyter_dist.models import Transformer
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+torch.manual_seed(0)
+net = Transformer(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2)
+model, opt = jd.wrap(net, torch.optim.AdamW(net.parameters(), lr=3e-3))
+for step in range(12):
+    g = torch.Generator().manual_seed(step * jd.dp_size + jd.dp_rank)
+    tokens = (torch.randint(0, VOCAB, (BATCH, 1), generator=g) + torch.arange(SEQ + 1)) % VOCAB
+    loss = jd.train_step(tokens[:, :-1], tokens[:, 1:],
+                         lambda out, y: F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)))
+    jd.log(step, loss=loss, tokens=BATCH * SEQ)
+if jd.is_main:
+    print(f"final loss {loss.item():.3f} mesh {jd.mesh.describe()}")
+"""
+
+
+@pytest.mark.slow
+def test_a_cp_candidate_launches_from_the_magic(ip: Any, runs: Path) -> None:
+    """``%%dist_train --strategy fsdp2+cp2`` (what the planner prints for long sequences, scaled down) in a real
+    shell: 2 CPU processes on gloo with PyTorch's ring attention, the loss falls, the mesh is the candidate's."""
+    from conftest import descendants_gone
+
+    run = ip.run_cell_magic("dist_train", "--strategy fsdp2+cp2 --nproc 2 --name cp_launch --timeout 300 "
+                            "--no-dashboard", CP_CELL)  # fmt: skip
+    assert run.wait(300) == "succeeded", run.logs()
+    assert json.loads((run.dir / "run.json").read_text())["env"]["JD_CP"] == "2"
+    steps = [r for r in run.records("step") if r["rank"] == 0]  # coalesced by the telemetry interval
+    assert max(r["step"] for r in steps) == 11 and steps[-1]["loss"] < steps[0]["loss"], steps
+    assert "mesh dp_shard=1 x cp=2" in run.logs(0), run.logs(0)[-2000:]
+    assert descendants_gone(run)
+
+
+@pytest.mark.slow
+def test_the_wizard_launches_a_pipeline_candidate(ip: Any, runs: Path) -> None:
+    """The wizard's Launch of the ``fsdp2+pp2`` candidate it lists for gpt2 on 2 CPU processes runs the step-form
+    cell as a pipeline (JD_PP=2, the plan's schedule, stage meshes) and finishes."""
+    from conftest import descendants_gone
+    from test_pipeline_parallel import STEP_CELL
+
+    from jupyter_dist.ui.wizard import Wizard
+
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2, code="STEPS = 6\n" + STEP_CELL, runs_dir=runs, shell=ip)
+    assert "fsdp2+pp2" in [c.name for c in w.plan.candidates]
+    w.candidate.value = "fsdp2+pp2"
+    w.run_name.value = "wiz_pp2"
+    run = w.launch(timeout=300)
+    assert run is not None, w.launch_msg.value
+    assert run.candidate == "fsdp2+pp2" and "--strategy fsdp2+pp2" in w.train_line
+    assert run.wait(300) == "succeeded", run.logs()
+    env = json.loads((run.dir / "run.json").read_text())["env"]
+    assert (env["JD_STRATEGY"], env["JD_PP"]) == ("fsdp2", "2")
+    assert "mesh pp=2 x dp_shard=1" in run.logs(0), run.logs(0)[-2000:]
+    assert max(r["step"] for r in run.records("step") if r["rank"] == 0) == 5
+    if w.dashboard is not None:
+        w.dashboard.stop() if hasattr(w.dashboard, "stop") else None
+    assert descendants_gone(run)
+
+
 def test_a_pool_carries_a_composite_candidate_too(runs: Path) -> None:
     from jupyter_dist.pool.kernel import Pool
 

@@ -131,6 +131,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--checkpointing", default="none",
                     help="activation checkpointing: none (default), selective, op, layer:K, full")  # fmt: skip
     _bool_flag(tr, "flash-attn", True, "fused attention that never stores seq x seq scores (default on)")
+    from .plan.pipeline import PP_SCHEDULES
+
+    tr.add_argument("--pp-schedule", default="1f1b",
+                    help=f"pipeline schedule: {', '.join(PP_SCHEDULES)} (default 1f1b; sets activations in flight "
+                         "and the bubble)")  # fmt: skip
+    tr.add_argument("--pp-virtual", type=int_arg(1, 1024), default=None,
+                    help="pipeline stages per rank with interleaved-1f1b (default 2)")  # fmt: skip
     par = p.add_argument_group("parallelism")
     par.add_argument("--strategy", help="evaluate only this strategy (ddp, zero1..zero3, fsdp-*, fsdp2, ...)")
     for flag in ("tp", "pp", "cp", "ep"):
@@ -301,6 +308,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
         global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
         checkpointing=args.checkpointing, flash_attention=args.flash_attn,
+        pp_schedule=getattr(args, "pp_schedule", "1f1b"), pp_virtual=getattr(args, "pp_virtual", None) or 0,
     )  # fmt: skip
     assume: dict[str, Any] = {}
     if args.min_headroom is not None:

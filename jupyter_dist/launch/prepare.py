@@ -55,6 +55,10 @@ def launch_contract(
     fields = {**choice.worker_fields(), **(worker or {})}
     if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
         fields["ac"] = plan.training.checkpointing_name
+    if plan is not None and choice.dims.pp > 1 and "pp_schedule" not in fields:  # the planned schedule (the memory
+        fields["pp_schedule"] = plan.training.pp_schedule  # and bubble the plan shows are this schedule's)
+        if plan.training.pp_virtual:
+            fields["pp_virtual"] = plan.training.pp_virtual
     if plan is not None and "microbatches" not in fields:  # the plan's gradient accumulation: jd.train_step's
         planned = next((c for c in plan.candidates if c.name == choice.candidate.name), None)  # micro-batches
         if planned is not None and planned.grad_accum > 1:

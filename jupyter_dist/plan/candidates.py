@@ -9,7 +9,6 @@ dimension is ever dropped on the way to the workers.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -259,7 +258,6 @@ def resolve_launch(
                 f"{dp_from}")  # fmt: skip
     dp_replicate = 1
     spec = cand.spec
-    if spec is not None and spec.hybrid and dims.tp > 1:
-        per_node = nproc_per_node or world
-        dp_replicate = dims.dp // math.gcd(dims.dp, max(1, per_node // dims.tp))
+    if spec is not None and spec.hybrid and spec.family == "fsdp2":  # the mesh's replicas are then the plan's
+        dp_replicate = dims.hybrid_replicas(nproc_per_node or world)
     return LaunchChoice(candidate=cand, dims=dims, dp_replicate=dp_replicate, note=note)

@@ -23,7 +23,6 @@ accountings sit side by side so that a model's row can be traced to one function
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,10 +240,11 @@ def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
     return [end - start for start, end in stage_bounds(model.layers, pp, last_extra=head)]
 
 
-def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, float]:
-    """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline stage.
+def _stage_params(model: ModelSpec, dims: ParallelDims, virtual: int = 1) -> tuple[float, float, float]:
+    """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline rank.
 
-    Blocks are split ``pp`` ways as :func:`pipeline_blocks` says (the first stage also holds the input embedding,
+    Blocks are split ``pp x virtual`` ways as :func:`pipeline_blocks` says (stage ``i`` on rank ``i % pp``: a rank of
+    the interleaved schedule holds ``virtual`` stages) (the first stage also holds the input embedding,
     the last the output projection and final norm; the stage with the most parameters is the worst); TP splits
     block and embedding matrices ``tp`` ways (Megatron-LM); EP splits experts ``ep`` ways. What TP does not split
     stays whole on every tensor-parallel rank: the norms' weights and biases (sequence parallelism splits their
@@ -261,20 +261,25 @@ def _stage_params(model: ModelSpec, dims: ParallelDims) -> tuple[float, float, f
     whole_per_block = (2 * model.norm_params + model.router_params
                        + model.hidden * (model.out_bias + (model.mlp_bias and not model.is_moe)))  # fmt: skip
     positions = model.max_positions * model.hidden
-    first = model.embedding_params + (model.lm_head_params + model.norm_params if dims.pp == 1 else 0)
-    first_whole = positions + (model.norm_params if dims.pp == 1 else 0)
+    n_stages = dims.pp * virtual
+    first = model.embedding_params + (model.lm_head_params + model.norm_params if n_stages == 1 else 0)
+    first_whole = positions + (model.norm_params if n_stages == 1 else 0)
     last = model.lm_head_params + model.norm_params + (model.embedding_params if model.tied_embeddings else 0)
     last_whole = model.norm_params + (positions if model.tied_embeddings else 0)
-    counts = pipeline_blocks(model, dims.pp)
+    counts = pipeline_blocks(model, n_stages)
 
     def stage(i: int) -> tuple[float, float]:
         blocks = counts[i]
-        edge = (first if i == 0 else 0) + (last if i == len(counts) - 1 and dims.pp > 1 else 0)
-        edge_whole = (first_whole if i == 0 else 0) + (last_whole if i == len(counts) - 1 and dims.pp > 1 else 0)
+        edge = (first if i == 0 else 0) + (last if i == n_stages - 1 and n_stages > 1 else 0)
+        edge_whole = (first_whole if i == 0 else 0) + (last_whole if i == n_stages - 1 and n_stages > 1 else 0)
         split = blocks * (dense_per_block - whole_per_block) + edge - edge_whole
         return split / dims.tp + blocks * whole_per_block + edge_whole, blocks * expert_per_block / dims.ep
 
-    dense, expert = max((stage(i) for i in range(len(counts))), key=lambda de: de[0] + de[1])
+    def rank(r: int) -> tuple[float, float]:
+        parts = [stage(i) for i in range(r, n_stages, dims.pp)]
+        return sum(d for d, _ in parts), sum(e for _, e in parts)
+
+    dense, expert = max((rank(r) for r in range(dims.pp)), key=lambda de: de[0] + de[1])
     block = ((dense_per_block - whole_per_block) / dims.tp + whole_per_block + expert_per_block / dims.ep) * scale
     return dense * scale, expert * scale, block
 
@@ -459,20 +464,50 @@ def activation_bytes_per_layer(
     return replicated_total + (parallel * scale + core) / t
 
 
+def _rank_peak(
+    training: TrainingShape, pp: int, grad_accum: int, rank: int, held: list[float], during_backward: list[float]
+) -> tuple[float, int]:
+    """(bytes, forwards held) at pipeline rank ``rank``'s activation peak under the plan's schedule.
+
+    ``held[i]``: what stage ``i`` keeps per micro-batch from its forward until its backward;
+    ``during_backward[i]``: what that micro-batch occupies while its backward runs (the stage's transient buffers
+    added). The rank's forwards and backwards run in the order of :func:`~.pipeline.schedule_actions`: a forward
+    adds its stage's ``held``, a backward peaks at ``during_backward`` and then frees it. So 1F1B holds
+    ``min(m, pp - s)`` micro-batches on stage ``s``, GPipe all ``m`` on every stage, and interleaved 1F1B its
+    warm-up forwards plus one (spread over the rank's stages).
+    """
+    from .pipeline import schedule_actions
+
+    virtual = len(held) // pp
+    now, count, peak, peak_count = 0.0, 0, 0.0, 0
+    for kind, stage in schedule_actions(training.pp_schedule, pp=pp, microbatches=grad_accum, rank=rank,
+                                        virtual=virtual):  # fmt: skip
+        if kind == "F":
+            now, count = now + held[stage], count + 1
+            if now > peak:
+                peak, peak_count = now, count
+            continue
+        if now - held[stage] + during_backward[stage] > peak:
+            peak, peak_count = now - held[stage] + during_backward[stage], count
+        now, count = now - held[stage], count - 1
+    return peak, peak_count
+
+
 def _activation_bytes(
     model: ModelSpec, training: TrainingShape, dims: ParallelDims, grad_accum: int, layout: ActivationLayout
 ) -> dict[str, int]:
-    """Peak activation bytes of the worst pipeline stage, and its parts."""
+    """Peak activation bytes of the worst pipeline rank, and its parts."""
     s = training.seq_len / dims.cp
     b = training.micro_batch
     h, v, t = model.hidden, model.vocab, dims.tp
-    counts = pipeline_blocks(model, dims.pp)
+    virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
+    counts = pipeline_blocks(model, dims.pp * virtual)
     per_layer = activation_bytes_per_layer(model, training, dims, layout=layout)
-    in_flight = min(dims.pp, grad_accum) if dims.pp > 1 else 1  # 1F1B: the first stage holds p micro-batches
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
     # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
-    embed = s * b * h * in_flight / (t if dims.sp else 1) if model.dropout else 0.0
+    embed = s * b * h / (t if dims.sp else 1) if model.dropout else 0.0
     sp = t if dims.sp else 1
+    saved_loss = 0.0
     if measured_layout_applies(model):
         e = training.precision.bytes_per_activation
         # the final RMSNorm as in a block (fp32 input 4sbh, rsqrt 4sb, normalised before/after the weight 2e*sbh);
@@ -482,6 +517,7 @@ def _activation_bytes(
         # gradient and the logits' fp32 gradient (4sbv each): (e + 12) s b v
         head = (4 * s * b * h + 4 * s * b + 2 * e * s * b * h) / sp
         loss = (e + 12) * s * b * v / t
+        saved_loss = (e + 4) * s * b * v / t  # what a micro-batch's loss keeps until its backward: logits, log-softmax
     else:
         # Korthikanti Sec. 4.3: final norm + output projection input, fp32 logits
         head = 4 * s * b * h / sp
@@ -501,14 +537,28 @@ def _activation_bytes(
         working = 2 * e * s * b * model.d_ffn * model.top_k / t + e * s * b * h / sp
         backward = recompute_peak + working
         output, after = head + max(loss, backward), 0.0
-        first_extra = backward
+        edge_saved, edge_backward, inner_backward = head + saved_loss, output, backward
     else:
-        output, after, first_extra = head + loss, recompute_peak, 0.0
-    first = counts[0] * per_layer * in_flight + embed + (first_extra if dims.pp > 1 else 0.0)
-    last = counts[-1] * per_layer + output
-    total = first + output if dims.pp == 1 else max(first, last)
+        output, after = head + loss, recompute_peak
+        edge_saved, edge_backward, inner_backward = head + loss, head + loss, 0.0
+    in_flight, blocks_in_flight = 1, counts[0]
+    if dims.pp == 1:
+        total = counts[0] * per_layer + embed + output
+    else:
+        # what each stage keeps per micro-batch until its backward, and what it occupies during that backward
+        n = len(counts)
+        held = [c * per_layer + (embed if i == 0 else 0.0) + (edge_saved if i == n - 1 else 0.0)
+                for i, c in enumerate(counts)]  # fmt: skip
+        during = [c * per_layer + (embed if i == 0 else 0.0) + (edge_backward if i == n - 1 else inner_backward)
+                  for i, c in enumerate(counts)]  # fmt: skip
+        total = max(_rank_peak(training, dims.pp, grad_accum, r, held, during)[0] for r in range(dims.pp))
+        # the first rank's forwards held at once, and their blocks (what the pipeline tests measure with hooks)
+        blocks = [float(c) for c in counts]
+        first_blocks, in_flight = _rank_peak(training, dims.pp, grad_accum, 0, blocks, blocks)
+        blocks_in_flight = int(first_blocks)
     return {
         "activations_per_layer": int(per_layer), "activations_in_flight": in_flight,
+        "activations_blocks_in_flight": blocks_in_flight,
         "activations_head": int(head), "loss_peak": int(loss), "activations_logits": int(loss),
         "activations_recompute_peak": int(recompute_peak), "activations_backward_working": int(working),
         "activations": int(total + after),
@@ -633,14 +683,14 @@ def estimate_memory(
         # from the parameters' ``ds_tensor``). Measured from the live objects of 2-process runs in
         # tests/test_memory_measured.py::test_strategy_state_bytes_equal_measured.
         ob += 4
-    dense, expert, block = _stage_params(model, dims)
+    virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
+    dense, expert, block = _stage_params(model, dims, virtual)
 
     shard = dims.shard_size
     eshard = dims.expert_shard_size
-    if strategy.hybrid:  # shard inside a node, replicate across nodes
-        per_node = max(1, hardware.gpus_per_node // (dims.tp * dims.pp))
-        shard = math.gcd(shard, per_node)
-        eshard = max(1, math.gcd(eshard, per_node))
+    if strategy.hybrid:  # shard inside a node, replicate across nodes (as the mesh lays the replicas out)
+        shard = dims.shard_size // dims.hybrid_replicas(hardware.gpus_per_node)
+        eshard = max(1, shard // dims.ep)
 
     def sharded(bytes_per_param: int, on: bool) -> int:
         if not on:

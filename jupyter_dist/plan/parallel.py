@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ParallelismError
@@ -83,6 +84,18 @@ class ParallelDims:
     def expert_shard_size(self) -> int:
         """Ranks over which ZeRO/FSDP shard one expert's states (``dp * cp / ep``)."""
         return self.dp * self.cp // self.ep
+
+    def hybrid_replicas(self, gpus_per_node: int) -> int:
+        """HSDP's replica count (``JD_DP_REPLICATE``) when it shards inside a node and replicates across nodes.
+
+        On the device mesh ``(pp, dp_replicate, dp_shard, cp, tp)`` (row-major, tp innermost) one pipeline stage's
+        ranks are consecutive, so a node holds ``min(gpus_per_node, world / pp)`` of them; a shard group is
+        ``dp_shard`` whole ``cp x tp`` blocks, so ``dp_shard`` is the largest divisor of ``dp`` whose blocks fit in
+        that (1 when one ``cp x tp`` block already spans nodes) and the rest of ``dp`` replicates. The planner's
+        memory, the launch and the worker's mesh all use this one count.
+        """
+        in_node = min(max(1, gpus_per_node), self.world_size // self.pp)
+        return self.dp // math.gcd(self.dp, max(1, in_node // (self.cp * self.tp)))
 
     @property
     def is_data_parallel_only(self) -> bool:

@@ -37,8 +37,9 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     25 MB) or the first unit's gather and the last unit's reduce-scatter (FSDP/ZeRO-3: one block); ZeRO-1's
     all-gather after the optimizer step is not hidden. Tensor parallel: 4 all-reduces of ``s b h`` per layer and
     micro-batch (6 with full recomputation; Shoeybi et al. 2019), not overlapped, over NVLink inside a node and the
-    network across nodes. Pipeline: the 1F1B bubble ``(p-1)/m`` of the compute (Narayanan et al. 2021) plus the
-    stage-to-stage sends. Context parallel: the ring's K/V passes, hidden behind the attention. Expert parallel: the
+    network across nodes. Pipeline: the GPipe/1F1B bubble ``(p-1)/m`` of the compute, ``(p-1)/(v m)`` interleaved
+    over ``v`` stages per rank (Narayanan et al. 2021), plus the stage-to-stage sends. Context parallel: the ring's
+    K/V passes, hidden behind the attention. Expert parallel: the
     dispatch and combine all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic
     and the CPU optimizer step.
 
@@ -277,7 +278,8 @@ def estimate_time(
     comm: dict[str, float] = {}
 
     # ---- data parallel (ZeRO / FSDP / DDP) ----------------------------------------------------------------------
-    dense, expert, _ = _stage_params(model, dims)
+    virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
+    dense, expert, _ = _stage_params(model, dims, virtual)
     dp_exposed = 0.0
     dp_bytes = 0.0
     per_node_dp = max(1, gpn // dims.tp)
@@ -335,7 +337,9 @@ def estimate_time(
 
     # ---- pipeline -----------------------------------------------------------------------------------------------
     if dims.pp > 1:
-        breakdown["pp_bubble"] = compute * (dims.pp - 1) / m
+        # GPipe and 1F1B idle (p-1)/m of the compute; interleaving v stages per rank shortens each fill and drain
+        # step v-fold: (p-1)/(v m) (Narayanan et al. 2021, section 2.2)
+        breakdown["pp_bubble"] = compute * (dims.pp - 1) / (m * virtual)
         p2p_bytes = 2 * act * m / dims.tp
         cross_node = hardware.nodes > 1 and dims.tp * dims.cp * dims.dp >= gpn
         link = (

@@ -61,6 +61,10 @@ def _dims_problem(model: ModelSpec, training: TrainingShape, dims: ParallelDims)
         return f"tp ({dims.tp}) must divide the MLP width ({model.d_ffn})"
     if dims.pp > model.layers:
         return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers})"
+    virtual = training.pp_stages_per_rank
+    if dims.pp > 1 and dims.pp * virtual > model.layers:
+        return (f"pp ({dims.pp}) x {virtual} stages per rank ({training.pp_schedule}) cannot exceed the number of "
+                f"layers ({model.layers})")  # fmt: skip
     if dims.cp > 1 and training.seq_len % (2 * dims.cp):
         return (
             f"seq-len ({training.seq_len}) must be a multiple of 2 x cp ({2 * dims.cp}) "
@@ -128,6 +132,8 @@ def _evaluate(
         grad_accum = training.accumulation_for(dims.dp)
     except PlanInputError:
         return None
+    if dims.pp > 1 and training.pp_schedule == "interleaved-1f1b" and grad_accum % max(1, grad_accum // dims.pp):
+        return None  # PyTorch's interleaved 1F1B needs micro-batches in whole rounds (a multiple of m // pp)
     memory = estimate_memory(model, training, hardware, strategy, dims, grad_accum=grad_accum,
                              assumptions=assumptions)  # fmt: skip
     if memory_offset:  # measured by %dist_tune on this hardware: what the model left out (or counted twice)
@@ -137,7 +143,7 @@ def _evaluate(
     suffix = dims.label()
     settings: dict[str, Any] = dict(comm_settings(model, strategy))
     settings["shard_group_size"] = (
-        math.gcd(dims.shard_size, max(1, hardware.gpus_per_node // dims.tp)) if strategy.hybrid
+        dims.shard_size // dims.hybrid_replicas(hardware.gpus_per_node) if strategy.hybrid
         else dims.shard_size if strategy.shard_optimizer else 1
     )  # fmt: skip
     if strategy.hybrid and strategy.family == "fsdp" and settings["shard_group_size"] < 2:

@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from ..errors import PlanInputError
+from .pipeline import PP_SCHEDULES, stages_per_rank
 
 __all__ = [
     "Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "TORCH_DTYPES", "parse_enum", "precision_names",
@@ -158,6 +159,11 @@ class TrainingShape:
     """With :attr:`Checkpointing.LAYER`: every how many blocks one is fully checkpointed (``layer:K``)."""
     flash_attention: bool = True
     """Fused attention that never stores the seq x seq score matrix (FlashAttention, SDPA)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule under pipeline parallelism (``JD_PP_SCHEDULE``): ``gpipe``, ``1f1b`` or ``interleaved-1f1b``;
+    it decides how many micro-batches' activations a stage holds at once and the bubble."""
+    pp_virtual: int = 0
+    """Pipeline stages per rank (``JD_PP_VIRTUAL``); 0: 2 for ``interleaved-1f1b``, else 1."""
 
     def __post_init__(self) -> None:
         for f in ("micro_batch", "seq_len"):
@@ -180,6 +186,24 @@ class TrainingShape:
             every = parsed  # "layer:K" names K itself; "layer" alone is every second block
         object.__setattr__(self, "checkpointing", mode)
         object.__setattr__(self, "checkpoint_every", every if mode is Checkpointing.LAYER else 1)
+        schedule = str(self.pp_schedule).strip().lower().replace("_", "-")
+        if schedule not in PP_SCHEDULES:
+            raise PlanInputError(f"unknown pp-schedule {self.pp_schedule!r}; valid: {', '.join(PP_SCHEDULES)}")
+        object.__setattr__(self, "pp_schedule", schedule)
+        virtual = self.pp_virtual
+        if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 0:
+            raise PlanInputError(f"pp-virtual must be a non-negative integer, got {virtual!r}")
+        if virtual > 1 and schedule != "interleaved-1f1b":
+            raise PlanInputError(
+                f"pp-virtual {virtual}: more than one stage per rank needs pp-schedule interleaved-1f1b"
+            )
+        if virtual == 1 and schedule == "interleaved-1f1b":
+            raise PlanInputError("pp-schedule interleaved-1f1b needs pp-virtual >= 2 stages per rank (0: 2)")
+
+    @property
+    def pp_stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds under :attr:`pp_schedule` (2 for interleaved 1F1B unless given)."""
+        return stages_per_rank(self.pp_schedule, self.pp_virtual)
 
     @property
     def checkpointing_name(self) -> str:

@@ -9,15 +9,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import JupyterDistError, PlanInputError
+from ..plan.pipeline import PP_SCHEDULES, stages_per_rank
 from ..plan.strategies import get_strategy
 from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
     "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
 ]  # fmt: skip
-
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""Values of ``JD_PP_SCHEDULE``: GPipe (all forwards, then all backwards), 1F1B and interleaved 1F1B."""
 
 PRECISIONS = tuple(p.value for p in Precision)
 """Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
@@ -275,9 +273,7 @@ class WorkerEnv:
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages each rank holds (virtual stages of the interleaved schedule)."""
-        if self.pp_virtual:
-            return self.pp_virtual
-        return 2 if self.pp_schedule == "interleaved-1f1b" else 1
+        return stages_per_rank(self.pp_schedule, self.pp_virtual)
 
     @property
     def model_parallel(self) -> bool:

@@ -105,14 +105,17 @@ def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
 
     replicate = env.dp_replicate
     if env.strategy != "none" and get_strategy(env.strategy).hybrid and replicate == 1:
-        # fsdp2-hybrid without an explicit JD_DP_REPLICATE: shard inside a node, replicate across nodes
-        per_node = env.local_world_size // (env.tp * env.cp)
-        if per_node < 1 or env.local_world_size % (env.tp * env.cp) or env.world_size % env.local_world_size:
+        # fsdp2-hybrid started without the launch contract's JD_DP_REPLICATE: shard inside a node, replicate across
+        # nodes, counted as the planner and the launch count it
+        from ..plan.parallel import ParallelDims
+
+        if env.world_size % env.local_world_size or env.world_size % (env.pp * env.cp * env.tp):
             raise WorkerError(
-                f"{env.strategy}: LOCAL_WORLD_SIZE {env.local_world_size} is not a multiple of tp x cp "
-                f"({env.tp * env.cp}) or does not divide WORLD_SIZE {env.world_size}"
+                f"{env.strategy}: LOCAL_WORLD_SIZE {env.local_world_size} does not divide WORLD_SIZE "
+                f"{env.world_size}, or pp x cp x tp ({env.pp * env.cp * env.tp}) does not"
             )
-        replicate = env.world_size // env.local_world_size // env.pp
+        dims = ParallelDims.from_world(env.world_size, tp=env.tp, pp=env.pp, cp=env.cp)
+        replicate = dims.hybrid_replicas(env.local_world_size)
     shard = env.world_size // (env.pp * replicate * env.cp * env.tp)
     sizes = {"pp": env.pp, "dp_replicate": replicate, "dp_shard": shard, "cp": env.cp, "tp": env.tp}
     total = 1

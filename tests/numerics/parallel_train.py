@@ -202,23 +202,29 @@ def train(out_path: str, kind: str) -> None:
             clear(set_to_none=set_to_none)
 
         opt.zero_grad = zero_grad
-    in_flight = {"now": 0, "max": 0}
+    # micro-batches whose activations the first pipeline rank holds at once (forwards whose backward has not run),
+    # over all its stages (two under interleaved 1F1B), and the blocks they span
+    in_flight = {"now": 0, "max": 0, "blocks": 0, "max_blocks": 0}
     from jupyter_dist.worker._runtime import get_runtime
 
     pipe = get_runtime().pipeline
-    if pipe is not None and pipe.is_first:  # micro-batches whose activations stage 0 holds at once
-        stage0 = pipe.stages[0].submod
-        block = next(iter(stage0.layers.values()))
+    if pipe is not None and pipe.is_first:
+        for stage in pipe.stages:
+            module = stage.submod
+            n_blocks = len(module.layers)
 
-        def fwd(*_: object) -> None:
-            in_flight["now"] += 1
-            in_flight["max"] = max(in_flight["max"], in_flight["now"])
+            def fwd(*_: object, n: int = n_blocks) -> None:
+                in_flight["now"] += 1
+                in_flight["blocks"] += n
+                in_flight["max"] = max(in_flight["max"], in_flight["now"])
+                in_flight["max_blocks"] = max(in_flight["max_blocks"], in_flight["blocks"])
 
-        def bwd(*_: object) -> None:
-            in_flight["now"] -= 1
+            def bwd(*_: object, n: int = n_blocks) -> None:
+                in_flight["now"] -= 1
+                in_flight["blocks"] -= n
 
-        stage0.register_forward_hook(fwd)
-        block.register_full_backward_hook(bwd)
+            module.register_forward_hook(fwd)
+            next(iter(module.layers.values())).register_full_backward_hook(bwd)
     save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
     step_form = os.environ.get("EQ_STEP_FORM") == "1" or int(os.environ.get("JD_PP", "1")) > 1
 
@@ -238,7 +244,8 @@ def train(out_path: str, kind: str) -> None:
             local = tokens.chunk(jd.world_size)[jd.rank]
         else:
             local = tokens.chunk(jd.dp_size)[jd.dp_rank]
-        in_flight.update(now=0, max=0)  # per step (the first step also runs the schedule's shape inference)
+        # per step (the first step also runs the schedule's shape inference)
+        in_flight.update(now=0, max=0, blocks=0, max_blocks=0)
         if step_form:  # the form that runs under every plan (pipelines, context parallelism included)
             value = jd.train_step(local[:, :-1], local[:, 1:], loss_fn).clone()
             grad_bytes = 0
@@ -273,6 +280,7 @@ def train(out_path: str, kind: str) -> None:
         }
         if pipe is not None:
             measured["in_flight"] = in_flight["max"]
+            measured["in_flight_blocks"] = in_flight["max_blocks"]
         with open(f"{out_path}.rank{jd.rank}.json", "w") as f:
             json.dump(measured, f)
     params = {clean(k): full(p) for k, p in model.named_parameters()}
