@@ -131,7 +131,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--checkpointing", default="none",
                     help="activation checkpointing: none (default), selective, op, layer:K, full")  # fmt: skip
     _bool_flag(tr, "flash-attn", True, "fused attention that never stores seq x seq scores (default on)")
-    from .plan.pipeline import PP_SCHEDULES
+    from ..plan.pipeline import PP_SCHEDULES
 
     tr.add_argument("--pp-schedule", default="1f1b",
                     help=f"pipeline schedule: {', '.join(PP_SCHEDULES)} (default 1f1b; sets activations in flight "
