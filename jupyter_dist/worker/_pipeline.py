@@ -22,6 +22,7 @@ gradient as in one process.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -30,48 +31,134 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "PIPELINE_NEEDS"]
+__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "PIPELINE_NEEDS", "HF_PIPELINE_TYPES"]
 
 _log = logging.getLogger("jupyter_dist.worker")
 
 PIPELINE_NEEDS = (
     "jd.wrap: pipeline parallelism (pp{pp}) needs a model whose blocks sit in an nn.ModuleDict keyed by index and "
-    "whose forward skips parts set to None, like jupyter_dist.models.Transformer; {kind} {why}"
+    "whose forward skips parts set to None, like jupyter_dist.models.Transformer, or a Hugging Face decoder-only "
+    "causal LM ({hf}); {kind} {why}"
 )
+
+HF_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""Hugging Face ``model_type``s whose forward runs a stage as it is: ``inputs_embeds`` go into the decoder layers
+unchanged (no scaling, as Gemma's forward applies), the layers are sliced with ``self.layers[: num_hidden_layers]``
+and per-layer attention types read ``config.layer_types`` by position."""
+
+
+def _needs(model: torch.nn.Module, pp: int, why: str) -> WorkerError:
+    return WorkerError(PIPELINE_NEEDS.format(pp=pp, kind=type(model).__name__, why=why,
+                                             hf=", ".join(HF_PIPELINE_TYPES)))  # fmt: skip
+
+
+def _is_hf(model: torch.nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _get(model: torch.nn.Module, path: str) -> Any:
+    """The submodule at dotted ``path``, or ``None`` where a part on the way is missing or ``None``."""
+    module: Any = model
+    for part in path.split(".") if path else []:
+        module = module._modules.get(part) if module is not None else None
+    return module
+
+
+def _set(model: torch.nn.Module, path: str, value: Any) -> None:
+    parent, _, name = path.rpartition(".")
+    _get(model, parent)._modules[name] = value
+
+
+@functools.cache
+def _layers_class() -> type:
+    import torch.nn as nn
+
+    class PipelineLayers(nn.ModuleDict):
+        """A Hugging Face model's decoder layers keyed by their index in the whole model (``"0"``, ``"1"``, ...).
+
+        Replaces the model's ``ModuleList`` so a rank that keeps layers 2-3 still names them ``model.layers.2`` (the
+        whole model's parameter names: checkpoints and ``pretrained=`` loading mean the same under any split). A
+        slice gives the layers held, in order, as the model's forward asks for them (``self.layers[: n]``).
+        """
+
+        def __getitem__(self, key: Any) -> Any:
+            if isinstance(key, slice):
+                return list(self.values())[key]
+            return super().__getitem__(key)
+
+    return PipelineLayers
 
 
 def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any]:
-    """The attribute name and the ``ModuleDict`` of the model's blocks (a direct child)."""
+    """The dotted path and the ``ModuleDict`` of the model's blocks.
+
+    A direct child of a model whose forward skips ``None`` parts; a Hugging Face causal LM's ``ModuleList`` of
+    decoder layers (``model.layers``) is replaced in place by :func:`_layers_class` (same names).
+    """
     import torch.nn as nn
 
     from ._strategy import find_blocks
 
     blocks = find_blocks(model)
+    if not blocks:
+        raise _needs(model, pp, "has no repeated blocks")
+    if _is_hf(model):
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        if kind not in HF_PIPELINE_TYPES:
+            raise _needs(model, pp, f"is a Hugging Face model of type {kind!r}, not proven to run stage by stage")
+        if getattr(model.config, "tie_word_embeddings", False):
+            raise WorkerError(
+                f"jd.wrap: pipeline parallelism (pp{pp}) puts the embedding on the first stage and the head on the "
+                f"last, but {type(model).__name__} ties them (one tensor); build it with tie_word_embeddings=False"
+            )
+        for path, child in model.named_modules():
+            if isinstance(child, nn.ModuleList) and any(c is blocks[0] for c in child):
+                layers = _layers_class()({str(i): c for i, c in enumerate(child)})
+                _set(model, path, layers)
+                return path, layers
+            if isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
+                return path, child
+        raise _needs(model, pp, "keeps its decoder layers where they cannot be found")
     for name, child in model.named_children():
-        if blocks and isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
+        if isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
             return name, child
-    why = "keeps its blocks in a ModuleList" if blocks else "has no repeated blocks"
-    raise WorkerError(PIPELINE_NEEDS.format(pp=pp, kind=type(model).__name__, why=why))
+    raise _needs(model, pp, "keeps its blocks in a ModuleList")
 
 
 def _edge_parts(model: torch.nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """Top-level children before the blocks (run by the first stage) and after them (run by the last)."""
-    names = [n for n, _ in model.named_children()]
-    i = names.index(container)
-    return names[:i], names[i + 1 :]
+    """Parts before the blocks (run by the first stage) and after them (run by the last), as dotted paths.
+
+    The children with parameters of each module on the way to the blocks, before or after that way; parts without
+    parameters (a rotary embedding's frequency table) run on every stage.
+    """
+    first: list[str] = []
+    last: list[str] = []
+    parts = container.split(".")
+    module: Any = model
+    for depth, name in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        names = [n for n, _ in module.named_children()]
+        i = names.index(name)
+        for j, n in enumerate(names):
+            child = module._modules[n]
+            if j == i or child is None or not any(True for _ in child.parameters()):
+                continue
+            (first if j < i else last).append(f"{prefix}.{n}" if prefix else n)
+        module = module._modules[name]
+    return first, last
 
 
 def _extras(model: torch.nn.Module, container: str, first: list[str], last: list[str]) -> tuple[float, float]:
     """What the embedding and the head cost, in blocks (matmul FLOPs ~ parameters; a lookup costs ~nothing)."""
     import torch.nn as nn
 
-    blocks = list(getattr(model, container).values())
+    blocks = list(_get(model, container).values())
     per_block = max(1, sum(p.numel() for p in blocks[0].parameters()))
 
-    def flops_params(names: list[str]) -> int:
+    def flops_params(paths: list[str]) -> int:
         total = 0
-        for n in names:
-            mod = getattr(model, n)
+        for path in paths:
+            mod = _get(model, path)
             if mod is None or isinstance(mod, nn.Embedding):
                 continue
             total += sum(p.numel() for p in mod.parameters())
@@ -80,26 +167,76 @@ def _extras(model: torch.nn.Module, container: str, first: list[str], last: list
     return flops_params(first) / per_block, flops_params(last) / per_block
 
 
-def _view(root: torch.nn.Module, container: str, keys: list[str], run_first: bool, run_last: bool,
-          first: list[str], last: list[str]) -> torch.nn.Module:  # fmt: skip
-    """A module of ``root``'s class sharing its submodules, running only ``keys`` (and the edges it owns)."""
-    import torch.nn as nn
-
-    view = root.__class__.__new__(root.__class__)
-    view.__dict__.update(root.__dict__)
-    for key, value in root.__dict__.items():  # own module tables and hook tables; the submodules stay shared
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A module of ``module``'s class sharing its submodules and parameters, with its own tables and no hooks."""
+    view = module.__class__.__new__(module.__class__)
+    view.__dict__.update(module.__dict__)
+    for key, value in module.__dict__.items():  # own module tables and hook tables; the submodules stay shared
         if isinstance(value, dict):
             view.__dict__[key] = type(value)(value) if "hook" not in key else type(value)()
-    full = getattr(root, container)
-    view._modules[container] = nn.ModuleDict({k: full[k] for k in keys})
-    for n in first:
-        if not run_first:
-            view._modules[n] = None
-    for n in last:
-        if not run_last:
-            view._modules[n] = None
     view.__dict__.pop("forward", None)  # the class's forward, not the root's refusal
     return view
+
+
+def _view(root: torch.nn.Module, container: str, keys: list[str], run_first: bool, run_last: bool,
+          first: list[str], last: list[str], hf: bool) -> torch.nn.Module:  # fmt: skip
+    """A module of ``root``'s class sharing its submodules, running only ``keys`` (and the edges it owns).
+
+    The modules on the way to the blocks are shallow copies (a Hugging Face causal LM and its base model), so the
+    view changes what they hold without changing ``root``. Parts this stage does not run are ``None`` (the
+    reference model's forward skips them; a Hugging Face model is given ``inputs_embeds``, so it skips its
+    embedding), or, for a Hugging Face model's parts after the blocks (its forward always runs the final norm and
+    head), ``nn.Identity``. A Hugging Face base model's view gets a copy of its config that counts the stage's
+    layers (``num_hidden_layers``, ``layer_types``).
+    """
+    import copy
+
+    import torch.nn as nn
+
+    view = _shallow(root)
+    parts = container.split(".")
+    parent = view
+    for name in parts[:-1]:
+        child = _shallow(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    full = _get(root, container)
+    layers = type(full)({k: full[k] for k in keys})
+    parent._modules[parts[-1]] = layers
+    config = getattr(parent, "config", None)
+    if hf and config is not None:
+        config = copy.copy(config)
+        config.num_hidden_layers = len(keys)
+        if isinstance(getattr(config, "layer_types", None), list | tuple):
+            config.layer_types = [config.layer_types[int(k)] for k in keys]
+        parent.__dict__["config"] = config
+    for path in first:
+        if not run_first:
+            _set(view, path, None)
+    for path in last:
+        if not run_last:
+            _set(view, path, nn.Identity() if hf else None)
+    return view
+
+
+def _hf_stage_hooks(view: torch.nn.Module, first: bool) -> None:
+    """A Hugging Face stage takes token ids (first stage) or hidden states, and returns a tensor.
+
+    Hidden states go in as ``inputs_embeds``; no key/value cache; out comes the output's ``logits`` (the hidden
+    states on every stage but the last, whose head is ``nn.Identity``).
+    """
+
+    def pre(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = {**kwargs, "use_cache": False}
+        if first or not args:
+            return args, kwargs
+        return tuple(args[1:]), {**kwargs, "inputs_embeds": args[0]}
+
+    def post(_m: Any, _args: Any, out: Any) -> Any:
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    view.register_forward_pre_hook(pre, with_kwargs=True)
+    view.register_forward_hook(post)
 
 
 def aux_layers(module: torch.nn.Module) -> list[Any]:
@@ -113,17 +250,22 @@ class StagePlan:
     """Which stages and layers this rank keeps (from :func:`prune`)."""
 
     def __init__(self, container: str, first: list[str], last: list[str], bounds: list[tuple[int, int]],
-                 mine: list[int]) -> None:  # fmt: skip
+                 mine: list[int], *, hf: bool = False) -> None:  # fmt: skip
         self.container, self.first, self.last, self.bounds, self.mine = container, first, last, bounds, mine
+        self.hf = hf
+        """A Hugging Face causal LM: its stages take ``inputs_embeds`` and return their output's ``logits``."""
 
     def views(self, model: torch.nn.Module) -> list[tuple[int, Any]]:
         """``[(stage index, stage view)]`` of the pruned ``model`` (after its blocks were wrapped or sharded)."""
         n = len(self.bounds)
-        return [
-            (i, _view(model, self.container, [str(j) for j in range(*self.bounds[i])], i == 0, i == n - 1,
-                      self.first, self.last))
-            for i in self.mine
-        ]  # fmt: skip
+        out = []
+        for i in self.mine:
+            view = _view(model, self.container, [str(j) for j in range(*self.bounds[i])], i == 0, i == n - 1,
+                         self.first, self.last, self.hf)  # fmt: skip
+            if self.hf:
+                _hf_stage_hooks(view, i == 0)
+            out.append((i, view))
+        return out
 
 
 def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> StagePlan:
@@ -135,9 +277,14 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
 
     container, blocks = _block_container(model, pp)
     first, last = _edge_parts(model, container)
+    if _is_hf(model):  # its forward skips only the embedding (given inputs_embeds): nothing else may come first
+        embedding = model.get_input_embeddings()
+        others = [p for p in first if _get(model, p) is not embedding]
+        if others:
+            raise _needs(model, pp, f"runs {others} before its decoder layers")
     keys = list(blocks.keys())
     if keys != [str(i) for i in range(len(keys))]:
-        raise WorkerError(PIPELINE_NEEDS.format(pp=pp, kind=type(model).__name__, why=f"names its blocks {keys[:3]}"))
+        raise _needs(model, pp, f"names its blocks {keys[:3]}")
     n_stages = pp * virtual
     extra_first, extra_last = _extras(model, container, first, last)
     bounds = stage_bounds(len(keys), n_stages, first_extra=extra_first, last_extra=extra_last)
@@ -147,14 +294,14 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
         if k not in kept:
             del blocks[k]  # dropped before anything is allocated: a rank holds only its stages
     if 0 not in mine:
-        for n in first:
-            setattr(model, n, None)
+        for path in first:
+            _set(model, path, None)
     if n_stages - 1 not in mine:
-        for n in last:
-            setattr(model, n, None)
+        for path in last:
+            _set(model, path, None)
     _log.info("jd.wrap: pipeline stages %s of %d on this rank, layers %s", mine, n_stages,
               [bounds[i] for i in mine])  # fmt: skip
-    return StagePlan(container, first, last, bounds, mine)
+    return StagePlan(container, first, last, bounds, mine, hf=_is_hf(model))
 
 
 class Pipeline:
@@ -175,7 +322,7 @@ class Pipeline:
         ]  # fmt: skip
         self.pp_group = pp_group
         self.microbatches = env.microbatches or self.n_stages
-        self.layers = {index: list(view.layers.keys()) for index, view in stages}
+        self.layers = {index: list(_get(view, container).keys()) for index, view in stages}
         """This rank's stage indices and the blocks (by global index) each runs."""
         self._schedule: Any = None
         self._loss_fn: Any = None
@@ -186,7 +333,7 @@ class Pipeline:
 
         n_stages = self.env.pp * self.env.stages_per_rank
         for index, view in stages:
-            layers = aux_layers(getattr(view, container))
+            layers = aux_layers(_get(view, container))
             first, last = index == 0, index == n_stages - 1
 
             def pre(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool = first) -> Any:
