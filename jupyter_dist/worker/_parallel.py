@@ -143,7 +143,8 @@ class _SequenceBoundary:
     """
 
     @staticmethod
-    def make(src: Any, dst: Any) -> Any:
+    def make(src: Any, dst: Any, *, output: bool = False) -> Any:
+        """The style; ``output=True`` re-lays out the module's output instead of its input."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -168,13 +169,33 @@ class _SequenceBoundary:
                         return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
                     return None
 
-                module.register_forward_pre_hook(hook, with_kwargs=True)
+                def out_hook(_m: Any, _args: Any, out: Any) -> Any:
+                    return convert(out) if not isinstance(out, tuple) else (convert(out[0]), *out[1:])
+
+                if output:
+                    module.register_forward_hook(out_hook)
+                else:
+                    module.register_forward_pre_hook(hook, with_kwargs=True)
                 return module
 
             def __repr__(self) -> str:
-                return f"SequenceBoundary({self.src} -> {self.dst})"
+                return f"SequenceBoundary({self.src} -> {self.dst}{', output' * output})"
 
         return SequenceBoundary()
+
+    @staticmethod
+    def both(first: Any, second: Any) -> Any:
+        """One style applying two (a stage of one block splits its input and gathers its output)."""
+        from torch.distributed.tensor.parallel.style import ParallelStyle
+
+        class Both(ParallelStyle):
+            def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+                return second._apply(first._apply(module, device_mesh), device_mesh)
+
+            def __repr__(self) -> str:
+                return f"{first!r} + {second!r}"
+
+        return Both()
 
 
 def _torch_style(style: Any, where: str) -> Any:
@@ -289,6 +310,31 @@ def _hf_sequence_parallel(model: torch.nn.Module, plan: dict[str, Any]) -> dict[
     head = [k for k, s in out.items() if isinstance(s, ColwiseParallel) and not k.startswith(container + ".")]
     for key in head:
         out[key] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    return out
+
+
+def _hf_stage_sequence_boundaries(stage_plan: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Under pipeline and sequence parallelism, a Hugging Face model's stream is whole between stages.
+
+    Its forward computes the rotary angles and the causal mask from the length of the hidden states it is given,
+    so a stage must receive whole sequences: the last block of every stage but the last gathers its output along
+    the sequence, and the first block of every stage but the first splits its input again (no communication). The
+    reference model computes its angles inside attention, after the gather, and needs neither.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = dict(plan)
+
+    def add(key: str, style: Any) -> None:  # a block may already split its input (the first) or need both
+        out[key] = _SequenceBoundary.both(out[key], style) if key in out else style
+
+    n = len(stage_plan.bounds)
+    for i in stage_plan.mine:
+        start, end = stage_plan.bounds[i]
+        if i > 0:
+            add(f"{stage_plan.container}.{start}", _SequenceBoundary.make(Replicate(), Shard(1)))
+        if i < n - 1:
+            add(f"{stage_plan.container}.{end - 1}", _SequenceBoundary.make(Shard(1), Replicate(), output=True))
     return out
 
 
@@ -680,6 +726,8 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     if plan is not None:
         if stage_plan is not None:  # the parts this rank dropped are not to be parallelised
             plan = {k: v for k, v in plan.items() if _modules_matching(model, k)}
+            if env.sp and stage_plan.hf:
+                plan = _hf_stage_sequence_boundaries(stage_plan, plan)
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
     if env.cp > 1:

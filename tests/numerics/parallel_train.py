@@ -209,9 +209,12 @@ def train(out_path: str, kind: str) -> None:
 
     pipe = get_runtime().pipeline
     if pipe is not None and pipe.is_first:
+        from jupyter_dist.worker._strategy import find_blocks
+
         for stage in pipe.stages:
             module = stage.submod
-            n_blocks = len(module.layers)
+            blocks = find_blocks(module)  # the reference model's layers, a Hugging Face model's model.layers
+            n_blocks = len(blocks)
 
             def fwd(*_: object, n: int = n_blocks) -> None:
                 in_flight["now"] += 1
@@ -224,7 +227,7 @@ def train(out_path: str, kind: str) -> None:
                 in_flight["blocks"] -= n
 
             module.register_forward_hook(fwd)
-            next(iter(module.layers.values())).register_full_backward_hook(bwd)
+            blocks[0].register_full_backward_hook(bwd)
     save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
     step_form = os.environ.get("EQ_STEP_FORM") == "1" or int(os.environ.get("JD_PP", "1")) > 1
 
