@@ -153,6 +153,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["ckpt-full"] = (4, "ref", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": "4", **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    hf = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", "EQ_LAYERS": "4", "EQ_CKPT": str(where / "hf-ckpt")}
+    for name, (nproc, model, degrees) in HF_CONFIGS.items():  # in the same launches (the save before its resume)
+        configs[name] = (nproc, model, {**hf, **degrees})
     return Launches(where, configs)
 
 
@@ -174,6 +177,106 @@ def test_checkpoint_saved_under_pp2_dp2_resumes_without_pipeline_and_under_tp2_p
         assert resumed["first"] == 5, name
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+
+
+# ------------------------------------------------------------------------- Hugging Face causal LMs (slow)
+HF_CONFIGS = {
+    # name: (processes, model, JD_* degrees); real transformers models built from small configs (4 layers, fp32)
+    "hf-pp2-1f1b": (2, "llama", {"JD_PP": "2", "JD_PP_SCHEDULE": "1f1b", "JD_MICROBATCHES": "4"}),
+    "hf-mixtral-pp2-gpipe": (2, "mixtral", {"JD_PP": "2", "JD_PP_SCHEDULE": "gpipe", "JD_MICROBATCHES": "4"}),
+    "hf-pp2xdp2": (4, "llama", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": "4"}),
+    # 4 stages of one block: each splits its input along the sequence and gathers its output for the next stage
+    "hf-tp2xpp2-sp-interleaved": (4, "llama", {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_MICROBATCHES": "4",
+                                               "JD_PP_SCHEDULE": "interleaved-1f1b", "JD_PP_VIRTUAL": "2"}),
+    "hf-resume-dp4": (4, "llama", {"EQ_RESUME": "1"}),  # from hf-pp2xdp2's checkpoint at step 4
+}  # fmt: skip
+HF_MESH = {"hf-pp2-1f1b": "pp=2 x dp_shard=1", "hf-mixtral-pp2-gpipe": "pp=2 x dp_shard=1",
+           "hf-pp2xdp2": "pp=2 x dp_shard=2", "hf-tp2xpp2-sp-interleaved": "pp=2 x dp_shard=1 x tp=2"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    d = tmp_path_factory.mktemp("single_hf")
+    return {m: run(d / f"{m}.pt", m, None, EQ_OPT="sgd", EQ_LAYERS="4") for m in ("llama", "mixtral")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(HF_MESH))
+def test_pipelined_hugging_face_model_equals_single_process(config: str, single_hf: dict, launches: Launches) -> None:
+    """A real ``LlamaForCausalLM`` (and ``MixtralForCausalLM``) cut into stages at decoder-layer boundaries: the
+    first stage embeds, the others take hidden states as ``inputs_embeds``, only the last applies the final norm and
+    head; rotary angles and the causal mask come from each stage's own forward. Losses and gathered parameters (named
+    as in the whole model) equal one process under pp2 (1F1B, GPipe), pp2 x dp2 and tp2 x pp2 + sp interleaved."""
+    got = launches[config]
+    assert got["mesh"] == HF_MESH[config]
+    assert_equal_math(single_hf[HF_CONFIGS[config][1]], got)
+
+
+@pytest.mark.slow
+def test_hugging_face_checkpoint_saved_under_pp2_dp2_resumes_under_dp4(launches: Launches) -> None:
+    """The stages keep the whole model's names (``model.layers.2...``): a DCP checkpoint saved at step 4 under pp2 x
+    dp2 resumes into the unsplit Hugging Face model under dp4, and the next 5 losses equal the uninterrupted run's."""
+    full, resumed = launches["hf-pp2xdp2"], launches["hf-resume-dp4"]
+    assert resumed["first"] == 5 and resumed["mesh"] == "dp_shard=4"
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL, atol=0)
+
+
+def _hf(kind: str, layers: int = 4, **extra: object) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa",
+                               **{"tie_word_embeddings": False, **extra})  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+HF_KINDS = {"llama": {}, "mistral": {}, "qwen2": {"use_sliding_window": True, "sliding_window": 4,
+                                                  "max_window_layers": 2},
+            "qwen3": {}, "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2},
+            "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(HF_KINDS))
+def test_hugging_face_stages_chained_give_the_whole_models_logits(kind: str) -> None:
+    """No processes: every family the pipeline takes, split over 2 ranks and over 2 x 2 virtual stages; each rank
+    keeps only its layers (under the whole model's names) and its stages, run one after the other, give the whole
+    model's logits exactly (Qwen2 with sliding-window layers on the second stage only: per-stage layer types)."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from jupyter_dist.worker._pipeline import prune
+
+    torch.manual_seed(0)
+    whole = _hf(kind, **HF_KINDS[kind])
+    names = {n for n, _ in whole.named_parameters()}
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        want = whole(tokens).logits
+        for virtual in (1, 2):
+            views, kept = {}, set()
+            for rank in range(2):
+                part = copy.deepcopy(whole)
+                stages = prune(part, pp=2, pp_rank=rank, virtual=virtual)
+                kept |= {n for n, _ in part.named_parameters()}
+                views.update(stages.views(part))
+            assert kept == names
+            h = tokens
+            for i in range(2 * virtual):
+                h = views[i](h)
+            assert torch.equal(h, want), (kind, virtual)
+
+
+def test_hugging_face_models_the_pipeline_cannot_run_get_one_line() -> None:
+    pytest.importorskip("transformers")
+    from jupyter_dist.worker import WorkerError
+    from jupyter_dist.worker._pipeline import prune
+
+    with pytest.raises(WorkerError, match=r"LlamaForCausalLM ties them \(one tensor\); build it with tie_word_emb"):
+        prune(_hf("llama", tie_word_embeddings=True), pp=2, pp_rank=0, virtual=1)
+    with pytest.raises(WorkerError, match=r"or a Hugging Face decoder-only causal LM \(llama, mistral, .*\); "
+                                          r"Gemma2ForCausalLM is a Hugging Face model of type 'gemma2', not proven"):
+        prune(_hf("gemma2"), pp=2, pp_rank=0, virtual=1)
 
 
 SCRIPT_ERRORS = """
