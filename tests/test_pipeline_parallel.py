@@ -274,8 +274,11 @@ def test_hugging_face_models_the_pipeline_cannot_run_get_one_line() -> None:
 
     with pytest.raises(WorkerError, match=r"LlamaForCausalLM ties them \(one tensor\); build it with tie_word_emb"):
         prune(_hf("llama", tie_word_embeddings=True), pp=2, pp_rank=0, virtual=1)
-    with pytest.raises(WorkerError, match=r"or a Hugging Face decoder-only causal LM \(llama, mistral, .*\); "
-                                          r"Gemma2ForCausalLM is a Hugging Face model of type 'gemma2', not proven"):
+    with pytest.raises(
+        WorkerError,
+        match=r"or a Hugging Face decoder-only causal LM \(llama, mistral, .*\); "
+        r"Gemma2ForCausalLM is a Hugging Face model of type 'gemma2', not proven",
+    ):
         prune(_hf("gemma2"), pp=2, pp_rank=0, virtual=1)
 
 
