@@ -65,6 +65,9 @@ def check_context_parallel(env: WorkerEnv, model: torch.nn.Module, family: str) 
             f"jd.wrap: context parallelism (cp{env.cp}) needs JD_STRATEGY=fsdp2 or fsdp2-hybrid (model states are "
             f"sharded over dp x cp), not {env.strategy}; run the fsdp2+cp{env.cp} candidate"
         )
+    if _is_hf(model):
+        _check_hf(env, model)
+        return
     if not callable(getattr(model, "cp_cores", None)):
         raise WorkerError(
             f"jd.wrap: context parallelism (cp{env.cp}) needs to know {type(model).__name__}'s attention cores: give "
@@ -79,6 +82,85 @@ def check_context_parallel(env: WorkerEnv, model: torch.nn.Module, family: str) 
             "places of this rank's tokens in the sequence, for the rotary angles); jupyter_dist.models.Transformer "
             "does"
         )
+
+
+HF_CP_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""Hugging Face ``model_type``s whose attention goes through ``transformers``' attention interface with
+``position_ids`` from the forward (so a registered attention function receives q, k, v after the rotary angles)."""
+
+HF_ATTENTION = "jd_context_parallel"
+"""The name under which the ring attention is registered in ``transformers.AttentionInterface``."""
+
+
+def _is_hf(model: torch.nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _check_hf(env: WorkerEnv, model: torch.nn.Module) -> None:
+    config = model.config  # type: ignore[attr-defined]
+    kind = getattr(config, "model_type", None)
+    if kind not in HF_CP_TYPES:
+        raise WorkerError(
+            f"jd.wrap: context parallelism (cp{env.cp}) runs Hugging Face decoders of type {', '.join(HF_CP_TYPES)} "
+            f"(their attention through transformers' AttentionInterface); {type(model).__name__} is {kind!r}: run a "
+            "candidate without cp, or jupyter_dist.models.Transformer"
+        )
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise WorkerError(
+            f"jd.wrap: context parallelism (cp{env.cp}) runs causal attention over the whole sequence; "
+            f"{type(model).__name__} has sliding-window layers (layer_types), which the ring attention does not "
+            "mask; build it without a sliding window or run a candidate without cp"
+        )
+
+
+def _hf_attention(cp_mesh: DeviceMesh) -> Any:
+    """A ``transformers`` attention function that runs PyTorch's ring attention on the cp mesh.
+
+    It receives the model's q, k, v (after the rotary angles, this rank's chunks of the sequence) and does what
+    ``_ContextParallel`` does for the reference model's cores: sequence-sharded DTensors into
+    ``F.scaled_dot_product_attention(is_causal=True)``, the local part of the output back. No attention mask is
+    built for it (transformers builds none for an implementation without a mask function): the causal mask of the
+    whole sequence is the ring's, with head-tail load balancing.
+    """
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                  dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                  **_: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if attention_mask is not None:
+            raise WorkerError("context parallelism: attention with an attention mask (padding) is not supported; "
+                              "train on whole sequences (causal only)")  # fmt: skip
+        if sliding_window is not None and query.shape[2] * cp_mesh.size() > sliding_window:
+            raise WorkerError(
+                f"context parallelism: a sliding window of {sliding_window} is shorter than the sequence "
+                f"({query.shape[2] * cp_mesh.size()}); the ring attention masks causally only"
+            )
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:  # grouped-query attention: each kv head serves a group of query heads
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        q, k, v = (DTensor.from_local(t.contiguous(), cp_mesh, (Shard(SEQ_DIM),), run_check=False)
+                   for t in (query, key, value))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+        return out.to_local().transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _apply_hf(model: torch.nn.Module, cp_mesh: DeviceMesh) -> int:
+    """Route a Hugging Face model's attention through the ring; returns the number of attention layers."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention(cp_mesh))
+    config = model.config  # type: ignore[attr-defined]
+    seen = set()
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            c._attn_implementation = HF_ATTENTION
+    config._attn_implementation = HF_ATTENTION
+    return sum(1 for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "o_proj"))
 
 
 def _cp_handlers() -> dict[Any, Any]:
@@ -156,6 +238,11 @@ def apply_context_parallel(model: torch.nn.Module, mesh: Any, device_type: str) 
     from torch.distributed.tensor.experimental._context_parallel._attention import _ContextParallel
 
     cp_mesh = mesh["cp"]
+    if _is_hf(model):
+        n = _apply_hf(model, cp_mesh)
+        enable_dispatcher(device_type)
+        model.register_forward_pre_hook(positions_hook(cp_mesh, hf=True), with_kwargs=True)
+        return n
     cores = list(model.cp_cores())  # type: ignore[operator]
     if not cores:
         raise WorkerError(f"jd.wrap: {type(model).__name__}.cp_cores() returned no module; context parallelism has "
@@ -168,22 +255,30 @@ def apply_context_parallel(model: torch.nn.Module, mesh: Any, device_type: str) 
     return len(cores)
 
 
-def positions_hook(cp_mesh: DeviceMesh) -> Any:
+def positions_hook(cp_mesh: DeviceMesh, *, hf: bool = False) -> Any:
     """A forward pre-hook passing ``positions=`` (this rank's places in the whole sequence) to a model or stage.
 
     Registered on the model, and under pipeline parallelism on each stage (a stage's input is its hidden states,
-    whose dim 1 is this rank's part of the sequence as the tokens' is).
+    whose dim 1 is this rank's part of the sequence as the tokens' is). A Hugging Face model (``hf``) gets them as
+    ``position_ids`` (``(1, local length)``), from its token ids or its ``inputs_embeds``.
     """
     cache: dict[tuple[int, str], torch.Tensor] = {}
+    name = "position_ids" if hf else "positions"
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if "positions" in kwargs or len(args) != 1 or args[0].dim() < 2:
+        if name in kwargs:
             return None
-        local = int(args[0].shape[1])
-        key = (local, str(args[0].device))
+        x = args[0] if len(args) == 1 else None
+        if hf and not args:  # a later pipeline stage's hidden states come as inputs_embeds
+            x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if x is None or x.dim() < 2:
+            return None
+        local = int(x.shape[1])
+        key = (local, str(x.device))
         if key not in cache:
-            cache[key] = local_positions(cp_mesh, local * cp_mesh.size(), args[0].device)
-        return args, {**kwargs, "positions": cache[key]}
+            cache[key] = local_positions(cp_mesh, local * cp_mesh.size(), x.device)
+        positions = cache[key].unsqueeze(0) if hf else cache[key]
+        return args, {**kwargs, name: positions}
 
     return hook
 

@@ -789,7 +789,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         if env.cp > 1:  # each stage's forward gets this rank's positions (after the balance-loss carry's pre-hook)
             from ._context import positions_hook
 
-            hook = positions_hook(mesh["cp"])
+            hook = positions_hook(mesh["cp"], hf=stage_plan is not None and stage_plan.hf)
             for stage in pipeline.stages:
                 stage.submod.register_forward_pre_hook(hook, with_kwargs=True)
         _refuse_direct_calls(model, env.pp)
