@@ -28,7 +28,9 @@ pytestmark = pytest.mark.slow
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The single-process reference, with SGD and with AdamW."""
     d = tmp_path_factory.mktemp("single")
-    return {opt: run(d / f"ref-{opt}.pt", "ref", None, EQ_OPT=opt) for opt in ("sgd", "adamw")}
+    out = {opt: run(d / f"ref-{opt}.pt", "ref", None, EQ_OPT=opt) for opt in ("sgd", "adamw")}
+    out["llama"] = run(d / "llama-sgd.pt", "llama", None, EQ_OPT="sgd")
+    return out
 
 
 CONFIGS = {
@@ -44,6 +46,10 @@ CONFIGS = {
 
 
 CKPT_RESUMES = {"dp4": {}, "pp2xcp2": {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}}
+HF_CONFIGS = {  # a real Hugging Face LlamaForCausalLM: its attention through transformers' AttentionInterface
+    "hf-dp2xcp2": (4, {"JD_CP": "2"}, "dp_shard=2 x cp=2"),
+    "hf-pp2xcp2": (4, {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}, "pp=2 x dp_shard=1 x cp=2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +69,8 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["ckpt-full"] = (4, "ref", {"JD_CP": "2", "EQ_SAVE_AT": "4", **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    for name, (nproc, degrees, _) in HF_CONFIGS.items():
+        configs[name] = (nproc, "llama", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", **degrees})
     return Launches(where, configs)
 
 
@@ -71,6 +79,17 @@ def test_context_parallel_run_equals_single_process(config: str, single: dict, l
     got = launches[config]
     assert got["mesh"] == CONFIGS[config][2]
     assert_equal_math(single["sgd"], got)
+
+
+@pytest.mark.parametrize("config", list(HF_CONFIGS))
+def test_context_parallel_hugging_face_llama_equals_single_process(config: str, single: dict,
+                                                                   launches: Launches) -> None:  # fmt: skip
+    """``LlamaForCausalLM`` (sdpa) under dp2 x cp2 and pp2 x cp2: each rank's ``position_ids`` are its head-tail
+    chunks' places in the sequence (rotary angles), and its attention is PyTorch's ring attention, registered in
+    transformers' ``AttentionInterface``; losses and parameters equal one process."""
+    got = launches[config]
+    assert got["mesh"] == HF_CONFIGS[config][2]
+    assert_equal_math(single["llama"], got)
 
 
 def test_adamw_under_dp2_cp2_equals_single_process(single: dict, launches: Launches) -> None:
@@ -130,7 +149,9 @@ def test_everything_around_the_attention_and_one_line_errors(tmp_path: Path) -> 
     out = proc.stdout.splitlines()
     lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in out if ln.startswith("CASE ")}
     assert "call jd.wrap(model, optimizer) first" in lines["before-wrap"]
-    assert "LlamaForCausalLM's attention cores" in lines["hf-model"] and "cp_cores()" in lines["hf-model"]
+    assert "runs Hugging Face decoders of type llama, mistral" in lines["hf-model"]
+    assert "Gemma2ForCausalLM is 'gemma2'" in lines["hf-model"]
+    assert "Qwen2ForCausalLM has sliding-window layers" in lines["hf-sliding"]
     assert "sequence length 14 is not a multiple of 2 x cp (4)" in lines["odd-length"]
     assert "same sequence length on dim 1 (8); got shape (2, 16)" in lines["lengths-differ"]
     assert "give at least one tensor" in lines["nothing"]

@@ -27,15 +27,17 @@ def case(name: str, call) -> None:  # noqa: ANN001
         print(f"CASE {name}: no error", flush=True)
 
 
-def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf(kind: str, **extra: object) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    cfg = AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 case("before-wrap", lambda: jd.cp_shard(torch.zeros(2, 8)))
-case("hf-model", lambda: jd.wrap(llama()))
+case("hf-model", lambda: jd.wrap(hf("gemma2")))
+case("hf-sliding", lambda: jd.wrap(hf("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)))
 model, _ = jd.wrap(Transformer(vocab_size=64, dim=32, n_heads=4))
 case("odd-length", lambda: jd.cp_shard(torch.zeros(2, 14)))
 case("lengths-differ", lambda: jd.cp_shard(torch.zeros(2, 8), torch.zeros(2, 16)))
