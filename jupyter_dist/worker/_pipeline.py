@@ -10,7 +10,12 @@ on the mesh's ``pp`` dimension and a GPipe, 1F1B or interleaved-1F1B schedule ru
 (:func:`jupyter_dist.worker.train_step`).
 
 A model can be pipelined when its blocks sit in an ``nn.ModuleDict`` keyed by their index and its ``forward`` skips
-parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does); other models get one line saying so.
+parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does), or when it is a Hugging Face decoder-only
+causal LM of a type in :data:`HF_PIPELINE_TYPES`; other models get one line saying so. For a Hugging Face model the
+``ModuleList`` of decoder layers becomes a dict keyed by the same indices (same parameter names); a stage views the
+causal LM and its base model (shallow copies along the way to the layers), takes token ids (first stage) or hidden
+states as ``inputs_embeds``, computes rotary angles and the causal mask from its own input as the whole model does,
+and on every stage but the last runs ``nn.Identity`` for the final norm and head.
 
 A mixture-of-experts model (:class:`jupyter_dist.models.MoETransformer`) adds its load-balancing loss, the mean over
 all its MoE layers, to the loss. Its layers sit on every stage, so the stages carry it: each stage sends on, with its
