@@ -40,6 +40,8 @@ CONFIGS = {
     "dp2xcp2": (4, {"JD_CP": "2"}, "dp_shard=2 x cp=2"),
     "cp2xtp2-sp": (4, {"JD_CP": "2", "JD_TP": "2", "JD_SP": "1"}, "dp_shard=1 x cp=2 x tp=2"),
     "hsdp2xcp2-ac": (4, {"JD_CP": "2", "JD_DP_REPLICATE": "2", "JD_AC": "full"}, "dp_replicate=2 x dp_shard=1 x cp=2"),
+    # through jd.train_step (it keeps this rank's chunks, accumulates 2 micro-batches, returns the mean over cp)
+    "cp2-step-mb2": (2, {"JD_CP": "2", "JD_MICROBATCHES": "2", "EQ_STEP_FORM": "1"}, "dp_shard=1 x cp=2"),
     # pipeline x context parallelism: each stage gets this rank's positions, the loss is the mean over cp
     "pp2xcp2": (4, {"JD_PP": "2", "JD_CP": "2", "JD_MICROBATCHES": "2"}, "pp=2 x dp_shard=1 x cp=2"),
 }  # fmt: skip

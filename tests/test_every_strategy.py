@@ -136,8 +136,9 @@ def reference_losses(steps: int, lr: float, *, sgd: bool = False) -> tuple[list[
     return losses, lrs
 
 
-def ds_config(strategy: str, accum: int = 1, clip: float = 0.0) -> dict:
-    """The DeepSpeed JSON ``%%dist_train`` would write for ``strategy`` (fp32, 2 data-parallel ranks).
+def ds_config(strategy: str, accum: int = 1, clip: float = 0.0, per_rank: int = 8) -> dict:
+    """The DeepSpeed JSON ``%%dist_train`` would write for ``strategy`` (fp32, 2 data-parallel ranks, ``per_rank``
+    samples per rank and step in ``accum`` micro-batches).
 
     Clipping is off by default so that the run equals the unclipped one-process reference.
     """
@@ -145,11 +146,12 @@ def ds_config(strategy: str, accum: int = 1, clip: float = 0.0) -> dict:
     from jupyter_dist.render.common import RenderOptions
     from jupyter_dist.render.deepspeed import render_deepspeed
 
-    shape = TrainingShape(micro_batch=8 // accum, grad_accum=accum, seq_len=64, precision="fp32", optimizer="adamw")
+    shape = TrainingShape(micro_batch=per_rank // accum, grad_accum=accum, seq_len=64, precision="fp32",
+                          optimizer="adamw")  # fmt: skip
     p = plan(ModelSpec(name="tiny", layers=2, hidden=64, heads=4, vocab=256),
              Hardware.from_names("h100-80gb", gpus_per_node=2), shape, strategy=strategy)  # fmt: skip
     cfg = render_deepspeed(p, RenderOptions(candidate=strategy, lr=LR, grad_clip=clip))
-    assert cfg["gradient_accumulation_steps"] == accum and cfg["train_micro_batch_size_per_gpu"] == 8 // accum
+    assert cfg["gradient_accumulation_steps"] == accum and cfg["train_micro_batch_size_per_gpu"] == per_rank // accum
     return cfg
 
 

@@ -132,6 +132,8 @@ CONFIGS = {
 
 MEMORY_CONFIGS = ("ep2xdp2", "tp2xep2-sp")
 CKPT_RESUMES = {"dp4": {}, "ep2xdp2": {"JD_EP": "2"}}
+TP_CKPT_RESUMES = {"pp2xep2": {"JD_PP": "2", "JD_EP": "2", "JD_MICROBATCHES": "2"}, "ep2xdp2": {"JD_EP": "2"}}
+"""Meshes that resume the checkpoint saved under tp2 x ep2 + sp (experts split by ep, attention by tp)."""
 HF_MODELS = ("mixtral", "qwen2_moe")
 
 
@@ -159,6 +161,10 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["ckpt-full"] = (4, "moe", {"JD_EP": "2", "EQ_SAVE_AT": "4", **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
+    common = {**common, "EQ_CKPT": str(where / "ckpt-tp")}
+    configs["ckpt-tp-full"] = (4, "moe", {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
+    for name, degrees in TP_CKPT_RESUMES.items():
+        configs[f"ckpt-tp-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
     return Launches(where, configs)
 
 
@@ -236,6 +242,23 @@ def test_checkpoint_saved_under_ep2_dp2_resumes_under_dp4_without_ep_and_under_e
     for name in CKPT_RESUMES:
         resumed = launches[f"ckpt-{name}"]
         assert resumed["first"] == 5, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
+                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_tp2_ep2_resumes_under_pp2_ep2_and_under_ep2_dp2(launches: Launches) -> None:
+    """Saved at step 4 under tp2 x ep2 + sp (attention split over tp, experts over ep, routers whole on each tp rank;
+    AdamW), resumed under pp2 x ep2 (each stage's experts split over ep) and under ep2 x dp2 (experts sharded over
+    efsdp 2): the next 5 losses equal the uninterrupted run's."""
+    full = launches["ckpt-tp-full"]
+    assert full["mesh"] == "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"
+    assert (launches.where / "ckpt-tp" / "step-4" / "COMPLETE").exists()
+    meshes = {"pp2xep2": "pp=2 x dp_shard=2 (experts: efsdp=1 x ep=2)",
+              "ep2xdp2": "dp_shard=4 (experts: efsdp=2 x ep=2)"}  # fmt: skip
+    for name in TP_CKPT_RESUMES:
+        resumed = launches[f"ckpt-tp-{name}"]
+        assert (resumed["first"], resumed["mesh"]) == (5, meshes[name]), name
         torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
 

@@ -1,7 +1,9 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``, alone and composed with FSDP2 and TP, proven by equal
 math: losses and gathered parameters of a parallel run equal one process's on the same global batches.
 
-Also the pure stage split (``plan/pipeline.py``) and the one-step form ``jd.train_step`` that runs under every plan.
+Also the pure stage split (``plan/pipeline.py``) and the one-step form ``jd.train_step`` that runs under every plan:
+its gradient accumulation (``JD_MICROBATCHES``) under ddp, fsdp2 and DeepSpeed ZeRO-2 equals one process taking the
+whole global batch in one step, with one gradient reduction per step (counted by the runtime's comm stats).
 """
 
 from __future__ import annotations
@@ -136,9 +138,21 @@ ZERO1 = {"JD_STRATEGY": "zero1", "JD_TP": "2", "JD_PP": "2", "JD_CP": "1", "JD_E
 """What ``--strategy zero1+tp2+pp2+sp`` on 8 processes sets (checked against ``resolve_launch`` in its test)."""
 
 
+ACCUM = {
+    # jd.train_step, 4 micro-batches per step on each of 2 ranks: name -> (JD_STRATEGY, the gradient reduction and how
+    # many of them one step issues); one per DDP bucket (the model's gradients fit one), one per FSDP2 group (4 blocks
+    # and the root). Without no_sync / set_requires_gradient_sync each micro-batch would reduce: 4 times as many.
+    "ddp-accum4": ("ddp", "all_reduce (DDP buckets)", 1),
+    "fsdp2-accum4": ("fsdp2", "reduce_scatter_single", 5),
+}
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     """Every equal-math run of this module: one launch each of 2, 4 and 8 processes."""
+    import importlib.util
+    import json
+
     where = tmp_path_factory.mktemp("launches")
     base = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", "EQ_LAYERS": "4"}
     configs: dict[str, tuple[int, str, dict[str, str]]] = {
@@ -156,6 +170,19 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     hf = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", "EQ_LAYERS": "4", "EQ_CKPT": str(where / "hf-ckpt")}
     for name, (nproc, model, degrees) in HF_CONFIGS.items():  # in the same launches (the save before its resume)
         configs[name] = (nproc, model, {**hf, **degrees})
+    for name, (strategy, _, _) in ACCUM.items():  # the runtime counts collectives where it has a run directory
+        accum = {**base, "JD_STRATEGY": strategy, "JD_MICROBATCHES": "4", "EQ_STEP_FORM": "1", "EQ_COUNT_COMM": "1"}
+        configs[name] = (2, "ref", {**accum, "JD_RUN_DIR": str(where / f"run-{name}")})
+        configs[f"{name}-sync-every"] = (2, "ref", {**accum, "JD_RUN_DIR": str(where / f"run-{name}-sync-every"),
+                                                    "EQ_SYNC_EVERY_MICROBATCH": "1", "EQ_STEPS": "2"})  # fmt: skip
+    if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's import patches torch for the process
+        from test_every_strategy import EXTENSIONS, ds_config
+
+        # what %%dist_train writes for zero2 (clipping off): 4 micro-batches of 1 sample on each rank
+        (where / "ds_config.json").write_text(json.dumps(ds_config("zero2", accum=4, per_rank=4)))
+        configs["zero2-accum4"] = (2, "ref", {**base, "JD_STRATEGY": "zero2", "EQ_STEP_FORM": "1",
+                                              "JD_DS_CONFIG": str(where / "ds_config.json"), "DS_ACCELERATOR": "cpu",
+                                              "TORCH_EXTENSIONS_DIR": str(EXTENSIONS)})  # fmt: skip
     return Launches(where, configs)
 
 
@@ -280,6 +307,38 @@ def test_hugging_face_models_the_pipeline_cannot_run_get_one_line() -> None:
         r"Gemma2ForCausalLM is a Hugging Face model of type 'gemma2', not proven",
     ):
         prune(_hf("gemma2"), pp=2, pp_rank=0, virtual=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(ACCUM))
+def test_train_step_accumulation_equals_one_big_step_with_one_reduction(
+    config: str, single4: dict, launches: Launches
+) -> None:
+    """``jd.train_step`` over 4 micro-batches per rank (``JD_MICROBATCHES=4``, 2 ranks) equals one process taking the
+    global batch of 8 in one step (losses of 10 steps, parameters element-wise, 1e-5), and each step reduces the
+    gradients once (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``): the comm stats count one bucket
+    all-reduce (DDP) or one reduce-scatter per FSDP2 group, not one per micro-batch. The count can fail: with those
+    two made no-ops (the math unchanged), every micro-batch reduces, 4 times as often."""
+    strategy, op, per_step = ACCUM[config]
+    got = launches[config]
+    assert got["mesh"] == ("dp_shard=2" if strategy == "fsdp2" else "None")
+    assert_equal_math(single4["sgd"], got)
+    assert [c.get(op) for c in got["comm"]] == [per_step] * 10, got["comm"]
+    every = launches[f"{config}-sync-every"]
+    assert [c.get(op) for c in every["comm"]] == [4 * per_step] * 2, every["comm"]
+    torch.testing.assert_close(torch.tensor(every["losses"]), torch.tensor(got["losses"][:2]), rtol=RTOL, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_train_step_under_deepspeed_accumulation_equals_one_big_step(single4: dict, launches: Launches) -> None:
+    """DeepSpeed ZeRO-2 with ``gradient_accumulation_steps=4`` (the config ``%%dist_train`` writes) through
+    ``jd.train_step``: the engine takes the 4 micro-batches (40 micro-steps, 10 optimizer steps) and the run equals one
+    process taking the global batch in one step (losses and parameters, 1e-5)."""
+    pytest.importorskip("deepspeed")
+    got = launches["zero2-accum4"]
+    assert got["engine_steps"] == [10, 40]
+    assert_equal_math(single4["sgd"], got)
 
 
 SCRIPT_ERRORS = """

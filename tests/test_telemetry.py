@@ -357,6 +357,37 @@ def test_collective_wrappers_time_blocking_and_async_calls() -> None:
     assert got["seconds"] >= 0.03 and stats.take() is None
 
 
+def test_collective_timers_count_fsdp2s_calls_and_follow_a_fresh_runtime() -> None:
+    """FSDP2 (torch 2.13) gathers with ``all_gather_single`` and reduce-scatters with ``reduce_scatter_single``: both
+    are timed (they were not, so an FSDP2 run's comm records missed its gradient reductions). Installing again (a
+    fresh runtime in the same process) keeps one wrapper, which reports to the new stats from then on."""
+    import torch.distributed as dist
+
+    from jupyter_dist.worker._comm import COLLECTIVES, CommStats, install_collective_timers
+
+    assert {"all_gather_single", "reduce_scatter_single"} <= set(COLLECTIVES)
+    assert all(callable(getattr(dist, name, None)) for name in ("all_gather_single", "reduce_scatter_single"))
+
+    class T:
+        def numel(self) -> int:
+            return 8
+
+        def element_size(self) -> int:
+            return 4
+
+    fake = types.SimpleNamespace(all_gather_single=lambda output, input, **kw: None,
+                                 reduce_scatter_single=lambda output, input, **kw: None)  # fmt: skip
+    first, second = CommStats(), CommStats()
+    assert sorted(install_collective_timers(fake, first)) == ["all_gather_single", "reduce_scatter_single"]
+    fake.reduce_scatter_single(output=T(), input=T(), op=None)
+    wrapper = fake.all_gather_single
+    assert install_collective_timers(fake, second) == [] and fake.all_gather_single is wrapper
+    fake.all_gather_single(T(), T())
+    assert first.take()["ops"] == {"reduce_scatter_single": {"count": 1, "seconds": pytest.approx(0, abs=0.1),
+                                                             "bytes": 32}}  # fmt: skip
+    assert second.take()["ops"].keys() == {"all_gather_single"}  # type: ignore[index]
+
+
 def test_comm_timing_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from jupyter_dist.worker._comm import enabled
 

@@ -23,9 +23,12 @@ from typing import Any
 __all__ = ["CommStats", "install_collective_timers", "ddp_timing_hook", "COLLECTIVES", "enabled"]
 
 COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier",
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
+    "barrier",
 )  # fmt: skip
+"""The ``torch.distributed`` functions timed. FSDP2 (torch 2.13) gathers parameters with ``all_gather_single`` and
+reduce-scatters gradients with ``reduce_scatter_single``; a name missing from this version of torch is skipped."""
 
 
 def enabled() -> bool:
@@ -91,17 +94,22 @@ def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 def install_collective_timers(dist: Any, stats: CommStats) -> list[str]:
     """Wrap ``dist``'s collectives so each call is counted and timed into ``stats``; returns the wrapped names.
 
-    Idempotent: already wrapped functions are left alone.
+    Idempotent: an already wrapped function is not wrapped again, but reports to ``stats`` from now on (a fresh
+    runtime in the same process, e.g. the next configuration of a harness, counts its own collectives).
     """
     wrapped = []
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
-        if fn is None or getattr(fn, "__jd_timed__", False):
+        if fn is None:
+            continue
+        if getattr(fn, "__jd_timed__", False):
+            fn.__jd_stats__ = stats
             continue
 
         def make(fn: Any, name: str) -> Any:
             @functools.wraps(fn)
             def timed(*args: Any, **kwargs: Any) -> Any:
+                stats = timed.__jd_stats__  # type: ignore[attr-defined]
                 stats.issue()
                 t0 = time.perf_counter()
                 work = fn(*args, **kwargs)
@@ -118,6 +126,7 @@ def install_collective_timers(dist: Any, stats: CommStats) -> list[str]:
                 return work
 
             timed.__jd_timed__ = True  # type: ignore[attr-defined]
+            timed.__jd_stats__ = stats  # type: ignore[attr-defined]
             return timed
 
         setattr(dist, name, make(fn, name))

@@ -13,8 +13,13 @@ Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16),
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
 ``EQ_BAD_POSITIONS=1`` (under cp: rotary angles from the local chunk, a mistake the equal-math check must catch),
 ``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder), ``EQ_EP_EFSDP_DIVIDE=1`` (a deliberate mistake:
-divide expert gradients by the efsdp group only). A model with an ``aux_loss()`` (mixture of
-experts) adds ``AUX_COEF`` times it to the loss.
+divide expert gradients by the efsdp group only), ``EQ_SYNC_EVERY_MICROBATCH=1`` (a deliberate mistake: the
+wrapped model's ``no_sync`` / ``set_requires_gradient_sync`` made no-ops, so every micro-batch reduces its gradients;
+the math stays equal, only the reduction count shows it), ``EQ_STEP_FORM=1`` (train through ``jd.train_step``;
+always under pp), ``EQ_COUNT_COMM=1`` (save each step's collectives by name, counted by the runtime's comm stats,
+which need ``JD_RUN_DIR``). A model with an ``aux_loss()`` (mixture of experts) adds ``AUX_COEF`` times it to the
+loss. Besides ``JD_STRATEGY=fsdp2`` and its degrees, ``ddp`` and the DeepSpeed ``zero*`` strategies run too
+(``JD_DS_CONFIG``).
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ def local_bytes(t: torch.Tensor) -> int:
 def clean(name: str) -> str:
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
-    return name
+    return name.removeprefix("module.")  # DDP's and DeepSpeed's engine's wrapped module
 
 
 def main() -> None:
@@ -187,6 +192,13 @@ def train(out_path: str, kind: str) -> None:
         for m in model.modules():
             if getattr(m, "num_experts", 0) and callable(getattr(m, "set_gradient_divide_factor", None)):
                 m.set_gradient_divide_factor(float(jd.mesh.expert["efsdp"].size()))
+    if os.environ.get("EQ_SYNC_EVERY_MICROBATCH") == "1":  # the mistake: no skipped reductions while accumulating
+        import contextlib
+
+        if hasattr(model, "no_sync"):
+            model.no_sync = contextlib.nullcontext
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync = lambda *_, **__: None
     first = 0
     ckpt = os.environ.get("EQ_CKPT")
     if ckpt and os.environ.get("EQ_RESUME") == "1":
@@ -228,6 +240,10 @@ def train(out_path: str, kind: str) -> None:
 
             module.register_forward_hook(fwd)
             blocks[0].register_full_backward_hook(bwd)
+    comm_stats = get_runtime().comm_stats if os.environ.get("EQ_COUNT_COMM") == "1" else None
+    if os.environ.get("EQ_COUNT_COMM") == "1" and comm_stats is None:
+        raise SystemExit("EQ_COUNT_COMM=1 needs the runtime's comm stats: set JD_RUN_DIR (and not JD_COMM_TIMING=0)")
+    comm: list[dict[str, int]] = []  # per step: collectives issued inside the training step, by name
     save_at = int(os.environ.get("EQ_SAVE_AT", "-1"))
     step_form = os.environ.get("EQ_STEP_FORM") == "1" or int(os.environ.get("JD_PP", "1")) > 1
 
@@ -250,7 +266,12 @@ def train(out_path: str, kind: str) -> None:
         # per step (the first step also runs the schedule's shape inference)
         in_flight.update(now=0, max=0, blocks=0, max_blocks=0)
         if step_form:  # the form that runs under every plan (pipelines, context parallelism included)
+            if comm_stats is not None:
+                comm_stats.take()  # drop what came before the step
             value = jd.train_step(local[:, :-1], local[:, 1:], loss_fn).clone()
+            if comm_stats is not None:
+                taken = comm_stats.take() or {"ops": {}}
+                comm.append({op: v["count"] for op, v in taken["ops"].items()})
             grad_bytes = 0
         else:
             # context parallelism: this rank's chunks of the sequence (identity without it)
@@ -305,6 +326,9 @@ def train(out_path: str, kind: str) -> None:
                 "first": first,
                 "mesh": str(jd.mesh and jd.mesh.describe()),
                 "logits": first_logits,
+                "comm": comm,
+                # a DeepSpeed engine's optimizer steps and micro-steps (its gradient accumulation)
+                "engine_steps": [int(getattr(model, "global_steps", -1)), int(getattr(model, "micro_steps", -1))],
             },
             out_path,
         )
