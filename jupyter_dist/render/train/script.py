@@ -1,0 +1,98 @@
+"""The assembled script: ``main()`` on top of the sections of :mod:`.parallel` and :mod:`.base`.
+
+The training loop for torch strategies, pipelines and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from . import loop_tpl as lt
+from . import pipeline_tpl as ppt
+from .parallel import ParallelSections
+from .text import fill, join_lines
+
+__all__ = ["Script"]
+
+
+class Script(ParallelSections):
+    """The sections of one script; :meth:`main` last, once the others have recorded their imports."""
+
+    def main(self) -> str:
+        """``main()``: set-up, the training loop, logging and checkpoints."""
+        if self.ds:
+            self.use("json")
+            return fill(lt.MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing())
+        fam = self.family
+        if self.pp > 1:
+            return fill(ppt.MAIN_PIPELINE, clip=join_lines(
+                'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
+                'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
+            ))  # fmt: skip
+        backward = "scaler.scale(loss).backward()" if self.fp16 else "loss.backward()"
+        forward = "loss = compute_loss(model, inputs, targets) / args.grad_accum"
+        if fam == "ddp" and self.mixed:
+            forward = join_lines(
+                f"with torch.autocast(device.type, dtype={self.compute_dtype}):  # {self.precision.value}",
+                "    " + forward,
+            )
+        if fam in ("ddp", "fsdp"):
+            self.use("contextlib")
+            verb = "all-reduce" if fam == "ddp" else "reduce-scatter"
+            micro = join_lines(
+                f"# {verb} gradients only after the last micro-step: no_sync() accumulates them locally before",
+                "sync = contextlib.nullcontext() if last else model.no_sync()",
+                "with sync:",
+                *("    " + x for x in forward.split("\n")),
+                "    " + backward,
+            )
+        else:
+            micro = join_lines(
+                "model.set_requires_gradient_sync(last)  # reduce-scatter gradients only after the last micro-step",
+                forward,
+                backward,
+            )
+        clip = ['max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip']
+        if self.fp16:
+            clip.insert(0, "scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones")
+        if fam == "fsdp":
+            clip.append("grad_norm = model.clip_grad_norm_(max_norm)  # FSDP's own: the norm over all shards")
+        elif self.tp > 1:
+            clip.append("grad_norm = clip_grad_norm(model, max_norm)")
+        else:
+            clip.append("grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
+        if fam == "fsdp2" and self.tp == 1:
+            self.use_from("torch.distributed.tensor", "DTensor")
+            clip += ["if isinstance(grad_norm, DTensor):", "    grad_norm = grad_norm.full_tensor()"]
+        if self.fp16:
+            step = join_lines("scaler.step(optimizer)  # skipped when a gradient overflowed", "scaler.update()")
+            if fam == "ddp":
+                scaler = "scaler = torch.amp.GradScaler(device.type)  # fp16: dynamic loss scaling"
+            else:
+                scaler = f"scaler = {self._scaler_class()}(device=device.type)  # fp16: inf checks on all ranks"
+            scaler_arg = ", scaler"
+        else:
+            step, scaler, scaler_arg = "optimizer.step()", "", ""
+        teardown = ""
+        if fam == "ddp":
+            # measured: without this, 4 of 6 two-rank gloo runs hung at exit (the reducer's destructor joins gloo's
+            # worker threads while holding the GIL, and a worker waits for the GIL to free its last tensors)
+            teardown = join_lines(
+                "# DDP's reducer holds the process group: free it first, so that destroy_process_group() tears the",
+                "# group down (releasing the GIL), not the reducer's destructor at exit, which can deadlock on gloo",
+                "del model, optimizer",
+            )
+        data: dict[str, str] = {"build": "model = parallelize(build_model(args), device)", "dp_ranks": "",
+                                "dp_size": "world_size", "dp_rank": "rank", "describe_mesh": ""}  # fmt: skip
+        if self.tp > 1:
+            data = {
+                "build": join_lines("mesh = build_mesh(device)", "model = parallelize(build_model(args), mesh)"),
+                "dp_ranks": join_lines(
+                    "# data parallelism by replica, not by rank: tp is the mesh's innermost dimension, so ranks",
+                    "# k*TP .. k*TP+TP-1 hold one model replica together and must all load replica k's batch",
+                    "dp_rank, dp_size = rank // TP, world_size // TP",
+                ),
+                "dp_size": "dp_size", "dp_rank": "dp_rank",
+                "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in '
+                                 "zip(mesh.mesh_dim_names, mesh.shape, strict=True)))",
+            }  # fmt: skip
+        return fill(lt.MAIN_TORCH, micro_step=micro, clip=join_lines(*clip), optimizer_step=step, scaler=scaler,
+                     scaler_arg=scaler_arg, teardown=teardown, **data)  # fmt: skip
