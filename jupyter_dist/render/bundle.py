@@ -156,6 +156,13 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
         notes.append(f"train.py not generated: {exc}")
     if layout.strategy.family == "deepspeed":
         files["ds_config.json"] = render_deepspeed_json(plan, opts, layout=layout)
+    elif layout.strategy.name == "zero1":  # with tp/pp/cp/ep: what runs is FSDP2, so no DeepSpeed config
+        notes.append(
+            f"{layout.candidate.name} runs as FSDP2 with reshard_after_forward=False over the data-parallel dims "
+            "(optimizer states and gradients sharded, parameters gathered once per step and kept to the backward), "
+            "as the workers run it: DeepSpeed's engine cannot take tensor-, pipeline-, context- or expert-parallel "
+            "layouts, so there is no ds_config.json and train.py is an FSDP2 script"
+        )
     elif opts.launcher == "deepspeed":
         raise RenderError(
             "the deepspeed launcher needs a DeepSpeed strategy (zero1/2/3...), but the candidate is "

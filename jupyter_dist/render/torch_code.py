@@ -42,7 +42,7 @@ from ..plan.training import Precision
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .train import loop_tpl as lt
 from .train import model_tpl as mt
-from .train.base import DEFAULT_STEPS
+from .train.base import DEFAULT_STEPS, shard_group
 from .train.script import Script
 from .train.text import fill
 
@@ -52,27 +52,32 @@ FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
 """Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp/pp)."""
 
 
-_NOT_GENERATED = (("cp", "context"), ("ep", "expert"))
-_MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid")
+_MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid", "zero1")
+"""Strategies generated with tp/pp/cp/ep: FSDP2 and HSDP, and zero1, which runs as FSDP2 keeping gathered params."""
+
+
+def _model_parallel_problem(dims: ParallelDims) -> str | None:
+    """Why a composition of model-parallel degrees is not generated (None: it is)."""
+    if dims.cp > 1 and dims.pp > 1:
+        return "context parallelism with pipeline parallelism is not generated (the planner does not offer it)"
+    if dims.cp > 1 and dims.ep > 1:
+        return "context parallelism with expert parallelism is not generated (the planner does not offer it)"
+    return None
 
 
 def _check_supported(lay: Layout) -> None:
     dims, name = lay.dims, lay.candidate.name
     mp_names = [c.name for c in lay.plan.candidates if _generates_model_parallel(c.strategy, c.dims)]
     have = f" (this plan has: {', '.join(mp_names[:6])}{', ...' * (len(mp_names) > 6)})" if mp_names else ""
-    for dim, what in _NOT_GENERATED:
-        if getattr(dims, dim) > 1:
+    problem = _model_parallel_problem(dims)
+    if problem:
+        raise RenderError(f"candidate {name}: {problem}; compile one without cp{have}")
+    for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        if getattr(dims, dim) > 1 and lay.candidate.strategy not in _MODEL_PARALLEL:
             raise RenderError(
-                f"candidate {name}: {what} parallelism ({dim} {getattr(dims, dim)}) is not generated yet; fsdp2 and "
-                f"fsdp2-hybrid candidates with tpN and/or ppN are{have}, and the data-parallel ones "
-                f"({', '.join(FAMILIES)}); for cp/ep use torchtitan or Megatron-DeepSpeed"
-            )
-    for dim, what in (("tp", "tensor"), ("pp", "pipeline")):
-        if getattr(dims, dim) > 1 and lay.strategy.name not in _MODEL_PARALLEL:
-            raise RenderError(
-                f"candidate {name}: {what} parallelism is generated with FSDP2 only: fsdp2 or fsdp2-hybrid with "
-                f"+tpN (+sp) and/or +ppN{have}; {lay.strategy.name} with {dim} {getattr(dims, dim)} needs "
-                "Megatron-DeepSpeed, or compile one of those or a data-parallel candidate "
+                f"candidate {name}: {what} parallelism is generated with FSDP2 only: fsdp2, fsdp2-hybrid or zero1 "
+                f"(run as FSDP2) with +tpN (+sp), +ppN, +cpN and/or +epN{have}; {lay.candidate.strategy} with {dim} "
+                f"{getattr(dims, dim)} needs Megatron-DeepSpeed, or compile one of those or a data-parallel candidate "
                 "(RenderOptions(candidate=...))"
             )
     if dims.pp > 1 and lay.precision is Precision.FP16_MIXED:
@@ -80,13 +85,20 @@ def _check_supported(lay: Layout) -> None:
             f"candidate {name}: fp16 loss scaling across pipeline stages is not generated; plan with bf16-mixed, "
             "bf16-true or fp32 (a GPU without bf16: compile a candidate without pp)"
         )
-    group = int(lay.settings.get("shard_group_size", lay.gpus_per_node))
-    unit = group * dims.tp * dims.pp
-    if (dims.tp > 1 or dims.pp > 1) and lay.strategy.hybrid and (group < 1 or lay.world_size % unit):
+    model = lay.plan.model
+    if dims.ep > 1 and (model.experts < 2 or model.experts % dims.ep):
         raise RenderError(
-            f"candidate {name}: the mesh (pp {dims.pp}, dp_replicate, dp_shard {group}, tp {dims.tp}) does not cover "
-            f"the {lay.world_size} processes ({lay.nodes} nodes x {lay.gpus_per_node}): pp x shard group x tp must "
-            "divide them"
+            f"candidate {name}: expert parallelism ep {dims.ep} needs a mixture-of-experts model whose experts it "
+            f"divides; {model.name} has {model.experts} expert(s)"
+        )
+    group = shard_group(lay)
+    unit = group * dims.tp * dims.pp
+    meshed = not dims.is_data_parallel_only
+    if meshed and lay.strategy.hybrid and (group < 1 or lay.world_size % unit or (group // dims.cp) % dims.ep):
+        raise RenderError(
+            f"candidate {name}: the mesh (pp {dims.pp}, dp_replicate, dp_shard x cp {group}, tp {dims.tp}) does not "
+            f"cover the {lay.world_size} processes ({lay.nodes} nodes x {lay.gpus_per_node}), or ep {dims.ep} does "
+            "not divide dp_shard: pp x shard group x tp must divide them"
         )
     if lay.strategy.family == "fsdp" and lay.strategy.hybrid and group == 1:
         # measured with torch 2.13 on gloo: on a (2, 1) mesh FSDP1's HYBRID_SHARD gradients differ from every other
@@ -101,8 +113,8 @@ def _check_supported(lay: Layout) -> None:
 
 
 def _generates_model_parallel(strategy: str, dims: ParallelDims) -> bool:
-    """Whether the generator writes this combination with tensor and/or pipeline parallelism (FSDP2 or HSDP)."""
-    return (dims.tp > 1 or dims.pp > 1) and strategy in _MODEL_PARALLEL and dims.cp == dims.ep == 1
+    """Whether the generator writes this combination with model parallelism (FSDP2, HSDP, or zero1 as FSDP2)."""
+    return not dims.is_data_parallel_only and strategy in _MODEL_PARALLEL and _model_parallel_problem(dims) is None
 
 
 def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None) -> str:
@@ -135,8 +147,9 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout
     _check_supported(lay)
     s = Script(lay, opts)
     # the sections first: they record the imports they use
-    sections = [s.constants(), fill(mt.MODEL), s.tp_plan(), fill(mt.MODEL_REST), s.arguments(), s.setup(),
-                s.checkpoint_helper(), s.build_mesh(), s.pipeline()]  # fmt: skip
+    sections = [s.constants(), s.model(), s.tp_plan(), fill(mt.MODEL_REST), s.arguments(), s.setup(),
+                s.checkpoint_helper(), s.build_mesh(), s.context_parallel(), s.expert_parallel(),
+                s.pipeline()]  # fmt: skip
     if not s.ds:
         sections += [s.parallelize(), s.clip_helper()]
     sections += [s.optimizer(), fill(lt.MICRO_BATCHES), s.checkpoint_io(), s.main()]

@@ -6,21 +6,33 @@ flags, process-group set-up, activation checkpointing, optimizer, checkpoints).
 
 from __future__ import annotations
 
+import math
+
 from ...plan.training import TORCH_DTYPES, Checkpointing, Precision, precision_names
 from ..commands import deepspeed_command, torchrun_command
 from ..common import Layout, RenderOptions
+from . import expert_tpl as et
 from . import loop_tpl as lt
 from . import model_tpl as mt
 from . import pipeline_tpl as ppt
 from .text import STDLIB, doc_safe, fill, import_lines, join_lines, py_str, wrap
 
-__all__ = ["DEFAULT_STEPS", "DTYPES", "FSDP1_AC", "ScriptBase"]
+__all__ = ["shard_group", "DEFAULT_STEPS", "DTYPES", "FSDP1_AC", "ScriptBase"]
 
 DEFAULT_STEPS = 1000
 """Optimizer steps written as the ``--steps`` default (the plan has no run length)."""
 
 DTYPES = {k: f"torch.{v}" for k, v in TORCH_DTYPES.items()}
 FSDP1_AC = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def shard_group(lay: Layout) -> int:
+    """Ranks that share one sharded replica under HSDP: the plan's group, widened to a multiple of cp.
+
+    The cp ranks of a sequence shard the model states with the data-parallel ones (dp_shard x cp), so a group
+    narrower than cp (e.g. 8 GPUs per node, cp16) becomes cp's.
+    """
+    return math.lcm(int(lay.settings.get("shard_group_size", lay.gpus_per_node)), lay.dims.cp)
 
 
 class ScriptBase:
@@ -101,14 +113,29 @@ class ScriptBase:
         return self.lay.dims.pp
 
     @property
+    def cp(self) -> int:
+        """The context-parallel degree (1: every rank holds whole sequences)."""
+        return self.lay.dims.cp
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel degree (1: a dense model, or every rank holds every expert)."""
+        return self.lay.dims.ep
+
+    @property
     def meshed(self) -> bool:
-        """Whether the script builds a device mesh of model-parallel dims (tp and/or pp) with ``build_mesh()``."""
-        return self.tp > 1 or self.pp > 1
+        """Whether the script builds a device mesh of model-parallel dims (tp, pp, cp, ep) with ``build_mesh()``."""
+        return self.tp > 1 or self.pp > 1 or self.cp > 1 or self.ep > 1
+
+    @property
+    def zero1_as_fsdp2(self) -> bool:
+        """Whether the candidate is zero1 with model parallelism, which runs as FSDP2 keeping gathered parameters."""
+        return self.lay.strategy.name == "zero1" and self.family == "fsdp2"
 
     @property
     def group(self) -> int:
-        """Ranks that share one sharded replica in a hybrid (HSDP) strategy."""
-        return int(self.lay.settings.get("shard_group_size", self.lay.gpus_per_node))
+        """Ranks that share one sharded replica in a hybrid (HSDP) strategy (cp ranks included)."""
+        return shard_group(self.lay)
 
     # ---- sections ------------------------------------------------------------------------------------------
     def docstring(self) -> str:
@@ -126,10 +153,18 @@ class ScriptBase:
             )
         else:
             launch = torchrun_command(plan, opts, layout=lay).shell(with_env=False)
-            # processes of one model replica (tp x the shard group when hybrid); the quick check runs two replicas
-            unit = self.pp * self.tp * (self.group if self.lay.strategy.hybrid else 1)
+            # processes of one model replica (tp x cp x the shard group when hybrid, x ep for the experts); the quick
+            # check runs two replicas
+            unit = self.pp * self.tp * (self.group if self.lay.strategy.hybrid else self.cp * self.ep)
             quick = f"torchrun --standalone --nproc-per-node {unit * 2 if unit <= 2 else unit} {opts.script}"
             note = ""
+            if self.zero1_as_fsdp2:
+                note = (
+                    "zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False over the "
+                    "data-parallel dims, as jupyter-dist's workers run it (DeepSpeed's engine cannot take these "
+                    "layouts): optimizer states and gradients sharded, parameters gathered once per step and kept to "
+                    "the backward."
+                )
         quick += f" --steps 20 --model-dim 64 --layers {max(2, self.pp)} --seq-len 64 --vocab-size 256 --num-workers 0"
         summary = (
             f"Plan: {plan.model.name} ({plan.model.params:,} parameters) on {hw.nodes} node(s) x {hw.gpus_per_node} "
@@ -177,6 +212,15 @@ class ScriptBase:
                 ("SCHEDULES", '("gpipe", "1f1b", "interleaved-1f1b")', "pipeline schedules --schedule takes"),
                 ("SCHEDULE", '"1f1b"', "the one the planner's bubble (PP - 1) / micro-batches assumes"),
             ]
+        if self.cp > 1:
+            rows.append(("CP", str(self.cp), "context-parallel degree: ranks that split every sequence"))
+        if self.ep > 1:
+            model = self.lay.plan.model
+            rows += [
+                ("EP", str(self.ep), "expert-parallel degree: ranks that split the experts (borrowed from dp_shard)"),
+                ("EXPERTS", str(model.experts), f"routed experts per block ({doc_safe(model.name)})"),
+                ("TOP_K", str(model.top_k), "experts each token goes to"),
+            ]
         if self.meshed:
             rows.append(
                 ("TP", str(self.tp), "tensor-parallel degree: ranks that split every layer (the innermost mesh dim)")
@@ -200,6 +244,25 @@ class ScriptBase:
             line = f"{name} = {value}  # {doc_safe(comment)}"
             out.append(line if len(line) <= 120 else f"{name} = {value}  # noqa: E501")
         return "\n".join(out)
+
+    def model(self) -> str:
+        """The demo model: a dense transformer, or with expert parallelism a mixture of experts in every block."""
+        values = {
+            "mlp": "nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))",
+            "forward_params": "",
+            "positions": "positions = torch.arange(x.shape[1], device=x.device)",
+        }
+        if self.cp > 1:
+            values["forward_params"] = ", positions: torch.Tensor | None = None"
+            values["positions"] = join_lines(
+                "if positions is None:  # context parallelism passes the places of this rank's tokens",
+                "    positions = torch.arange(x.shape[1], device=x.device)",
+            )
+        if self.ep == 1:
+            return fill(mt.MODEL, **values)
+        values["mlp"] = "MoE(dim, EXPERTS, TOP_K)  # a mixture of experts: what expert parallelism splits"
+        self.use_from("torch.distributed.tensor", "DTensor")
+        return join_lines(fill(mt.MODEL, **values), "", "", fill(et.MOE))
 
     def arguments(self) -> str:
         """``parse_args()``."""

@@ -23,7 +23,7 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
 ''',
     OptimizerKind.ADAMW_8BIT: '''
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """bitsandbytes 8-bit AdamW (one byte per optimizer state); the learning rate stays constant."""
+    """8-bit AdamW from bitsandbytes (one byte per optimizer state); the learning rate stays constant."""
     try:
         import bitsandbytes as bnb
     except ImportError as err:

@@ -53,7 +53,7 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(dim)
         self.attn = Attention(dim, heads)
         self.mlp_norm = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = <<mlp>>
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer."""
@@ -77,10 +77,10 @@ class DemoTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor<<forward_params>>) -> torch.Tensor:
         """Logits of the next token at every position (a pipeline stage without some parts: hidden states)."""
         if self.tok_emb is not None:  # token ids in
-            positions = torch.arange(x.shape[1], device=x.device)
+            <<positions>>
             x = self.tok_emb(x) + self.pos_emb(positions)
         for block in self.blocks.values():
             x = block(x)

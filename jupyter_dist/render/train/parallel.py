@@ -9,6 +9,8 @@ from __future__ import annotations
 from ...plan.strategies import FSDP1_SHARDING
 from ...plan.training import Precision
 from ..common import RenderError
+from . import context_tpl as ct
+from . import expert_tpl as et
 from . import parallel_tpl as pt
 from . import pipeline_tpl as ppt
 from .base import ScriptBase
@@ -98,10 +100,50 @@ class ParallelSections(ScriptBase):
         self.use_from("torch.distributed.tensor", "Replicate", "Shard")
         self.use_from("torch.distributed.tensor.parallel", "ColwiseParallel", "ParallelStyle", "PrepareModuleInput",
                       "RowwiseParallel", "SequenceParallel")  # fmt: skip
+        mlp = {
+            "mlp_plan": join_lines(
+                '"blocks.*.mlp.0": ColwiseParallel(),  # the MLP\'s first linear (its bias is split with it)',
+                '"blocks.*.mlp.2": RowwiseParallel(output_layouts=stream),  # its second (the bias stays whole)',
+            ),
+            "mlp_sp": '"blocks.*.mlp": PrepareModuleInput(**gather),',
+        }
+        if self.ep > 1:  # the router and the experts stay whole on every tp rank (expert parallelism splits experts)
+            self.use_from("torch.distributed.tensor.parallel", "PrepareModuleInputOutput")
+            mlp = {
+                "mlp_plan": "",
+                "mlp_sp": join_lines(
+                    "# the mixture of experts routes whole sequences: gathered before, this rank's part kept after",
+                    '"blocks.*.mlp": PrepareModuleInputOutput(',
+                    "    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,",
+                    "    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,",
+                    "),",
+                ),
+            }
         if self.pp > 1:
             self.use("fnmatch")
-            return join_lines(fill(pt.TP_PLAN), "", "", fill(ppt.HELD))
-        return fill(pt.TP_PLAN)
+            return join_lines(fill(pt.TP_PLAN, **mlp), "", "", fill(ppt.HELD))
+        return fill(pt.TP_PLAN, **mlp)
+
+    def context_parallel(self) -> str:
+        """``sequence_split()``: context parallelism around each micro-batch (context-parallel scripts only)."""
+        if self.cp == 1:
+            return ""
+        self.use("contextlib")
+        self.use_from("typing", "Any")
+        self.use_from("torch.distributed.tensor", "DTensor", "Shard")
+        self.use_from("torch.distributed.tensor.experimental", "context_parallel")
+        return fill(ct.CONTEXT_PARALLEL)
+
+    def expert_parallel(self) -> str:
+        """``ExpertParallel`` and the expert mesh (expert-parallel scripts only)."""
+        if self.ep == 1:
+            return ""
+        self.use("functools")
+        self.use_from("typing", "Any")
+        self.use_from("torch.distributed._functional_collectives", "all_to_all_single_autograd")
+        self.use_from("torch.distributed.tensor", "Shard", "distribute_module", "distribute_tensor")
+        self.use_from("torch.distributed.tensor.parallel", "ParallelStyle")
+        return fill(et.EXPERT_PARALLEL)
 
     def pipeline(self) -> str:
         """Stage split, stage bounds and schedule (pipeline scripts only)."""
@@ -140,6 +182,21 @@ class ParallelSections(ScriptBase):
             names.append("dp_shard")
             sizes.append(None)
             what.append("The model states are sharded across the data-parallel replicas (dp_shard).")
+        if self.cp > 1 and self.lay.strategy.hybrid:  # the shard group holds the cp ranks
+            names.append("cp")
+            sizes[-1] = "SHARD_GROUP_SIZE // CP"
+            sizes.append("CP")
+            what.append("The CP ranks split every sequence; they are part of the shard group (dp_shard x cp).")
+        elif self.cp > 1:
+            names.append("cp")
+            sizes.append("CP")
+            unit.append("CP")
+            what.append(
+                "The CP ranks split every sequence; with the data-parallel ranks they shard the model states "
+                "(dp_shard x cp)."
+            )
+        if self.ep > 1:
+            what.append("Expert parallelism borrows its EP ranks from dp_shard (expert_mesh()).")
         if self.tp > 1:
             names.append("tp")
             sizes.append("TP")
@@ -161,10 +218,26 @@ class ParallelSections(ScriptBase):
     def _parallelize_mesh(self, ac: str) -> str:
         self.use_from("torch.distributed.fsdp", "fully_shard")
         model_first, precision, policy = self._fsdp2_precision()
+        if self.zero1_as_fsdp2:  # ZeRO-1's layout with DTensors: parameters gathered once per step, kept to backward
+            policy += ", reshard_after_forward=False"
         if self.lay.strategy.hybrid:
-            dims, what = '"dp_replicate", "dp_shard"', "HSDP: shard along dp_shard, replicate along dp_replicate"
+            dims, dp_what = '"dp_replicate", "dp_shard"', "HSDP: shard along dp_shard, replicate along dp_replicate"
         else:
-            dims, what = '"dp_shard"', "FSDP2 shards the model states across the data-parallel replicas"
+            dims, dp_what = '"dp_shard"', "FSDP2 shards the model states across the data-parallel replicas"
+        dp_mesh = f"dp_mesh = mesh[{dims}]  # {dp_what}"
+        if self.cp > 1:
+            dims = dims.replace('"dp_shard"', '"dp_shard_cp"')
+            dp_mesh = join_lines(
+                "# the cp ranks hold other tokens of the same sequences: their gradients average like data-parallel",
+                "# ones, so they shard the model states with the data-parallel ranks (dp_shard x cp flattened)",
+                'mesh["dp_shard", "cp"]._flatten("dp_shard_cp")',
+                f"dp_mesh = mesh[{dims}]  # {dp_what.replace('dp_shard', 'dp_shard x cp')}",
+            )
+        root, note = f"fully_shard(model, mesh=dp_mesh{policy})", "also moves the shards to the mesh's device"
+        shard_root = f"{root}  # {note}" if len(root) + len(note) < 112 else join_lines(f"# the root: {note}", root)
+        shard_experts = ""
+        if self.ep > 1:
+            shard_experts = self._shard_experts(policy)
         tensor_parallel = ""
         if self.tp > 1:
             self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
@@ -174,6 +247,14 @@ class ParallelSections(ScriptBase):
                 f"# split {what} over the tp ranks as tp_plan() says (taken from tp rank 0, so every rank agrees)",
                 f'parallelize_module(model, mesh["tp"], {layout})',
             )
+        if self.ep > 1:
+            self.use_from("torch.distributed.tensor.parallel", "parallelize_module")
+            tensor_parallel = join_lines(
+                *([tensor_parallel] if tensor_parallel else []),
+                "# split the experts over the ep ranks (each keeps EXPERTS // EP), tokens move by all-to-all",
+                "experts = {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}",
+                'parallelize_module(model, expert_mesh(mesh)["ep"], experts)',
+            )
         if self.pp > 1 and self.tp > 1:
             doc = "One pipeline stage: tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims."
         elif self.pp > 1:
@@ -181,8 +262,28 @@ class ParallelSections(ScriptBase):
         else:
             doc = "Tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims (torchtitan's order)."
         return fill(pt.PARALLELIZE_FSDP2_TP, doc=doc, precision_model=model_first, tensor_parallel=tensor_parallel,
-                     activation_checkpointing=ac, precision=precision, policy=policy, dp_dims=dims,
-                     dp_what=what)  # fmt: skip
+                     activation_checkpointing=ac, precision=precision, policy=policy, dp_mesh=dp_mesh,
+                     shard_root=shard_root,
+                     shard_experts=shard_experts)  # fmt: skip
+
+    def _shard_experts(self, policy: str) -> str:
+        """FSDP2 over ``efsdp`` for each experts module, before the blocks' (which then skip their parameters)."""
+        if self.lay.strategy.hybrid:
+            self.use_from("torch.distributed.device_mesh", "DeviceMesh")
+            emesh = 'DeviceMesh._concatenate([mesh["dp_replicate"], expert_mesh(mesh)["efsdp"]])'
+        else:
+            emesh = 'expert_mesh(mesh)["efsdp"]'
+        return join_lines(
+            "# each rank's experts are sharded over efsdp (the data-parallel ranks that hold the same experts); their",
+            "# gradients sum every data-parallel rank's tokens, so they are divided by the data-parallel size",
+            f"experts_mesh = {emesh}",
+            "for module in model.modules():",
+            "    if isinstance(module, GroupedExperts):  # first: the blocks' fully_shard then skips their parameters",
+            f"        fully_shard(module, mesh=experts_mesh{policy})",
+            "        module.set_gradient_divide_factor(float(dp_mesh.size()))",
+            '        if expert_mesh(mesh)["efsdp"].size() > 1:  # a custom divisor is a PREMUL_SUM, which gloo lacks:',
+            "            module.set_force_sum_reduction_for_comms(True)  # sum, then divide",
+        )
 
     def clip_helper(self) -> str:
         """``clip_grad_norm()`` over DTensor gradients on several meshes (and pipeline stages)."""

@@ -84,8 +84,7 @@ def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "blocks.*.attn.k_proj": ColwiseParallel(),
         "blocks.*.attn.v_proj": ColwiseParallel(),
         "blocks.*.attn.out_proj": RowwiseParallel(output_layouts=stream),
-        "blocks.*.mlp.0": ColwiseParallel(),  # the MLP's first linear (its bias is split with it)
-        "blocks.*.mlp.2": RowwiseParallel(output_layouts=stream),  # its second (the bias stays whole)
+        <<mlp_plan>>
         "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),  # whole logits on every tp rank
     }
     if sequence_parallel:
@@ -99,7 +98,7 @@ def tp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
             "blocks.*.mlp_norm": SequenceParallel(use_local_output=True),
             "norm": SequenceParallel(use_local_output=True),
             "blocks.*.attn": PrepareModuleInput(**gather),  # all-gather the sequence (reduce-scatter in backward)
-            "blocks.*.mlp": PrepareModuleInput(**gather),
+            <<mlp_sp>>
         })
     return plan
 '''
@@ -124,11 +123,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     <<tensor_parallel>>
     <<activation_checkpointing>>
     <<precision>>
-    dp_mesh = mesh[<<dp_dims>>]  # <<dp_what>>
+    <<dp_mesh>>
+    <<shard_experts>>
     for module in model.modules():
         if isinstance(module, BLOCK_CLASS):
             fully_shard(module, mesh=dp_mesh<<policy>>)
-    fully_shard(model, mesh=dp_mesh<<policy>>)  # also moves the shards to the mesh's device
+    <<shard_root>>
     return model
 '''
 

@@ -44,6 +44,15 @@ class Script(ParallelSections):
                 *("    " + x for x in forward.split("\n")),
                 "    " + backward,
             )
+        elif self.cp > 1:
+            micro = join_lines(
+                "model.set_requires_gradient_sync(last)  # reduce-scatter gradients only after the last micro-step",
+                "positions = torch.arange(inputs.shape[1], device=device).unsqueeze(0)  # the tokens' places",
+                "# forward and backward on this rank's part of the sequences (inputs, targets, positions cut in place)",
+                'with sequence_split(mesh["cp"], inputs, targets, positions):',
+                "    loss = loss_fn(model(inputs, positions), targets) / args.grad_accum",
+                "    " + backward,
+            )
         else:
             micro = join_lines(
                 "model.set_requires_gradient_sync(last)  # reduce-scatter gradients only after the last micro-step",
@@ -55,11 +64,11 @@ class Script(ParallelSections):
             clip.insert(0, "scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones")
         if fam == "fsdp":
             clip.append("grad_norm = model.clip_grad_norm_(max_norm)  # FSDP's own: the norm over all shards")
-        elif self.tp > 1:
+        elif self.meshed:
             clip.append("grad_norm = clip_grad_norm(model, max_norm)")
         else:
             clip.append("grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
-        if fam == "fsdp2" and self.tp == 1:
+        if fam == "fsdp2" and not self.meshed:
             self.use_from("torch.distributed.tensor", "DTensor")
             clip += ["if isinstance(grad_norm, DTensor):", "    grad_norm = grad_norm.full_tensor()"]
         if self.fp16:
@@ -82,14 +91,26 @@ class Script(ParallelSections):
             )
         data: dict[str, str] = {"build": "model = parallelize(build_model(args), device)", "dp_ranks": "",
                                 "dp_size": "world_size", "dp_rank": "rank", "describe_mesh": ""}  # fmt: skip
-        if self.tp > 1:
+        if self.meshed:
+            dp_ranks = join_lines(
+                "# data parallelism by replica, not by rank: tp is the mesh's innermost dimension, so ranks",
+                "# k*TP .. k*TP+TP-1 hold one model replica together and must all load replica k's batch",
+                "dp_rank, dp_size = rank // TP, world_size // TP",
+            )
+            if self.cp > 1:
+                dp_ranks = join_lines(
+                    "# data parallelism by replica, not by rank: cp and tp are the mesh's innermost dimensions, so",
+                    "# ranks k*CP*TP .. (k+1)*CP*TP-1 split one replica's sequences and all load replica k's batch",
+                    "dp_rank, dp_size = rank // (CP * TP), world_size // (CP * TP)",
+                )
+            elif self.tp == 1:
+                dp_ranks = join_lines(
+                    "# every rank is a data-parallel replica (expert parallelism borrows its ranks from them)",
+                    "dp_rank, dp_size = rank, world_size",
+                )
             data = {
                 "build": join_lines("mesh = build_mesh(device)", "model = parallelize(build_model(args), mesh)"),
-                "dp_ranks": join_lines(
-                    "# data parallelism by replica, not by rank: tp is the mesh's innermost dimension, so ranks",
-                    "# k*TP .. k*TP+TP-1 hold one model replica together and must all load replica k's batch",
-                    "dp_rank, dp_size = rank // TP, world_size // TP",
-                ),
+                "dp_ranks": dp_ranks,
                 "dp_size": "dp_size", "dp_rank": "dp_rank",
                 "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in '
                                  "zip(mesh.mesh_dim_names, mesh.shape, strict=True)))",
