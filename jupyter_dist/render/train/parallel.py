@@ -205,14 +205,14 @@ class ParallelSections(ScriptBase):
                 0, "The TP ranks of one model replica are neighbours (inside a node: their per-layer collectives stay "
                 "on NVLink)."
             )  # fmt: skip
-        product = " * ".join(unit)
+        product = " * ".join(unit) or "1"  # expert parallelism alone: a data-parallel mesh to carve the ep ranks from
         size_exprs = ["world_size // unit" if x is None else x for x in sizes]
         doc = wrap(" ".join(what), 112)
         return fill(
             pt.BUILD_MESH, shape=f"({', '.join(names)})", innermost=", tensor parallelism innermost" * (self.tp > 1),
             what="\n".join(doc), unit=product if len(unit) == 1 else f"({product})",
-            unit_what=" x ".join(unit), sizes=", ".join(size_exprs),
-            names=", ".join(f'"{n}"' for n in names),
+            unit_what=" x ".join(unit), sizes=", ".join(size_exprs) + "," * (len(names) == 1),
+            names=", ".join(f'"{n}"' for n in names) + "," * (len(names) == 1),
         )  # fmt: skip
 
     def _parallelize_mesh(self, ac: str) -> str:
@@ -230,8 +230,11 @@ class ParallelSections(ScriptBase):
             dp_mesh = join_lines(
                 "# the cp ranks hold other tokens of the same sequences: their gradients average like data-parallel",
                 "# ones, so they shard the model states with the data-parallel ranks (dp_shard x cp flattened)",
-                'mesh["dp_shard", "cp"]._flatten("dp_shard_cp")',
-                f"dp_mesh = mesh[{dims}]  # {dp_what.replace('dp_shard', 'dp_shard x cp')}",
+                *(
+                    ['dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")']
+                    if not self.lay.strategy.hybrid
+                    else ['mesh["dp_shard", "cp"]._flatten("dp_shard_cp")', f"dp_mesh = mesh[{dims}]  # {dp_what}"]
+                ),
             )
         root, note = f"fully_shard(model, mesh=dp_mesh{policy})", "also moves the shards to the mesh's device"
         shard_root = f"{root}  # {note}" if len(root) + len(note) < 112 else join_lines(f"# the root: {note}", root)
