@@ -56,22 +56,10 @@ _MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid", "zero1")
 """Strategies generated with tp/pp/cp/ep: FSDP2 and HSDP, and zero1, which runs as FSDP2 keeping gathered params."""
 
 
-def _model_parallel_problem(dims: ParallelDims) -> str | None:
-    """Why a composition of model-parallel degrees is not generated (None: it is)."""
-    if dims.cp > 1 and dims.pp > 1:
-        return "context parallelism with pipeline parallelism is not generated (the planner does not offer it)"
-    if dims.cp > 1 and dims.ep > 1:
-        return "context parallelism with expert parallelism is not generated (the planner does not offer it)"
-    return None
-
-
 def _check_supported(lay: Layout) -> None:
     dims, name = lay.dims, lay.candidate.name
     mp_names = [c.name for c in lay.plan.candidates if _generates_model_parallel(c.strategy, c.dims)]
     have = f" (this plan has: {', '.join(mp_names[:6])}{', ...' * (len(mp_names) > 6)})" if mp_names else ""
-    problem = _model_parallel_problem(dims)
-    if problem:
-        raise RenderError(f"candidate {name}: {problem}; compile one without cp{have}")
     for dim, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
         if getattr(dims, dim) > 1 and lay.candidate.strategy not in _MODEL_PARALLEL:
             raise RenderError(
@@ -114,7 +102,7 @@ def _check_supported(lay: Layout) -> None:
 
 def _generates_model_parallel(strategy: str, dims: ParallelDims) -> bool:
     """Whether the generator writes this combination with model parallelism (FSDP2, HSDP, or zero1 as FSDP2)."""
-    return not dims.is_data_parallel_only and strategy in _MODEL_PARALLEL and _model_parallel_problem(dims) is None
+    return not dims.is_data_parallel_only and strategy in _MODEL_PARALLEL
 
 
 def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout: Layout | None = None) -> str:

@@ -109,12 +109,12 @@ class ExpertParallel(ParallelStyle):
 
 @functools.cache
 def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """(efsdp, ep): the data-parallel shard ranks regrouped, ep innermost (an expert group's ranks are neighbours).
+    """(efsdp, ep): the <<shard_what>> regrouped, ep innermost (an expert group's ranks are neighbours).
 
     Expert parallelism borrows its ranks from data parallelism: every ep rank still reads its own batch.
     """
-    shard = mesh["dp_shard"]
+    shard = <<shard_mesh>>
     if shard.size() % EP:
-        raise SystemExit(f"expert parallelism: EP = {EP} must divide the {shard.size()} data-parallel shard ranks")
+        raise SystemExit(f"expert parallelism: EP = {EP} must divide the {shard.size()} <<shard_what>>")
     return shard._unflatten(0, (shard.size() // EP, EP), ("efsdp", "ep"))
 '''

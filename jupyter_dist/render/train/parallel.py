@@ -143,7 +143,10 @@ class ParallelSections(ScriptBase):
         self.use_from("torch.distributed._functional_collectives", "all_to_all_single_autograd")
         self.use_from("torch.distributed.tensor", "Shard", "distribute_module", "distribute_tensor")
         self.use_from("torch.distributed.tensor.parallel", "ParallelStyle")
-        return fill(et.EXPERT_PARALLEL)
+        if self.cp > 1:  # the cp ranks shard the model states with the data-parallel ones: ep borrows from both
+            return fill(et.EXPERT_PARALLEL, shard_what="dp_shard x cp ranks",
+                        shard_mesh='mesh["dp_shard", "cp"]._flatten("dp_shard_cp")')  # fmt: skip
+        return fill(et.EXPERT_PARALLEL, shard_what="data-parallel shard ranks", shard_mesh='mesh["dp_shard"]')
 
     def pipeline(self) -> str:
         """Stage split, stage bounds and schedule (pipeline scripts only)."""
@@ -196,7 +199,8 @@ class ParallelSections(ScriptBase):
                 "(dp_shard x cp)."
             )
         if self.ep > 1:
-            what.append("Expert parallelism borrows its EP ranks from dp_shard (expert_mesh()).")
+            source = "dp_shard x cp" if self.cp > 1 else "dp_shard"
+            what.append(f"Expert parallelism borrows its EP ranks from {source} (expert_mesh()).")
         if self.tp > 1:
             names.append("tp")
             sizes.append("TP")

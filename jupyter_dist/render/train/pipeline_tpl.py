@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint_dir = Path(args.checkpoint_dir)
     start_step = load_checkpoint(models, optimizers, checkpoint_dir)
 
-    # data parallelism by replica, not by rank: the mesh is (pp, dp, tp) with tp innermost, so the TP ranks of a
-    # replica are neighbours and its stages are world_size // PP ranks apart; they all take replica dp_rank's batch,
-    # of which the first stage reads the inputs and the last the targets (the other stages read nothing)
-    dp_size = world_size // (PP * TP)
-    dp_rank = (rank // TP) % dp_size
+    <<dp_ranks>>
     batches = None
     if first or last:
         dataset = build_dataset(args)
@@ -257,9 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         if batches is not None:
             inputs, targets = (t.to(device, non_blocking=True) for t in next(batches))
         losses: list[torch.Tensor] = []  # filled on the last stage: one loss per micro-batch
-        # forward and backward of every micro-batch in the schedule's order; FSDP2 reduce-scatters the gradients
-        # after each stage's last backward
-        schedule.step(*([inputs] if first else []), target=targets if last else None, losses=losses)
+        <<schedule_step>>
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         <<clip>>
         for optimizer in optimizers:
@@ -271,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 tokens = args.micro_batch * args.grad_accum * args.seq_len * dp_size
                 print(
-                    f"step {step}/{args.steps} loss {loss.item() / (dp_size * TP):.6f} "
+                    f"step {step}/{args.steps} loss {loss.item() / <<loss_ranks>>:.6f} "
                     f"grad-norm {grad_norm.item():.3f} tokens/s {tokens / (time.perf_counter() - started):,.0f}",
                     flush=True,
                 )

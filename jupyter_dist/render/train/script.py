@@ -16,6 +16,51 @@ __all__ = ["Script"]
 class Script(ParallelSections):
     """The sections of one script; :meth:`main` last, once the others have recorded their imports."""
 
+    def _main_pipeline(self) -> str:
+        dp_ranks = join_lines(
+            "# data parallelism by replica, not by rank: the mesh is (pp, dp, tp) with tp innermost, so the TP "
+            "ranks of a",
+            "# replica are neighbours and its stages are world_size // PP ranks apart; they all take replica "
+            "dp_rank's batch,",
+            "# of which the first stage reads the inputs and the last the targets (the other stages read nothing)",
+            "dp_size = world_size // (PP * TP)",
+            "dp_rank = (rank // TP) % dp_size",
+        )
+        step = join_lines(
+            "# forward and backward of every micro-batch in the schedule's order; FSDP2 reduce-scatters the gradients",
+            "# after each stage's last backward",
+            "schedule.step(*([inputs] if first else []), target=targets if last else None, losses=losses)",
+        )
+        loss_ranks = "(dp_size * TP)"
+        if self.cp > 1:
+            dp_ranks = join_lines(
+                "# data parallelism by replica, not by rank: the mesh is (pp, dp, cp, tp), tp innermost, so the",
+                "# CP x TP ranks of a replica are neighbours, its stages world_size // PP ranks apart; they take",
+                "# replica dp_rank's batch, of which the first stage reads the inputs and the last the targets",
+                "dp_size = world_size // (PP * CP * TP)",
+                "dp_rank = (rank // (CP * TP)) % dp_size",
+            )
+            step = join_lines(
+                "# the tokens' places in the sequences, one row per sequence (the schedule splits the rows into",
+                "# micro-batches)",
+                "positions = torch.arange(args.seq_len, device=device).expand(args.micro_batch * args.grad_accum, -1)",
+                "positions = positions.contiguous()",
+                "buffers = [t for t in (inputs, targets) if t is not None] + [positions]",
+                "# forward and backward of every micro-batch in the schedule's order, on this rank's part of the",
+                "# sequences (cut in place); FSDP2 reduce-scatters the gradients after each stage's last backward",
+                'with sequence_split(mesh["cp"], *buffers):',
+                "    schedule.step(",
+                '        *([inputs] if first else []), **({"positions": positions} if first else {}),',
+                "        target=targets if last else None, losses=losses,",
+                "    )",
+            )
+            loss_ranks = "(dp_size * CP * TP)"
+        clip = join_lines(
+            'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
+            'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
+        )
+        return fill(ppt.MAIN_PIPELINE, clip=clip, dp_ranks=dp_ranks, schedule_step=step, loss_ranks=loss_ranks)
+
     def main(self) -> str:
         """``main()``: set-up, the training loop, logging and checkpoints."""
         if self.ds:
@@ -23,10 +68,7 @@ class Script(ParallelSections):
             return fill(lt.MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing())
         fam = self.family
         if self.pp > 1:
-            return fill(ppt.MAIN_PIPELINE, clip=join_lines(
-                'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
-                'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
-            ))  # fmt: skip
+            return self._main_pipeline()
         backward = "scaler.scale(loss).backward()" if self.fp16 else "loss.backward()"
         forward = "loss = compute_loss(model, inputs, targets) / args.grad_accum"
         if fam == "ddp" and self.mixed:
