@@ -965,3 +965,108 @@ def test_pp_script_refuses_a_1f1b_schedule_with_fewer_micro_batches_than_stages(
         "1F1B needs at least as many micro-batches (--grad-accum 1) as pipeline stages (2); raise --grad-accum or "
         "use --schedule gpipe"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Context and expert parallelism: CPU processes (gloo), the same math as one process on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _run_script(tmp_path: Path, source: str, nproc: int, *args: str) -> str:
+    """Run ``source`` as train.py on ``nproc`` local processes for 5 steps (the plan's command is for its cluster)."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    argv = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(script), *TINY, "--steps", "5",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), *args]  # fmt: skip
+    rc, out = _run(Command(argv=argv), tmp_path)
+    assert rc == 0, out[-6000:]
+    return out
+
+
+def _moe_plan(gpus: int, **dims: Any) -> Plan:
+    dims = {"model": "mixtral-8x7b", **dims}
+    return _plan(1, gpus, micro_batch=2, grad_accum=2, seq_len=32, precision="fp32", **dims)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference of the cp runs (dp 1): fsdp2 on one process, fp32, 5 steps of micro-batch 2 x accumulation 2."""
+    out = _train(tmp_path_factory.mktemp("one"), _tp_plan(1, 1), "fsdp2", 5)
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.fixture(scope="module")
+def one_process_moe_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference of the ep runs (dp 2): the fsdp2+ep2 script with EP = 1 on one process and micro-batch 4.
+
+    The same samples per step as dp 2 x micro-batch 2 (DistributedSampler's two replicas take alternate indices of
+    the same permutation), every expert on the one rank (the all-to-alls go nowhere).
+    """
+    source = render_train_script(_moe_plan(2, ep=2), RenderOptions(candidate="fsdp2+ep2", lr=0.01))
+    assert "\nEP = 2  #" in source
+    out = _run_script(tmp_path_factory.mktemp("moe"), source.replace("\nEP = 2  #", "\nEP = 1  #"), 1,
+                      "--micro-batch", "4")  # fmt: skip
+    assert "fsdp2 on 1 ranks (cpu), fp32" in out
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "mesh"),
+    [("fsdp2+cp2", 2, "dp_shard=1 x cp=2"), ("fsdp2+tp2+cp2+sp", 4, "dp_shard=1 x cp=2 x tp=2"),
+     ("fsdp2+pp2+cp2", 4, "pp=2 x dp_shard=1 x cp=2")],
+)  # fmt: skip
+def test_cp_script_has_the_losses_of_one_process(
+    tmp_path: Path, one_process_losses: list[float], cand: str, gpus: int, mesh: str
+) -> None:
+    """Equal math: cp 2 (with tp 2 + sp, or 2 pipeline stages) trains like one process, fp32, to 1e-5 relative.
+
+    PyTorch's context_parallel cuts each sequence into 4 chunks, rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+    (causal load balancing), ring attention runs over the two (on CPU through the script's CPU kernel route); the
+    model sees the positions of its own tokens. A wrong split, position, attention merge or gradient average (cp
+    ranks shard the model states with the data-parallel ones) shows in the losses.
+    """
+    p = _tp_plan(1, gpus, **_dims(cand))
+    assert layout_of(p, RenderOptions(candidate=cand)).global_batch == 4
+    out = _train(tmp_path, p, cand, 5)
+    assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(one_process_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "mesh"), [("fsdp2+ep2", 2, "dp_shard=2"), ("zero1+pp2+ep2", 4, "pp=2 x dp_shard=2")]
+)
+def test_ep_script_has_the_losses_of_one_process(
+    tmp_path: Path, one_process_moe_losses: list[float], cand: str, gpus: int, mesh: str
+) -> None:
+    """Equal math: ep 2 over 2 data-parallel ranks (and zero1+pp2+ep2, Mixtral's recommended composition scaled
+    down to 4 processes) trains the mixture of experts like one process holding every expert, fp32, to 1e-5.
+
+    Each rank keeps 4 of the 8 experts; tokens travel to their experts' rank and back by all-to-all; the experts'
+    gradients sum every rank's tokens and are divided by the data-parallel size. A wrong dispatch, regrouping,
+    combine or gradient scale shows in the losses.
+    """
+    out = _train(tmp_path, _moe_plan(gpus, **_dims(cand)), cand, 5)
+    assert f"{cand.split('+')[0]} on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(one_process_moe_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(("cand", "model", "checkpointing"),
+                         [("fsdp2+cp2", "gpt2", "selective"), ("fsdp2+ep2", "mixtral-8x7b", "full")])  # fmt: skip
+def test_cp_and_ep_scripts_train_and_resume_bf16_with_activation_checkpointing(
+    tmp_path: Path, cand: str, model: str, checkpointing: str
+) -> None:
+    """bf16-mixed, activation checkpointing (recomputed inside the sequence split / with the all-to-alls), DCP
+    checkpoints of the sequence-sharded and expert-split states, resumed."""
+    dims = {"model": model, **_dims(cand)}
+    p = _plan(1, 2, micro_batch=2, grad_accum=2, seq_len=32, precision="bf16-mixed", checkpointing=checkpointing,
+              **dims)  # fmt: skip
+    _train_twice(tmp_path, p, cand)
+    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
