@@ -1,4 +1,4 @@
-"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 with tensor/pipeline parallelism, ZeRO).
+"""The plan as a complete, runnable PyTorch training script (DDP, FSDP, FSDP2 with tp/pp/cp/ep, ZeRO).
 
 :func:`render_train_script` writes one readable file for the plan's chosen candidate: process-group set-up from
 torchrun's environment, the strategy with the plan's numbers (micro-batch, accumulation, bucket and shard-group
@@ -24,8 +24,18 @@ activation checkpointing and FSDP2 per stage; a ``PipelineStage`` per stage on t
 gradient accumulation); data read by data-parallel rank on the first stage (inputs) and the last (targets), the
 loss on the last; the gradient norm summed over the stages; one optimizer per stage; DCP checkpoints with
 ``StateDictOptions(flatten_optimizer_state_dict=True)`` (one key per parameter, so a checkpoint resumes under another
-pipeline split). Context and expert parallelism, ZeRO or FSDP1 with tp/pp, and fp16 pipelines are refused with a line
-naming what can be generated.
+pipeline split).
+
+Context parallelism (``+cpN``) runs PyTorch's ``context_parallel`` around each micro-batch's forward and backward, as
+the workers do (:mod:`jupyter_dist.worker._context`): the sequence cut with causal load balancing, ring attention over
+``cp``, the model given its tokens' positions, FSDP2 over ``dp_shard x cp``; on CPU the script routes the CPU flash
+kernels through the same ring. Expert parallelism (``+epN``) gives the demo model a top-k mixture of grouped experts
+and splits them over ``ep`` ranks borrowed from the data-parallel ones, tokens moved by all-to-all
+(:mod:`jupyter_dist.worker._expert`). Every composition of tp, pp, cp and ep the planner prints is generated, with
+``fsdp2``, ``fsdp2-hybrid`` or ``zero1``, which with model parallelism runs as FSDP2 with
+``reshard_after_forward=False`` (:func:`~jupyter_dist.plan.strategies.runs_as`), as in the workers. fp16 pipelines,
+model parallelism under other strategies and FSDP1's HYBRID_SHARD over one GPU per node are refused with a line naming
+what can be generated.
 
 The script is assembled from templates, one module per concern in :mod:`jupyter_dist.render.train` (the model and
 data, data/tensor parallelism and the mesh, the pipeline, the training loop), by the assembler there (``Script``);
@@ -49,7 +59,7 @@ from .train.text import fill
 __all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
-"""Strategy families the code generator covers (data parallelism, with or without sharding; fsdp2 also with tp/pp)."""
+"""Strategy families the code generator covers (data parallelism, sharded or not; fsdp2 also with tp/pp/cp/ep)."""
 
 
 _MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid", "zero1")
@@ -120,14 +130,15 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout
     Returns
     -------
     str
-        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor and/or pipeline parallelism for
-        ``fsdp2(-hybrid)+tpN``, ``+ppN``, ``+tpN+ppM``) or DeepSpeed, per the candidate's strategy family.
+        Python source using DDP, FSDP (FSDP1), FSDP2 (with tensor, pipeline, context and expert parallelism for
+        ``fsdp2(-hybrid)`` and ``zero1`` with ``+tpN``, ``+ppN``, ``+cpN``, ``+epN`` in any composition) or
+        DeepSpeed, per the family of the strategy that runs.
 
     Raises
     ------
     RenderError
-        When the candidate uses context or expert parallelism, tensor or pipeline parallelism with anything but
-        FSDP2/HSDP, or fp16 with a pipeline (the message names the plan's candidates that can be generated), or when
+        When the candidate uses model parallelism with anything but FSDP2, HSDP or zero1, or fp16 with a pipeline
+        (the message names the plan's candidates that can be generated), or when
         :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()
