@@ -205,7 +205,8 @@ class ScriptBase:
             bucket = lay.settings.get("bucket_cap_mb", 25)
             rows.append(("BUCKET_CAP_MB", repr(bucket), "size of the gradient all-reduce buckets"))
         if lay.strategy.hybrid:
-            rows.append(("SHARD_GROUP_SIZE", str(self.group), "ranks that share one sharded replica (inside a node)"))
+            where = "dp_shard x cp" if self.cp > 1 else "inside a node"
+            rows.append(("SHARD_GROUP_SIZE", str(self.group), f"ranks that share one sharded replica ({where})"))
         if self.pp > 1:
             rows += [
                 ("PP", str(self.pp), "pipeline-parallel degree: ranks holding consecutive blocks (the outermost dim)"),
