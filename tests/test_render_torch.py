@@ -56,7 +56,6 @@ MATRIX = [
     for cand, nodes, gpus in CANDIDATES
     for precision in Precision
     for ckpt in Checkpointing
-    if not ("+pp" in cand and precision is Precision.FP16_MIXED)  # refused (test_fp16_pipelines_are_refused)
 ]
 
 
@@ -481,13 +480,6 @@ def test_zero1_with_model_parallelism_is_fsdp2_keeping_the_gathered_parameters(c
     assert shards and all(ast.unparse(s.keyword(c, "reshard_after_forward")) == "False" for c in shards)
     assert "deepspeed" not in source.split('"""', 2)[2]  # only the docstring names it: why it is not used
     assert "runs as FSDP2 with reshard_after_forward=False" in source
-
-
-def test_fp16_pipelines_are_refused() -> None:
-    p = _plan(1, 4, pp=2, precision="fp16-mixed")
-    with pytest.raises(RenderError, match=r"^candidate fsdp2\+pp2: fp16 loss scaling across pipeline stages is not "
-                       r"generated; plan with bf16-mixed, bf16-true or fp32"):  # fmt: skip
-        render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
 
 
 def test_expert_parallel_candidates_are_generated_with_a_mixture_of_experts_model() -> None:
@@ -1070,3 +1062,20 @@ def test_cp_and_ep_scripts_train_and_resume_bf16_with_activation_checkpointing(
               **dims)  # fmt: skip
     _train_twice(tmp_path, p, cand)
     assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
+
+
+@pytest.mark.slow
+@needs_torch
+def test_fp16_pp_script_scales_the_loss_across_stages_and_trains_like_data_parallelism(
+    tmp_path: Path, dp_losses: list[float]
+) -> None:
+    """fp16-mixed under pp2: the last stage scales the loss, every stage unscales its gradients with the one
+    ShardedGradScaler (overflow checks on all ranks); the losses follow the fp32 dp 2 reference to fp16's precision."""
+    p = _pp_plan(2, "fp16-mixed", pp=2)
+    source = render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
+    assert "def scaled_loss(" in source and "scaler.update()" in source
+    out = _train(tmp_path, p, "fsdp2+pp2", 5)
+    assert "fsdp2 on 2 ranks (cpu), fp16-mixed" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-4)

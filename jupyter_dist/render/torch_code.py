@@ -33,9 +33,9 @@ kernels through the same ring. Expert parallelism (``+epN``) gives the demo mode
 and splits them over ``ep`` ranks borrowed from the data-parallel ones, tokens moved by all-to-all
 (:mod:`jupyter_dist.worker._expert`). Every composition of tp, pp, cp and ep the planner prints is generated, with
 ``fsdp2``, ``fsdp2-hybrid`` or ``zero1``, which with model parallelism runs as FSDP2 with
-``reshard_after_forward=False`` (:func:`~jupyter_dist.plan.strategies.runs_as`), as in the workers. fp16 pipelines,
-model parallelism under other strategies and FSDP1's HYBRID_SHARD over one GPU per node are refused with a line naming
-what can be generated.
+``reshard_after_forward=False`` (:func:`~jupyter_dist.plan.strategies.runs_as`), as in the workers; under fp16 a
+pipeline's last stage scales the loss and every stage unscales with one ``ShardedGradScaler``. Model parallelism under
+other strategies and FSDP1's HYBRID_SHARD over one GPU per node are refused with a line naming what can be generated.
 
 The script is assembled from templates, one module per concern in :mod:`jupyter_dist.render.train` (the model and
 data, data/tensor parallelism and the mesh, the pipeline, the training loop), by the assembler there (``Script``);
@@ -48,7 +48,6 @@ from __future__ import annotations
 from ..plan.parallel import ParallelDims
 from ..plan.plan import Plan
 from ..plan.strategies import FSDP1_SHARDING
-from ..plan.training import Precision
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .train import loop_tpl as lt
 from .train import model_tpl as mt
@@ -78,11 +77,6 @@ def _check_supported(lay: Layout) -> None:
                 f"{getattr(dims, dim)} needs Megatron-DeepSpeed, or compile one of those or a data-parallel candidate "
                 "(RenderOptions(candidate=...))"
             )
-    if dims.pp > 1 and lay.precision is Precision.FP16_MIXED:
-        raise RenderError(
-            f"candidate {name}: fp16 loss scaling across pipeline stages is not generated; plan with bf16-mixed, "
-            "bf16-true or fp32 (a GPU without bf16: compile a candidate without pp)"
-        )
     model = lay.plan.model
     if dims.ep > 1 and (model.experts < 2 or model.experts % dims.ep):
         raise RenderError(
@@ -137,8 +131,8 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout
     Raises
     ------
     RenderError
-        When the candidate uses model parallelism with anything but FSDP2, HSDP or zero1, or fp16 with a pipeline
-        (the message names the plan's candidates that can be generated), or when
+        When the candidate uses model parallelism with anything but FSDP2, HSDP or zero1 (the message names the
+        plan's candidates that can be generated), or when
         :func:`~jupyter_dist.render.common.layout_of` finds nothing consistent to compile.
     """
     opts = opts or RenderOptions()

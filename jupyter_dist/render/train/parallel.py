@@ -154,7 +154,16 @@ class ParallelSections(ScriptBase):
             return ""
         self.use_from("torch.distributed.pipelining", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
                       "ScheduleInterleaved1F1B")  # fmt: skip
-        return fill(ppt.PIPELINE)
+        params = "stages: list[tuple[int, nn.Module]], mesh: DeviceMesh, args: argparse.Namespace, device: torch.device"
+        loss = "loss_fn"
+        if self.fp16:  # the last stage scales the loss (the caller passes the scaler's loss)
+            self.use_from("collections.abc", "Callable")
+            params = join_lines(
+                params + ",",
+                "loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn,",
+            )
+            loss = "loss"
+        return fill(ppt.PIPELINE, schedule_params=params, schedule_loss=loss)
 
     def build_mesh(self) -> str:
         """``build_mesh()``: ``([pp,] [dp_replicate,] dp_shard[, tp])``, outermost first (tensor/pipeline scripts)."""

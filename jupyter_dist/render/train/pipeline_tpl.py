@@ -112,7 +112,7 @@ def split_model(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) ->
 
 
 def build_schedule(
-    stages: list[tuple[int, nn.Module]], mesh: DeviceMesh, args: argparse.Namespace, device: torch.device
+    <<schedule_params>>
 ) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
     """The schedule that runs forward and backward of this rank's stages over ``--grad-accum`` micro-batches.
 
@@ -126,9 +126,9 @@ def build_schedule(
     group = mesh["pp"].get_group()
     pipeline = [PipelineStage(stage, index, n_stages, device, group=group) for index, stage in stages]
     if args.schedule == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pipeline, args.grad_accum, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(pipeline, args.grad_accum, loss_fn=<<schedule_loss>>)
     schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
-    return schedule(pipeline[0], args.grad_accum, loss_fn=loss_fn)
+    return schedule(pipeline[0], args.grad_accum, loss_fn=<<schedule_loss>>)
 '''
 
 CLIP_PIPELINE = '''
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     stages = [(index, parallelize(stage, mesh)) for index, stage in split_model(build_model(args), mesh, args)]
     models = [stage for _, stage in stages]
     optimizers = [build_optimizer(model, args) for model in models]  # one per stage, as its checkpoint is
-    schedule = build_schedule(stages, mesh, args, device)
+    <<scaler>>
+    schedule = build_schedule(stages, mesh, args, device<<schedule_args>>)
     first, last = stages[0][0] == 0, stages[-1][0] == PP * args.stages_per_rank - 1
     checkpoint_dir = Path(args.checkpoint_dir)
     start_step = load_checkpoint(models, optimizers, checkpoint_dir)
@@ -256,9 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         <<schedule_step>>
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         <<clip>>
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        <<optimizer_step>>
 
         if step % args.log_every == 0 or step == args.steps:
             dist.all_reduce(loss)  # the sum of the last stage's ranks' mean losses (the other ranks add zeros)

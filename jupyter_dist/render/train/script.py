@@ -59,7 +59,36 @@ class Script(ParallelSections):
             'max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")  # inf: measure, do not clip',
             'grad_norm = clip_grad_norm(models, max_norm, mesh["pp"].get_group())',
         )
-        return fill(ppt.MAIN_PIPELINE, clip=clip, dp_ranks=dp_ranks, schedule_step=step, loss_ranks=loss_ranks)
+        optimizer_step = join_lines(
+            "for optimizer in optimizers:", "    optimizer.step()", "    optimizer.zero_grad(set_to_none=True)"
+        )
+        scaler, schedule_args = "", ""
+        if self.fp16:
+            scaler = join_lines(
+                "# fp16: one dynamic loss scale for every stage: the last stage scales the loss, every stage unscales",
+                "# its gradients, and an overflow on any rank skips the step everywhere (scales are not checkpointed)",
+                f"scaler = {self._scaler_class()}(device=device.type)",
+                "scaler.scale(torch.zeros((), device=device))  # sets the scale on ranks without a loss (first stages)",
+                "",
+                "def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:",
+                "    return scaler.scale(loss_fn(logits, targets))",
+                "",
+            )
+            schedule_args = ", loss=scaled_loss"
+            clip = join_lines(
+                "loss = loss / scaler.get_scale()  # the schedule's losses are scaled",
+                "for optimizer in optimizers:",
+                "    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones",
+                clip,
+            )
+            optimizer_step = join_lines(
+                "for optimizer in optimizers:",
+                "    scaler.step(optimizer)  # skipped when a gradient overflowed on any rank",
+                "    optimizer.zero_grad(set_to_none=True)",
+                "scaler.update()",
+            )
+        return fill(ppt.MAIN_PIPELINE, clip=clip, dp_ranks=dp_ranks, schedule_step=step, loss_ranks=loss_ranks,
+                    optimizer_step=optimizer_step, scaler=scaler, schedule_args=schedule_args)  # fmt: skip
 
     def main(self) -> str:
         """``main()``: set-up, the training loop, logging and checkpoints."""
