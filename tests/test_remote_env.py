@@ -329,7 +329,6 @@ def test_dry_run_shows_the_price(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_a_plain_script_on_a_log_stream_still_reports_its_exit(tmp_path: Path) -> None:
     """SkyPilot: the Run learns exit codes from stream records; a script without jd gets one from the bootstrap."""
     from jupyter_dist.launch.backends.slurm import BOOTSTRAP_STUB
-
     from jupyter_dist.telemetry.records import decode
 
     (tmp_path / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB)
