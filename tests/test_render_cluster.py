@@ -661,8 +661,12 @@ def test_accelerate_nested_keys_are_real_launch_options(plans: dict[str, Plan]) 
 def test_accelerate_error_paths(plans: dict[str, Plan]) -> None:
     with pytest.raises(RenderError, match="pipeline parallelism pp=2"):
         render_accelerate_config(plans["2x8"], RenderOptions(candidate="fsdp2+pp2"))
-    with pytest.raises(RenderError, match="DeepSpeed ZeRO-1 with tp2"):
-        render_accelerate_config(plans["2x8"], RenderOptions(candidate="zero1+tp2+sp"))
+    # zero1 with tp runs as FSDP2 keeping the gathered parameters (the workers, train.py): an FSDP2 config, not ZeRO
+    zero1_tp = render_accelerate_config(plans["2x8"], RenderOptions(candidate="zero1+tp2+sp"))
+    assert zero1_tp["distributed_type"] == "FSDP" and "deepspeed_config" not in zero1_tp
+    fsdp = zero1_tp["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is False
+    assert zero1_tp["parallelism_config"]["parallelism_config_tp_size"] == 2
     ep = next(c.name for c in plans["moe"].candidates if c.dims.ep > 1 and c.dims.pp == 1)
     with pytest.raises(RenderError, match="expert parallelism ep="):
         render_accelerate_config(plans["moe"], RenderOptions(candidate=ep))

@@ -44,13 +44,18 @@ CANDIDATES = [
     ("fsdp2+tp2", 1, 4), ("fsdp2+tp2+sp", 1, 4), ("fsdp2-hybrid+tp2", 2, 4), ("fsdp2-hybrid+tp2+sp", 2, 4),
     # pipeline parallelism with FSDP2, alone, with tp(+sp), and HSDP x tp x pp on 2 nodes (mesh 2 x 2 x 1 x 2 ... )
     ("fsdp2+pp2", 1, 4), ("fsdp2+tp2+pp2", 1, 8), ("fsdp2+tp2+pp2+sp", 1, 8), ("fsdp2-hybrid+tp2+pp2+sp", 2, 4),
+    # context parallelism: alone, with HSDP, tp, a pipeline; expert parallelism (a MoE plan): alone, with a pipeline,
+    # tp, cp and HSDP; zero1 with any of them runs as FSDP2 keeping the gathered parameters (no DeepSpeed)
+    ("fsdp2+cp2", 1, 4), ("fsdp2-hybrid+cp2", 2, 2), ("fsdp2+tp2+cp2+sp", 1, 8), ("fsdp2+pp2+cp2", 1, 4),
+    ("fsdp2+ep2", 1, 4), ("fsdp2+pp2+ep2", 1, 4), ("fsdp2+tp2+ep2+sp", 1, 4), ("fsdp2+cp2+ep2", 1, 4),
+    ("fsdp2-hybrid+pp2+ep2", 2, 4), ("zero1+tp2+sp", 1, 4), ("zero1+pp2", 1, 4), ("zero1+cp2", 1, 4),
+    ("zero1+pp2+ep2", 1, 4),
 ]  # fmt: skip
 MATRIX = [
     (cand, nodes, gpus, precision, ckpt)
     for cand, nodes, gpus in CANDIDATES
     for precision in Precision
     for ckpt in Checkpointing
-    if not ("+pp" in cand and precision is Precision.FP16_MIXED)  # refused (test_fp16_pipelines_are_refused)
 ]
 
 
@@ -65,21 +70,26 @@ def _plan(
     precision: str = "bf16-mixed",
     checkpointing: str = "none",
     optimizer: str = "adamw",
+    model: str = "gpt2",
     **dims: int,
 ) -> Plan:
     hw = Hardware.from_names("h100-80gb", gpus_per_node=gpus, nodes=nodes)
     shape = TrainingShape(micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, precision=precision,
                           checkpointing=checkpointing, optimizer=optimizer)  # fmt: skip
-    return make_plan("gpt2", hw, shape, **dims)
+    return make_plan(model, hw, shape, **dims)
 
 
 def _dims(cand: str) -> dict[str, Any]:
-    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``, ``pp``) from its name."""
+    """The planner arguments that make ``cand`` a candidate (``tp``, ``sp``, ``pp``, ``cp``, ``ep``; with ep a
+    mixture-of-experts model) from its name."""
     out: dict[str, Any] = {}
     if m := re.search(r"\+tp(\d+)", cand):
         out.update(tp=int(m.group(1)), sp=cand.endswith("+sp"))
-    if m := re.search(r"\+pp(\d+)", cand):
-        out["pp"] = int(m.group(1))
+    for dim in ("pp", "cp", "ep"):
+        if m := re.search(rf"\+{dim}(\d+)", cand):
+            out[dim] = int(m.group(1))
+    if "ep" in out:
+        out["model"] = "mixtral-8x7b"
     return out
 
 
@@ -187,6 +197,7 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
     p = _plan(nodes, gpus, precision=precision.value, checkpointing=ckpt.value, **_dims(cand))
     source = render_train_script(p, RenderOptions(candidate=cand))
     compile(source, f"{cand}.py", "exec")
+    assert cand in source
     assert ruff_findings.get(_name(cand, precision, ckpt), []) == []
     assert "TODO" not in source
     s = Script(source)
@@ -215,7 +226,11 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
         assert ast.unparse(s.keyword(mp, "reduce_dtype")) == "torch.float32"
     if family == "fsdp2":
         assert s.has_call("MixedPrecisionPolicy") == mixed
-        assert len(s.calls("fully_shard")) == 2  # per block, then the root (under pp: of each stage)
+        # per block, then the root (under pp: of each stage); with ep the experts first, over their own mesh
+        assert len(s.calls("fully_shard")) == 2 + (lay.dims.ep > 1)
+        # zero1 with model parallelism runs as FSDP2 keeping the gathered parameters from forward to backward
+        keep = [ast.unparse(c) for c in s.calls("fully_shard") if "reshard_after_forward=False" in ast.unparse(c)]
+        assert len(keep) == (len(s.calls("fully_shard")) if cand.startswith("zero1") else 0)
     if precision is Precision.BF16_TRUE and family != "deepspeed":  # bf16 weights, no fp32 master copy
         assert any("torch.bfloat16" in ast.unparse(c) for c in s.calls("to"))
 
@@ -240,32 +255,53 @@ def test_every_flavour_renders_compiles_and_passes_ruff(
         assert s.has_call("set_requires_gradient_sync")  # (under pp the schedule syncs after the last backward)
 
     # tensor parallelism: the plan's degree, the demo model's layout, data by data-parallel rank
-    tp, pp = lay.dims.tp, lay.dims.pp
+    tp, pp, cp, ep = lay.dims.tp, lay.dims.pp, lay.dims.cp, lay.dims.ep
     assert s.constants.get("TP", 1) == tp and s.constants.get("PP", 1) == pp
-    assert s.has_call("parallelize_module") == (tp > 1) == ("def tp_plan(" in source)
+    assert s.constants.get("CP", 1) == cp and s.constants.get("EP", 1) == ep
+    assert s.has_call("parallelize_module") == (tp > 1 or ep > 1)
+    assert (tp > 1) == ("def tp_plan(" in source)
     assert "jupyter_dist" not in source  # self-contained: the script is what a user takes to a cluster
     (sampler,) = s.calls("DistributedSampler")
-    if tp > 1 or pp > 1:
+    if not lay.dims.is_data_parallel_only:
         (mesh,) = s.calls("init_device_mesh")
-        names = ("pp",) * (pp > 1) + ("dp_replicate",) * lay.strategy.hybrid + ("dp_shard",) + ("tp",) * (tp > 1)
+        names = ("pp",) * (pp > 1) + ("dp_replicate",) * lay.strategy.hybrid + ("dp_shard",) + ("cp",) * (cp > 1)
+        names += ("tp",) * (tp > 1)
         assert s.value(s.keyword(mesh, "mesh_dim_names")) == names
         assert ast.unparse(s.keyword(sampler, "num_replicas")) == "dp_size"
         assert ast.unparse(s.keyword(sampler, "rank")) == "dp_rank"
     if tp > 1:
         assert s.constants["SEQUENCE_PARALLEL"] is lay.dims.sp
-        (parallelize,) = s.calls("parallelize_module")
+        parallelize = s.calls("parallelize_module")[0]  # (with ep a second call splits the experts)
         layout = "held(model, tp_plan(SEQUENCE_PARALLEL))" if pp > 1 else "tp_plan(SEQUENCE_PARALLEL)"
         assert [ast.unparse(a) for a in parallelize.args[1:]] == ["mesh['tp']", layout]
+    if cp > 1:  # PyTorch's context_parallel around forward and backward, on the flattened (dp_shard x cp) mesh
+        (ctx,) = s.calls("context_parallel")
+        assert ast.unparse(ctx.args[0]) == "cp_mesh" and s.has_call("sequence_split")
+        assert 'mesh["dp_shard", "cp"]._flatten("dp_shard_cp")' in source
+        assert s.has_call("cpu_ring_attention")  # the CPU kernels through the same ring, on CPU only
+    if ep > 1:  # a mixture-of-experts demo model, its experts split over ep and sharded over efsdp
+        classes = {n.name for n in s.tree.body if isinstance(n, ast.ClassDef)}
+        assert {"GroupedExperts", "MoE", "ExpertParallel"} <= classes
+        assert s.constants["EXPERTS"] == lay.plan.model.experts and s.constants["TOP_K"] == lay.plan.model.top_k
+        assert s.has_call("all_to_all_single_autograd") and s.has_call("set_gradient_divide_factor")
+    else:
+        assert "class MoE" not in source
+    if pp > 1 and cp > 1:
+        assert "dp_size = world_size // (PP * CP * TP)\n    dp_rank = (rank // (CP * TP)) % dp_size" in source
     if pp > 1:
-        assert "dp_size = world_size // (PP * TP)\n    dp_rank = (rank // TP) % dp_size" in source
+        assert cp > 1 or "dp_size = world_size // (PP * TP)\n    dp_rank = (rank // TP) % dp_size" in source
         assert s.constants["SCHEDULE"] == "1f1b" and s.flag_default("--schedule") == "1f1b"
         assert {"split_model", "keep_stage_part", "stage_bounds", "build_schedule"} <= s.functions()
         (stage,) = s.calls("PipelineStage")
         assert ast.unparse(s.keyword(stage, "group")) == "group"
         options = s.calls("StateDictOptions")  # pipelined checkpoints keep one key per parameter
         assert [ast.unparse(c) for c in options] == ["StateDictOptions(flatten_optimizer_state_dict=True)"]
+    elif cp > 1:
+        assert "dp_rank, dp_size = rank // (CP * TP), world_size // (CP * TP)" in source
     elif tp > 1:
         assert "dp_rank, dp_size = rank // TP, world_size // TP" in source
+    elif ep > 1:
+        assert "dp_rank, dp_size = rank, world_size" in source
     else:
         assert ast.unparse(s.keyword(sampler, "num_replicas")) == "world_size"
 
@@ -398,59 +434,61 @@ def test_8bit_adamw_without_bitsandbytes_exits_with_the_install_hint(tmp_path: P
 # ---------------------------------------------------------------------------------------------------------------
 # Error paths
 # ---------------------------------------------------------------------------------------------------------------
-def test_context_parallel_candidates_are_refused_naming_what_can_run() -> None:
+def test_context_parallel_candidates_are_generated_with_the_sequence_split_around_forward_and_backward() -> None:
     p = _plan(2, 4, cp=2)
-    cand = next(c.name for c in p.candidates if c.dims.cp == 2)
-    with pytest.raises(RenderError, match=rf"^candidate {re.escape(cand)}: context parallelism \(cp 2\) is not "
-                       r"generated yet; fsdp2 and fsdp2-hybrid candidates with tpN and/or ppN are, and the "
-                       r"data-parallel ones \(ddp, fsdp, fsdp2, deepspeed\); for cp/ep use torchtitan"):  # fmt: skip
-        render_train_script(p, RenderOptions(candidate=cand))
+    cands = [c.name for c in p.candidates if c.dims.cp == 2]
+    assert {"fsdp2+cp2", "fsdp2-hybrid+cp2", "zero1+cp2"} <= set(cands)
+    for cand in cands:
+        s = Script(render_train_script(p, RenderOptions(candidate=cand)))
+        assert s.constants["CP"] == 2
+        (split,) = s.calls("sequence_split")  # forward and backward inside it, on the mesh's cp dimension
+        assert ast.unparse(split.args[0]) == "mesh['cp']"
+        assert [ast.unparse(a) for a in split.args[1:]] == ["inputs", "targets", "positions"]
+        # the model takes this rank's positions (the head-tail chunks), the loss is computed on its tokens
+        assert "loss = loss_fn(model(inputs, positions), targets) / args.grad_accum" in s.source
 
 
-def test_a_context_parallel_refusal_names_the_plans_own_model_parallel_candidates_which_compile() -> None:
+def test_a_refusal_names_the_plans_own_model_parallel_candidates_which_compile() -> None:
     """Llama-2-70B on 4 x 8 H100: tp x pp candidates, and (from the same model with cp2 asked for) a cp candidate;
-    the refusal of the latter lists the former, which compile."""
+    tensor parallelism under a strategy that cannot run it (a hand-made ddp+tp8 candidate) is refused with a line that
+    lists the plan's model-parallel candidates, which compile (the cp one included)."""
     hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=4)
     p = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096))
     cp = make_plan("llama-2-70b", hw, TrainingShape(seq_len=4096), cp=2).candidate("fsdp2+cp2")
-    p = dataclasses.replace(p, candidates=(*p.candidates, cp))
-    cp_cand = "fsdp2+cp2"
-    with pytest.raises(RenderError, match=r"is not generated yet; .* are \(this plan has: ") as err:
-        render_train_script(p, RenderOptions(candidate=cp_cand))
+    tp = next(c for c in p.candidates if c.name.startswith("fsdp2+tp8"))
+    ddp = dataclasses.replace(tp, name="ddp+tp8", strategy="ddp")
+    p = dataclasses.replace(p, candidates=(cp, *p.candidates, ddp))
+    with pytest.raises(RenderError, match=r"^candidate ddp\+tp8: tensor parallelism is generated with FSDP2 only: "
+                       r"fsdp2, fsdp2-hybrid or zero1 \(run as FSDP2\) with .* \(this plan has: ") as err:  # fmt: skip
+        render_train_script(p, RenderOptions(candidate="ddp+tp8"))
     listed = re.search(r"this plan has: ([^)]*)\)", str(err.value)).group(1).split(", ")  # type: ignore[union-attr]
-    assert all(re.fullmatch(r"fsdp2(-hybrid)?(\+tp\d+)?(\+pp\d+)?(\+sp)?", name) for name in listed[:-1])
+    assert listed[0] == "fsdp2+cp2" and "ddp+tp8" not in listed
+    assert all(re.fullmatch(r"(fsdp2|fsdp2-hybrid|zero1)(\+tp\d+)?(\+pp\d+)?(\+cp\d+)?(\+sp)?", n) for n in listed[:-1])
     assert len(listed) == 7 and listed[-1] == "..."  # six names, then an ellipsis
-    pipelined = next(name for name in listed if "+pp" in name)
-    assert Script(render_train_script(p, RenderOptions(candidate=pipelined))).constants["PP"] > 1
+    for name in listed[:-1]:
+        render_train_script(p, RenderOptions(candidate=name))
 
 
-def test_pipeline_with_zero1_is_refused_naming_the_fsdp2_candidates() -> None:
-    p = _plan(1, 4, pp=2)
-    with pytest.raises(RenderError, match=r"^candidate zero1\+pp2: pipeline parallelism is generated with FSDP2 only: "
-                       r"fsdp2 or fsdp2-hybrid with \+tpN \(\+sp\) and/or \+ppN \(this plan has: fsdp2\+pp2\); "
-                       r"zero1 with pp 2 needs Megatron-DeepSpeed"):  # fmt: skip
-        render_train_script(p, RenderOptions(candidate="zero1+pp2"))
+@pytest.mark.parametrize(("cand", "dims"), [("zero1+pp2", {"pp": 2}), ("zero1+tp2+sp", {"tp": 2, "sp": True})])
+def test_zero1_with_model_parallelism_is_fsdp2_keeping_the_gathered_parameters(cand: str, dims: dict[str, Any]) -> None:
+    """As the workers run it (plan.strategies.runs_as): FSDP2 with reshard_after_forward=False, no DeepSpeed."""
+    p = _plan(1, 4, **dims)
+    source = render_train_script(p, RenderOptions(candidate=cand))
+    s = Script(source)
+    assert s.constants["STRATEGY"] == "zero1"
+    shards = s.calls("fully_shard")
+    assert shards and all(ast.unparse(s.keyword(c, "reshard_after_forward")) == "False" for c in shards)
+    assert "deepspeed" not in source.split('"""', 2)[2]  # only the docstring names it: why it is not used
+    assert "runs as FSDP2 with reshard_after_forward=False" in source
 
 
-def test_fp16_pipelines_are_refused() -> None:
-    p = _plan(1, 4, pp=2, precision="fp16-mixed")
-    with pytest.raises(RenderError, match=r"^candidate fsdp2\+pp2: fp16 loss scaling across pipeline stages is not "
-                       r"generated; plan with bf16-mixed, bf16-true or fp32"):  # fmt: skip
-        render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
-
-
-def test_zero1_with_tensor_parallelism_is_refused_naming_the_fsdp2_candidates() -> None:
-    p = _plan(1, 4, tp=2, sp=True)
-    with pytest.raises(RenderError, match=r"^candidate zero1\+tp2\+sp: tensor parallelism is generated with FSDP2 "
-                       r"only: fsdp2 or fsdp2-hybrid with \+tpN \(\+sp\) and/or \+ppN "
-                       r"\(this plan has: fsdp2\+tp2\+sp\); zero1 with tp 2 needs Megatron-DeepSpeed"):  # fmt: skip
-        render_train_script(p, RenderOptions(candidate="zero1+tp2+sp"))
-
-
-def test_expert_parallel_candidates_are_refused_too() -> None:
+def test_expert_parallel_candidates_are_generated_with_a_mixture_of_experts_model() -> None:
     p = make_plan("mixtral-8x7b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2), ep=2)
-    with pytest.raises(RenderError, match=r"candidate fsdp2\+ep2: expert parallelism \(ep 2\) is not generated yet"):
-        render_train_script(p, RenderOptions(candidate="fsdp2+ep2"))
+    s = Script(render_train_script(p, RenderOptions(candidate="fsdp2+ep2")))
+    assert (s.constants["EP"], s.constants["EXPERTS"], s.constants["TOP_K"]) == (2, 8, 2)
+    assert "self.mlp = MoE(dim, EXPERTS, TOP_K)" in s.source
+    (split,) = [c for c in s.calls("parallelize_module") if "expert_mesh" in ast.unparse(c)]
+    assert ast.unparse(split.args[1]) == "expert_mesh(mesh)['ep']"
 
 
 def test_a_plan_where_nothing_fits_needs_an_explicit_candidate() -> None:
@@ -475,6 +513,97 @@ def test_fsdp1_hybrid_shard_over_one_gpu_per_node_is_refused() -> None:
     with pytest.raises(RenderError, match="groups of 1 GPU.*fsdp-no-shard, ddp or fsdp2-hybrid"):
         render_train_script(hacked, RenderOptions(candidate="fsdp-hybrid-shard"))  # and the renderer refuses it
     render_train_script(p, RenderOptions(candidate="fsdp2-hybrid"))  # FSDP2 handles the (2, 1) mesh
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every candidate the planner prints gets a train.py, and the bundle's files agree with what runs
+# ---------------------------------------------------------------------------------------------------------------
+def _big_plans() -> dict[str, Plan]:
+    """Plans whose candidates cover every composition the planner makes: MoE (ep x pp), long sequences (cp x tp),
+    a dense 70B (tp x pp) and 405B on 64 nodes (tp x pp up to pp64)."""
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2)
+    return {
+        "mixtral-8x7b": make_plan("mixtral-8x7b", hw),
+        "llama-3-8b-seq65536": make_plan("llama-3-8b", hw, TrainingShape(seq_len=65536)),
+        "llama-3-70b": make_plan("llama-3-70b", hw),
+        "llama-3.1-405b": make_plan("llama-3.1-405b", Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=64)),
+    }
+
+
+@pytest.fixture(scope="module")
+def big_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, dict[str, list[str]]]]:
+    """Every candidate of the big plans compiled by render_bundle; the train.py files checked by one ruff run."""
+    from jupyter_dist.render.bundle import render_bundle
+
+    if shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    folder = tmp_path_factory.mktemp("big")
+    bundles = {}
+    for plan_name, p in _big_plans().items():
+        for c in p.candidates:
+            key = re.sub(r"\W", "_", f"{plan_name}__{c.name}")
+            b = render_bundle(p, RenderOptions(candidate=c.name))
+            bundles[key] = b
+            if "train.py" in b.files:
+                (folder / f"{key}.py").write_text(b.files["train.py"])
+    res = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "json", "--config",
+         str(ROOT / "pyproject.toml"), str(folder)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode in (0, 1), res.stderr
+    findings: dict[str, list[str]] = {}
+    for item in json.loads(res.stdout or "[]"):
+        findings.setdefault(Path(item["filename"]).stem, []).append(f"{item['code']} line {item['location']['row']}")
+    return {key: (b, findings.get(key, [])) for key, b in bundles.items()}
+
+
+def test_every_candidate_of_the_planners_big_plans_gets_a_train_py_that_compiles_and_passes_ruff(
+    big_bundles: dict[str, tuple[Any, dict[str, list[str]]]],
+) -> None:
+    counts = {name: len(p.candidates) for name, p in _big_plans().items()}
+    assert sum(counts.values()) == len(big_bundles) and min(counts.values()) > 40
+    missing = {key: b.notes for key, (b, _) in big_bundles.items() if "train.py" not in b.files}
+    assert missing == {}
+    dirty = {key: found for key, (_, found) in big_bundles.items() if found}
+    assert dirty == {}
+    for key, (b, _) in big_bundles.items():
+        source = b.files["train.py"]
+        compile(source, f"{key}.py", "exec")
+        s = Script(source)
+        d = b.layout.dims
+        assert s.constants["STRATEGY"] == b.candidate.strategy, key
+        assert [s.constants.get(n, 1) for n in ("TP", "PP", "CP", "EP")] == [d.tp, d.pp, d.cp, d.ep], key
+    recommended = {name: p.best.name for name, p in _big_plans().items() if p.best is not None}
+    assert recommended["mixtral-8x7b"] == "zero1+pp2+ep8"  # the compositions the issue names are among them
+    assert recommended["llama-3-8b-seq65536"] == "fsdp2-hybrid+cp16"
+
+
+def test_the_bundle_writes_a_deepspeed_config_only_where_deepspeed_runs(
+    big_bundles: dict[str, tuple[Any, dict[str, list[str]]]],
+) -> None:
+    """zero1 with tp/pp/cp/ep runs as FSDP2 with reshard_after_forward=False (the workers, and train.py): no
+    ds_config.json, no --deepspeed_config, an FSDP accelerate config (where accelerate can run it), and a note."""
+    seen = set()
+    for key, (b, _) in big_bundles.items():
+        lay, files = b.layout, b.files
+        deepspeed = lay.strategy.family == "deepspeed"
+        assert ("ds_config.json" in files) == deepspeed, key
+        assert ("--deepspeed_config" in files["launch.sh"]) == deepspeed, key
+        assert ("--deepspeed_config" in files["job.sbatch"]) == deepspeed, key
+        assert ("deepspeed" in files["skypilot.yaml"]) == deepspeed, key
+        accelerate = files.get("accelerate_config.yaml", "")
+        assert ("DEEPSPEED" in accelerate) == deepspeed, key
+        if b.candidate.strategy == "zero1" and not lay.dims.is_data_parallel_only:
+            seen.add(key.split("__")[0])
+            assert lay.strategy.family == "fsdp2" and lay.strategy.keeps_gathered_params
+            assert any("runs as FSDP2 with reshard_after_forward=False" in n for n in b.notes), b.notes
+            assert "reshard_after_forward=False" in files["train.py"]
+            if accelerate:  # tp/cp only: pp and ep are refused by accelerate, with a note
+                assert "distributed_type: FSDP" in accelerate and "fsdp_reshard_after_forward: false" in accelerate
+        else:
+            assert "reshard_after_forward=False" not in files["train.py"], key
+    assert seen == {"mixtral_8x7b", "llama_3_8b_seq65536", "llama_3_70b", "llama_3_1_405b"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -828,3 +957,125 @@ def test_pp_script_refuses_a_1f1b_schedule_with_fewer_micro_batches_than_stages(
         "1F1B needs at least as many micro-batches (--grad-accum 1) as pipeline stages (2); raise --grad-accum or "
         "use --schedule gpipe"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Context and expert parallelism: CPU processes (gloo), the same math as one process on the same global batch
+# ---------------------------------------------------------------------------------------------------------------
+def _run_script(tmp_path: Path, source: str, nproc: int, *args: str) -> str:
+    """Run ``source`` as train.py on ``nproc`` local processes for 5 steps (the plan's command is for its cluster)."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    argv = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(script), *TINY, "--steps", "5",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), *args]  # fmt: skip
+    rc, out = _run(Command(argv=argv), tmp_path)
+    assert rc == 0, out[-6000:]
+    return out
+
+
+def _moe_plan(gpus: int, **dims: Any) -> Plan:
+    dims = {"model": "mixtral-8x7b", **dims}
+    return _plan(1, gpus, micro_batch=2, grad_accum=2, seq_len=32, precision="fp32", **dims)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference of the cp runs (dp 1): fsdp2 on one process, fp32, 5 steps of micro-batch 2 x accumulation 2."""
+    out = _train(tmp_path_factory.mktemp("one"), _tp_plan(1, 1), "fsdp2", 5)
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.fixture(scope="module")
+def one_process_moe_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference of the ep runs (dp 2): the fsdp2+ep2 script with EP = 1 on one process and micro-batch 4.
+
+    The same samples per step as dp 2 x micro-batch 2 (DistributedSampler's two replicas take alternate indices of
+    the same permutation), every expert on the one rank (the all-to-alls go nowhere).
+    """
+    source = render_train_script(_moe_plan(2, ep=2), RenderOptions(candidate="fsdp2+ep2", lr=0.01))
+    assert "\nEP = 2  #" in source
+    out = _run_script(tmp_path_factory.mktemp("moe"), source.replace("\nEP = 2  #", "\nEP = 1  #"), 1,
+                      "--micro-batch", "4")  # fmt: skip
+    assert "fsdp2 on 1 ranks (cpu), fp32" in out
+    return [loss for _, loss in _assert_trained(out, 1, 5)]
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "mesh"),
+    [("fsdp2+cp2", 2, "dp_shard=1 x cp=2"), ("fsdp2+tp2+cp2+sp", 4, "dp_shard=1 x cp=2 x tp=2"),
+     ("fsdp2+pp2+cp2", 4, "pp=2 x dp_shard=1 x cp=2")],
+)  # fmt: skip
+def test_cp_script_has_the_losses_of_one_process(
+    tmp_path: Path, one_process_losses: list[float], cand: str, gpus: int, mesh: str
+) -> None:
+    """Equal math: cp 2 (with tp 2 + sp, or 2 pipeline stages) trains like one process, fp32, to 1e-5 relative.
+
+    PyTorch's context_parallel cuts each sequence into 4 chunks, rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2
+    (causal load balancing), ring attention runs over the two (on CPU through the script's CPU kernel route); the
+    model sees the positions of its own tokens. A wrong split, position, attention merge or gradient average (cp
+    ranks shard the model states with the data-parallel ones) shows in the losses.
+    """
+    p = _tp_plan(1, gpus, **_dims(cand))
+    assert layout_of(p, RenderOptions(candidate=cand)).global_batch == 4
+    out = _train(tmp_path, p, cand, 5)
+    assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(one_process_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(
+    ("cand", "gpus", "mesh"), [("fsdp2+ep2", 2, "dp_shard=2"), ("zero1+pp2+ep2", 4, "pp=2 x dp_shard=2")]
+)
+def test_ep_script_has_the_losses_of_one_process(
+    tmp_path: Path, one_process_moe_losses: list[float], cand: str, gpus: int, mesh: str
+) -> None:
+    """Equal math: ep 2 over 2 data-parallel ranks (and zero1+pp2+ep2, Mixtral's recommended composition scaled
+    down to 4 processes) trains the mixture of experts like one process holding every expert, fp32, to 1e-5.
+
+    Each rank keeps 4 of the 8 experts; tokens travel to their experts' rank and back by all-to-all; the experts'
+    gradients sum every rank's tokens and are divided by the data-parallel size. A wrong dispatch, regrouping,
+    combine or gradient scale shows in the losses.
+    """
+    out = _train(tmp_path, _moe_plan(gpus, **_dims(cand)), cand, 5)
+    assert f"{cand.split('+')[0]} on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(one_process_moe_losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_torch
+@pytest.mark.parametrize(("cand", "model", "checkpointing"),
+                         [("fsdp2+cp2", "gpt2", "selective"), ("fsdp2+ep2", "mixtral-8x7b", "full")])  # fmt: skip
+def test_cp_and_ep_scripts_train_and_resume_bf16_with_activation_checkpointing(
+    tmp_path: Path, cand: str, model: str, checkpointing: str
+) -> None:
+    """bf16-mixed, activation checkpointing (recomputed inside the sequence split / with the all-to-alls), DCP
+    checkpoints of the sequence-sharded and expert-split states, resumed."""
+    dims = {"model": model, **_dims(cand)}
+    p = _plan(1, 2, micro_batch=2, grad_accum=2, seq_len=32, precision="bf16-mixed", checkpointing=checkpointing,
+              **dims)  # fmt: skip
+    _train_twice(tmp_path, p, cand)
+    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
+
+
+@pytest.mark.slow
+@needs_torch
+def test_fp16_pp_script_scales_the_loss_across_stages_and_trains_like_data_parallelism(
+    tmp_path: Path, dp_losses: list[float]
+) -> None:
+    """fp16-mixed under pp2: the last stage scales the loss, every stage unscales its gradients with the one
+    ShardedGradScaler (overflow checks on all ranks); the losses follow the fp32 dp 2 reference to fp16's precision."""
+    p = _pp_plan(2, "fp16-mixed", pp=2)
+    source = render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
+    assert "def scaled_loss(" in source and "scaler.update()" in source
+    out = _train(tmp_path, p, "fsdp2+pp2", 5)
+    assert "fsdp2 on 2 ranks (cpu), fp16-mixed" in out
+    losses = [loss for _, loss in _assert_trained(out, 1, 5)]
+    assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
+    assert losses == pytest.approx(dp_losses, rel=1e-4)

@@ -57,8 +57,8 @@ def _fsdp_config(lay: Layout) -> dict[str, Any]:
         strategy = FSDP1_SHARDING[s.name]
         cfg["fsdp_sharding_strategy"] = strategy
         cfg["fsdp_reshard_after_forward"] = strategy
-    else:
-        cfg["fsdp_reshard_after_forward"] = True
+    else:  # zero1 with model parallelism runs as FSDP2 keeping the gathered parameters from forward to backward
+        cfg["fsdp_reshard_after_forward"] = not s.keeps_gathered_params
     cfg["fsdp_offload_params"] = s.offload_params
     cfg["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"  # blocks from the model's _no_split_modules
     if s.family == "fsdp":

@@ -159,7 +159,16 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
     elif opts.launcher == "deepspeed":
         raise RenderError(
             "the deepspeed launcher needs a DeepSpeed strategy (zero1/2/3...), but the candidate is "
-            f"{layout.candidate.name}; use --launcher torchrun or pick a zero* candidate"
+            f"{layout.candidate.name}"
+            + " (zero1 with model parallelism runs as FSDP2)" * (layout.strategy.name == "zero1")
+            + "; use --launcher torchrun or pick a zero* candidate"
+        )
+    elif layout.strategy.name == "zero1":  # with tp/pp/cp/ep: what runs is FSDP2, so no DeepSpeed config
+        notes.append(
+            f"ds_config.json not written: {layout.candidate.name} runs as FSDP2 with reshard_after_forward=False over "
+            "the data-parallel dims (optimizer states and gradients sharded, parameters gathered once per step and "
+            "kept to the backward), as the workers run it: DeepSpeed's engine cannot take tensor-, pipeline-, "
+            "context- or expert-parallel layouts, so train.py is an FSDP2 script"
         )
     if opts.launcher == "accelerate":
         files["accelerate_config.yaml"] = render_accelerate_yaml(plan, opts, layout=layout)  # errors surface

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import JupyterDistError
 from ..plan.parallel import ParallelDims
 from ..plan.plan import Candidate, Plan
-from ..plan.strategies import StrategySpec, get_strategy
+from ..plan.strategies import StrategySpec, get_strategy, runs_as
 from ..plan.training import Checkpointing, OptimizerKind, Precision
 
 __all__ = ["RenderError", "RenderOptions", "Layout", "layout_of", "SECRET_NAMES", "shell_env_line"]
@@ -137,7 +137,7 @@ class Layout:
     candidate: Candidate
     """The chosen candidate."""
     strategy: StrategySpec
-    """Its strategy."""
+    """Its strategy as it runs: ``zero1`` with tp/pp/cp/ep is FSDP2's layout (``plan.strategies.runs_as``)."""
     dims: ParallelDims
     """Its parallel degrees."""
     nodes: int
@@ -215,7 +215,8 @@ def layout_of(plan: Plan, opts: RenderOptions | None = None) -> Layout:
             f"data-parallel {dims.dp} = {t.micro_batch * cand.grad_accum * dims.dp}"
         )
     return Layout(
-        plan=plan, candidate=cand, strategy=get_strategy(cand.strategy), dims=dims, nodes=hw.nodes,
+        plan=plan, candidate=cand, dims=dims,
+        strategy=runs_as(get_strategy(cand.strategy), model_parallel=not dims.is_data_parallel_only), nodes=hw.nodes,
         gpus_per_node=hw.gpus_per_node, micro_batch=t.micro_batch, grad_accum=cand.grad_accum, seq_len=t.seq_len,
         precision=t.precision, optimizer=t.optimizer, checkpointing=t.checkpointing, settings=dict(cand.settings),
     )  # fmt: skip

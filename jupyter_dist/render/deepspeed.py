@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from ..plan.plan import Plan
-from ..plan.strategies import STRATEGIES, StrategySpec
+from ..plan.strategies import STRATEGIES, StrategySpec, get_strategy
 from ..plan.training import Checkpointing, OptimizerKind, Precision
 from .common import Layout, RenderError, RenderOptions, layout_of
 
@@ -147,7 +147,9 @@ def zero_stage(strategy: StrategySpec) -> int:
 def deepspeed_fields(layout: Layout, opts: RenderOptions | None = None) -> dict[str, Any]:
     """Flat values of the DeepSpeed config (keys of :data:`DEEPSPEED_CONFIG_MAP`); ``None`` omits a key."""
     opts = opts or RenderOptions()
-    spec = layout.strategy
+    # the planned strategy, not the run's: zero1 with tp/pp/cp/ep runs as FSDP2 (no bundle writes its DeepSpeed
+    # config), but asked for explicitly (e.g. for Megatron-DeepSpeed) its config is ZeRO-1's
+    spec = get_strategy(layout.candidate.strategy)
     if spec.family != "deepspeed":
         raise RenderError(
             f"candidate {layout.candidate.name!r} ({spec.label}) has no DeepSpeed config; DeepSpeed configs exist "

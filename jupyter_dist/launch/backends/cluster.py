@@ -270,7 +270,7 @@ def start_cluster_run(
         from ..project import check_workdir, parse_size
 
         check_workdir(cluster.workdir, parse_size(cluster.workdir_limit))
-    if strat.startswith("zero"):
+    if layout.strategy.family == "deepspeed":  # not zero1 with tp/pp/cp/ep: that runs as FSDP2
         from ...render.deepspeed import render_deepspeed_json
 
         files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat), layout=layout)
