@@ -230,6 +230,9 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
             raise MissingDependencyError(
                 f"JD_STRATEGY={name} needs DeepSpeed: pip install 'jupyter_dist[deepspeed]' ({e})"
             ) from e
+        from ._oplocks import clear_stale_locks
+
+        clear_stale_locks()  # a killed op load leaves a lock that every later load would wait on forever
         config = _load_ds_config(name, env.ds_config)
         if optimizer is not None:
             optimizer, config = deepspeed_client_optimizer(name, optimizer, config, rank=env.rank)

@@ -1,0 +1,78 @@
+"""Stale build locks of PyTorch C++ extensions, removed before DeepSpeed loads its ops.
+
+Every load of a DeepSpeed op on CPU (``deepspeed_shm_comm`` at ``deepspeed.initialize``, ``cpu_adam`` for offload)
+goes through ``torch.utils.cpp_extension``, which takes ``<TORCH_EXTENSIONS_DIR>/<op>/lock`` (a ``FileBaton``: a
+file created with ``O_EXCL``, no owner recorded) while ninja checks or rebuilds the op, and removes it after. A
+process killed in that window (a run stopped or timed out while its ranks start, a kernel restarted) leaves the file
+behind, and every later run that loads the op waits for it forever: a hang with no message (seen here twice, each
+time after a killed test run). :func:`clear_stale_locks` removes a lock that is older than :data:`STALE_AFTER` and
+that no live process is building under (ninja and the compilers it starts run with the op's folder as their working
+directory), and says so once in the rank's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+__all__ = ["STALE_AFTER", "clear_stale_locks", "extensions_root"]
+
+_log = logging.getLogger("jupyter_dist.worker")
+
+STALE_AFTER = 300.0
+"""Seconds after which a build lock with no process building under its folder is taken as left by a killed process
+(a cold build of DeepSpeed's ``cpu_adam`` takes about 2 minutes on 2 cores, and a building process keeps the folder
+busy anyway)."""
+
+
+def extensions_root() -> Path:
+    """Where PyTorch builds C++ extensions: ``$TORCH_EXTENSIONS_DIR``, else torch's default build root."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def _building_under(folder: Path) -> bool:
+    """Whether a live process works in ``folder`` (its working directory is there or below it)."""
+    import psutil
+
+    target = str(folder.resolve())
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info.get("cwd")
+        if cwd and (cwd == target or cwd.startswith(target + os.sep)):
+            return True
+    return False
+
+
+def clear_stale_locks(root: Path | None = None, *, stale_after: float = STALE_AFTER) -> list[Path]:
+    """Remove the stale ``<op>/lock`` files under ``root`` (default :func:`extensions_root`); returns those removed."""
+    try:
+        base = extensions_root() if root is None else root
+        locks = sorted(base.glob("*/lock"))
+    except (OSError, ImportError):
+        return []
+    removed = []
+    now = time.time()
+    for lock in locks:
+        try:
+            age = now - lock.stat().st_mtime
+        except OSError:
+            continue  # released meanwhile
+        if age < stale_after or _building_under(lock.parent):
+            continue
+        try:
+            lock.unlink()
+        except OSError:
+            continue
+        removed.append(lock)
+        _log.warning(
+            "jupyter-dist: removed a stale build lock %s (%.0f s old, no process building there): a load of this "
+            "op was killed before it finished, and every later load would have waited for it forever",
+            lock, age,
+        )  # fmt: skip
+    return removed

@@ -1,0 +1,84 @@
+"""Stale C++-extension build locks (a killed DeepSpeed op load) are removed before DeepSpeed loads its ops.
+
+Fast tests on a temporary extensions folder, and one real ZeRO-2 run through ``%%dist_train`` that starts with a
+stale lock on ``deepspeed_shm_comm`` (which ``deepspeed.initialize`` loads on CPU): before the fix it waited forever.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jupyter_dist.worker._oplocks import STALE_AFTER, clear_stale_locks, extensions_root
+
+
+def _lock(root: Path, op: str, age: float) -> Path:
+    (root / op).mkdir(parents=True, exist_ok=True)
+    lock = root / op / "lock"
+    lock.write_text("")
+    t = time.time() - age
+    os.utime(lock, (t, t))
+    return lock
+
+
+def test_an_old_lock_nobody_builds_under_is_removed_and_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stale = _lock(tmp_path, "deepspeed_shm_comm", STALE_AFTER + 60)
+    young = _lock(tmp_path, "cpu_adam", 5)
+    with caplog.at_level("WARNING", logger="jupyter_dist.worker"):
+        assert clear_stale_locks(tmp_path) == [stale]
+    assert not stale.exists() and young.exists()
+    assert "removed a stale build lock" in caplog.text and "deepspeed_shm_comm" in caplog.text
+
+
+def test_an_old_lock_is_kept_while_a_process_builds_in_its_folder(tmp_path: Path) -> None:
+    lock = _lock(tmp_path, "cpu_adam", STALE_AFTER + 60)
+    (tmp_path / "cpu_adam" / "build").mkdir()
+    where = tmp_path / "cpu_adam" / "build"
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=where)
+    try:
+        time.sleep(0.3)
+        assert clear_stale_locks(tmp_path) == [] and lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
+    assert clear_stale_locks(tmp_path) == [lock] and not lock.exists()
+
+
+def test_no_folder_no_locks_nothing_happens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert clear_stale_locks(tmp_path / "missing") == []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_root() == tmp_path and clear_stale_locks() == []
+
+
+@pytest.fixture()
+def stale_shm_lock() -> Path:
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/jupyter-dist/torch_extensions")
+    lock = _lock(root, "deepspeed_shm_comm", STALE_AFTER + 600)
+    yield lock
+    lock.unlink(missing_ok=True)  # never leave it for the DeepSpeed tests after this one
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_a_deepspeed_run_starts_past_a_lock_a_killed_run_left(stale_shm_lock: Path, tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "jupyter_dist")
+    cell = (
+        "import torch\nmodel = torch.nn.Linear(8, 1)\n"
+        "model, opt = jd.wrap(model, torch.optim.AdamW(model.parameters()))\n"
+        "for step in range(3):\n    loss = model(torch.randn(4, 8)).pow(2).mean()\n    jd.backward(loss)\n"
+        "    jd.step(opt)\n    jd.log(step, loss=loss)\n"
+    )
+    env = f"--env DS_ACCELERATOR=cpu --env TORCH_EXTENSIONS_DIR={stale_shm_lock.parent.parent}"
+    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy zero2 {env} --timeout 400 --runs-dir {tmp_path}", cell)
+    assert run.wait(460) == "succeeded", run.summary()
+    assert not stale_shm_lock.exists()
+    assert "removed a stale build lock" in run.logs(0) + run.logs(1)
