@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,12 +66,8 @@ def stale_shm_lock() -> Path:
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_a_deepspeed_run_starts_past_a_lock_a_killed_run_left(stale_shm_lock: Path, tmp_path: Path) -> None:
+def test_a_deepspeed_run_starts_past_a_lock_a_killed_run_left(stale_shm_lock: Path, ip: Any, runs: Path) -> None:
     pytest.importorskip("deepspeed")
-    from IPython.testing.globalipapp import start_ipython
-
-    ip = start_ipython()
-    ip.run_line_magic("load_ext", "jupyter_dist")
     cell = (
         "import torch\nmodel = torch.nn.Linear(8, 1)\n"
         "model, opt = jd.wrap(model, torch.optim.AdamW(model.parameters()))\n"
@@ -78,7 +75,7 @@ def test_a_deepspeed_run_starts_past_a_lock_a_killed_run_left(stale_shm_lock: Pa
         "    jd.step(opt)\n    jd.log(step, loss=loss)\n"
     )
     env = f"--env DS_ACCELERATOR=cpu --env TORCH_EXTENSIONS_DIR={stale_shm_lock.parent.parent}"
-    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy zero2 {env} --timeout 400 --runs-dir {tmp_path}", cell)
+    run = ip.run_cell_magic("dist_train", f"--nproc 2 --strategy zero2 {env} --timeout 400", cell)
     assert run.wait(460) == "succeeded", run.summary()
     assert not stale_shm_lock.exists()
     assert "removed a stale build lock" in run.logs(0) + run.logs(1)
