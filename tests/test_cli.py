@@ -147,3 +147,9 @@ def test_argparse_errors_are_one_line_exit_2(args: list[str], message: str) -> N
     res = subprocess.run([str(exe), "plan", *args], capture_output=True, text=True)
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
+
+
+def test_a_bad_pipeline_schedule_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt2", "--pp-schedule", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jupyter-dist plan: error: unknown pp-schedule 'nope'; valid: gpipe, 1f1b, interleaved-1f1b"
