@@ -1,6 +1,10 @@
 """Does PyTorch's context-parallel attention run on CPU/gloo? The evidence, and the ring's cost against plain SDPA.
 
 Run: python benchmarks/cp_cpu_probe.py [--cp 2] [--seq 1024] [--heads 8] [--head-dim 64] [--batch 2] [--reps 5]
+     [--device cuda --dtype bf16]
+
+``--device cuda`` runs the same checks on the CUDA kernels (flash for bf16, memory-efficient for fp32), every rank on
+GPU 0 over gloo (one GPU cannot hold two NCCL ranks), so the ring's arithmetic is checked there, not NCCL's speed.
 
 Starts ``--cp`` gloo processes (torchrun's launcher API, on this machine) and on each:
 
@@ -36,10 +40,13 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (args.cp,), mesh_dim_names=("cp",))
+    if args.device == "cuda":
+        torch.cuda.set_device(0)  # every rank on the one GPU
+    mesh = init_device_mesh(args.device, (args.cp,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     shape = (args.batch, args.heads, args.seq, args.head_dim)
-    q, k, v = (torch.randn(shape) for _ in range(3))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    q, k, v = (torch.randn(shape).to(args.device, dtype) for _ in range(3))
     report: dict[str, object] = {}
     for name, backend in (("stock default backend", None), ("stock math backend", SDPBackend.MATH)):
         qq, kk, vv = q.clone(), k.clone(), v.clone()
@@ -65,7 +72,7 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
 
     core = Core()
     _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)._apply(core, mesh)
-    enable_dispatcher("cpu")
+    enable_dispatcher(args.device)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
     grad = torch.randn_like(ref)
@@ -75,9 +82,9 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
     y = core(ql, kl, vl)
     y.backward(gl)
     whole = context_parallel_unshard(mesh, [y.detach(), ql.grad, kl.grad, vl.grad], [2, 2, 2, 2],
-                                     load_balancer=_balancer(args.seq, args.cp))  # fmt: skip
+                                     load_balancer=_balancer(args.seq, args.cp, args.device))  # fmt: skip
     report["max abs error (out, dq, dk, dv)"] = [
-        float((a - b).abs().max()) for a, b in zip(whole, (ref, qr.grad, kr.grad, vr.grad), strict=True)
+        float((a.float() - b.float()).abs().max()) for a, b in zip(whole, (ref, qr.grad, kr.grad, vr.grad), strict=True)
     ]
 
     def timed(fn: object, reps: int) -> float:
@@ -86,6 +93,7 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             fn()  # type: ignore[operator]
+            _sync(args.device)
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
@@ -101,24 +109,32 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
             a, b, c = (t.detach().requires_grad_() for t in (q, k, v))
             F.scaled_dot_product_attention(a, b, c, is_causal=True).backward(grad)
 
-        report["one process fwd+bwd s"] = timed_local(plain, args.reps)
+        report["one process fwd+bwd s"] = timed_local(plain, args.reps, args.device)
         report["qkv bytes one process"] = 3 * q.numel() * q.element_size()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
 
 
-def _balancer(seq: int, cp: int) -> object:
+def _balancer(seq: int, cp: int, device: str = "cpu") -> object:
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
-    return _HeadTailLoadBalancer(seq, cp, "cpu")
+    return _HeadTailLoadBalancer(seq, cp, device)
 
 
-def timed_local(fn: object, reps: int) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed_local(fn: object, reps: int, device: str = "cpu") -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -131,6 +147,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--_worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
@@ -149,7 +167,7 @@ def main() -> None:
     import torch
 
     r0 = reports[0]
-    print(f"torch {torch.__version__}, cp={args.cp}, q/k/v {args.batch}x{args.heads}x{args.seq}x{args.head_dim} fp32")
+    print(f"torch {torch.__version__}, cp={args.cp}, q/k/v {args.batch}x{args.heads}x{args.seq}x{args.head_dim} {args.dtype} on {args.device}")
     for key in ("stock default backend", "stock math backend"):
         print(f"{key:<28} {r0[key]}")
     errs = max(max(r["max abs error (out, dq, dk, dv)"]) for r in reports)

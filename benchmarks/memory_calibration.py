@@ -99,9 +99,10 @@ def gpu_table(args: argparse.Namespace) -> None:
     hw = Hardware.from_names(args.gpu)
     print(f"GPU {torch.cuda.get_device_name()}: reference Transformer {spec.params / 1e9:.2f}B params, bf16 weights, "
           f"fused AdamW, micro-batch {args.micro_batch}, seq {args.seq}")  # fmt: skip
-    print(f"{'mode':<10} {'measured GiB':>13} {'planned GiB':>12} {'ratio':>7} {'step s':>7}")
+    print(f"{'mode':<10} {'measured GiB':>13} {'planned GiB':>12} {'ratio':>7} {'step s':>7} {'reserved GiB':>13}")
     for mode in MODES:
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
         with torch.device(dev):
             torch.manual_seed(0)
             model = Transformer(cfg).to(torch.bfloat16)
@@ -126,6 +127,7 @@ def gpu_table(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             measured = torch.cuda.max_memory_allocated()
+            reserved = torch.cuda.max_memory_reserved()
         except torch.OutOfMemoryError:
             print(f"{mode:<10} {'OOM':>13}")
             continue
@@ -138,7 +140,8 @@ def gpu_table(args: argparse.Namespace) -> None:
         unseen = sum(mem.detail.get(k, 0) for k in ("cuda_context", "allocator_reserve", "comm_buckets"))
         planned = mem.total - unseen
         gib = 2**30
-        print(f"{mode:<10} {measured / gib:>13.2f} {planned / gib:>12.2f} {measured / planned:>7.3f} {dt:>7.2f}")
+        print(f"{mode:<10} {measured / gib:>13.2f} {planned / gib:>12.2f} {measured / planned:>7.3f} {dt:>7.2f} "
+              f"{reserved / gib:>13.2f}")
 
 
 def main() -> None:
