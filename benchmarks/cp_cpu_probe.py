@@ -30,6 +30,26 @@ import time
 
 
 def worker(args: argparse.Namespace, out_dir: str) -> None:
+    import contextlib
+    import traceback
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
+    ctx = sdpa_kernel(backends[args.backend]) if args.backend else contextlib.nullcontext()
+    try:
+        with ctx:
+            _worker(args, out_dir)
+    except Exception:
+        with open(os.path.join(out_dir, f"fault{os.environ.get('RANK', '0')}-tb.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _worker(args: argparse.Namespace, out_dir: str) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -38,6 +58,8 @@ def worker(args: argparse.Namespace, out_dir: str) -> None:
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    fault = open(os.path.join(out_dir, f"fault{os.environ.get('RANK', '0')}.txt"), "w")  # noqa: SIM115 - process-long
+    faulthandler.enable(fault)  # a crash in a kernel or collective leaves its Python stack here
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.device == "cuda":
@@ -149,6 +171,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument(
+        "--backend",
+        choices=("flash", "efficient", "cudnn"),
+        default=None,
+        help="run everything under torch.nn.attention.sdpa_kernel(this backend) (CUDA)",
+    )
     ap.add_argument("--_worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
@@ -162,12 +190,15 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode:
-            sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
+            names = sorted(f for f in os.listdir(d) if f.startswith("fault"))
+            faults = "".join(open(os.path.join(d, f)).read()[-2500:] for f in names)
+            sys.exit(proc.stdout[-2000:] + proc.stderr[-1500:] + "\n--- worker stacks ---\n" + faults)
         reports = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(args.cp)]
     import torch
 
     r0 = reports[0]
-    print(f"torch {torch.__version__}, cp={args.cp}, q/k/v {args.batch}x{args.heads}x{args.seq}x{args.head_dim} {args.dtype} on {args.device}")
+    shape = f"{args.batch}x{args.heads}x{args.seq}x{args.head_dim}"
+    print(f"torch {torch.__version__}, cp={args.cp}, q/k/v {shape} {args.dtype} on {args.device}")
     for key in ("stock default backend", "stock math backend"):
         print(f"{key:<28} {r0[key]}")
     errs = max(max(r["max abs error (out, dq, dk, dv)"]) for r in reports)

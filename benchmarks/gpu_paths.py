@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -131,9 +130,7 @@ def main() -> int:
             if args.out:
                 dest = Path(args.out)
                 dest.mkdir(parents=True, exist_ok=True)
-                (dest / f"{strategy}-whole-rank0.jsonl").write_text(
-                    "\n".join(json.dumps(r) for r in recs) + "\n"
-                )
+                (dest / f"{strategy}-whole-rank0.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
             del first
     print("ALL CHECKS PASSED" if ok else "SOME CHECK FAILED")
     return 0 if ok else 1

@@ -1,10 +1,12 @@
 """Planned against measured memory under each activation-checkpointing mode.
 
-On a GPU: real training steps of a ~1B reference ``jupyter_dist.models.Transformer`` (bf16 weights, fused AdamW,
-one process) under ``none``, ``selective``, ``op``, ``layer:2`` and ``full``, applied as the worker applies ``JD_AC``;
-the peak ``torch.cuda.max_memory_allocated`` of a step against the plan's peak without the parts the allocator
-counter cannot see (CUDA context, allocator reserve). On CPU: a tiny model, and the bytes autograd saves for backward
-per block (saved-tensor hooks, as tests/test_memory_measured.py counts them) against the plan's per-layer figure.
+On a GPU: real training steps of a ~1B reference ``jupyter_dist.models.Transformer`` (bf16 weights, AdamW, one
+process: no wrapper, DDP or FSDP2 on a world of one) under ``none``, ``selective``, ``op``, ``layer:2`` and
+``full``, applied as the worker applies ``JD_AC``; the peak ``torch.cuda.max_memory_allocated`` of a step against
+the plan's peak without the parts the allocator counter cannot see (CUDA context, allocator reserve), and the peak
+of each phase (forward + loss, backward, optimizer step) above the states held between steps. On CPU: a tiny
+model, and the bytes autograd saves for backward per block (saved-tensor hooks, as tests/test_memory_measured.py
+counts them) against the plan's per-layer figure.
 Prints one table; each ratio is measured/planned from this one run.
 
     python benchmarks/memory_calibration.py [--layers 20 --dim 2048 --seq 4096 --micro-batch 1]
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import time
 from typing import Any
 
@@ -90,6 +93,25 @@ def cpu_table(args: argparse.Namespace) -> None:
             print(f"{mode:<10} {precision[:4]:<6} {measured:>12,.0f} {planned:>12,.0f} {measured / planned:>7.3f}")
 
 
+def _wrap(model: Any, strategy: str) -> Any:
+    """``plain`` (one process, no wrapper), or DDP / FSDP2 on a world of one, as the worker wraps them."""
+    if strategy == "plain":
+        return model
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    from torch.distributed.fsdp import fully_shard
+
+    for blk in model.layers.values():
+        fully_shard(blk)
+    return fully_shard(model)
+
+
 def gpu_table(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
@@ -97,51 +119,76 @@ def gpu_table(args: argparse.Namespace) -> None:
     spec = ModelSpec(layers=args.layers, hidden=args.dim, heads=args.heads, kv_heads=args.kv_heads,
                      ffn=cfg.hidden_dim, vocab=args.vocab)  # fmt: skip
     hw = Hardware.from_names(args.gpu)
+    gib = 2**30
     print(f"GPU {torch.cuda.get_device_name()}: reference Transformer {spec.params / 1e9:.2f}B params, bf16 weights, "
-          f"fused AdamW, micro-batch {args.micro_batch}, seq {args.seq}")  # fmt: skip
-    print(f"{'mode':<10} {'measured GiB':>13} {'planned GiB':>12} {'ratio':>7} {'step s':>7} {'reserved GiB':>13}")
-    for mode in MODES:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.device(dev):
-            torch.manual_seed(0)
-            model = Transformer(cfg).to(torch.bfloat16)
-        names = list(model.layers.keys())
-        wrapped = apply_activation_checkpointing([model.layers[k] for k in names], mode)
-        for k, blk in zip(names, wrapped, strict=True):
-            model.layers[k] = blk
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=dev)
-        try:
-            for step in range(3):
-                if step == 2:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    t0 = time.perf_counter()
-                logits = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                loss.backward()
-                del logits, loss
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            measured = torch.cuda.max_memory_allocated()
-            reserved = torch.cuda.max_memory_reserved()
-        except torch.OutOfMemoryError:
-            print(f"{mode:<10} {'OOM':>13}")
-            continue
-        finally:
-            del model, opt
-        training = TrainingShape(micro_batch=args.micro_batch, seq_len=args.seq, precision="bf16-true",
-                                 checkpointing=mode)  # fmt: skip
-        mem = estimate_memory(spec, training, hw, STRATEGIES["ddp"], ParallelDims(), grad_accum=1,
-                              assumptions=Assumptions(), layout=REFERENCE_LAYOUT)  # fmt: skip
-        unseen = sum(mem.detail.get(k, 0) for k in ("cuda_context", "allocator_reserve", "comm_buckets"))
-        planned = mem.total - unseen
-        gib = 2**30
-        print(f"{mode:<10} {measured / gib:>13.2f} {planned / gib:>12.2f} {measured / planned:>7.3f} {dt:>7.2f} "
-              f"{reserved / gib:>13.2f}")
+          f"AdamW ({args.optimizer}), micro-batch {args.micro_batch}, seq {args.seq}; GiB; phases: peak above the "
+          "states held between steps")  # fmt: skip
+    print(f"{'strategy':<8} {'mode':<10} {'measured':>9} {'planned':>8} {'ratio':>6} {'step s':>7} {'reserved':>9} "
+          f"{'states':>7} {'fwd':>6} {'bwd':>6} {'opt':>6}")  # fmt: skip
+    for strategy in args.strategies.split(","):
+        for mode in MODES:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.device(dev):
+                torch.manual_seed(0)
+                model = Transformer(cfg).to(torch.bfloat16)
+            names = list(model.layers.keys())
+            wrapped = apply_activation_checkpointing([model.layers[k] for k in names], mode)
+            for k, blk in zip(names, wrapped, strict=True):
+                model.layers[k] = blk
+            model = _wrap(model, strategy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{args.optimizer: True})
+            tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=dev)
+            phases: dict[str, int] = {}
+
+            def mark(name: str | None, phases: dict[str, int] = phases) -> None:
+                torch.cuda.synchronize()
+                if name is not None:
+                    phases[name] = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+
+            try:
+                for step in range(3):
+                    if step == 2:
+                        mark(None)
+                        states = torch.cuda.memory_allocated()  # parameters + optimizer states, between steps
+                        t0 = time.perf_counter()
+                    logits = model(tokens[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                    if step == 2:
+                        mark("fwd")
+                    loss.backward()
+                    del logits, loss
+                    if step == 2:
+                        mark("bwd")
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                mark("opt")
+                measured = max(phases.values())
+                reserved = torch.cuda.max_memory_reserved()
+            except torch.OutOfMemoryError:
+                print(f"{strategy:<8} {mode:<10} {'OOM':>9}")
+                continue
+            finally:
+                del model, opt
+                gc.collect()  # DDP's reducer holds its model in reference cycles: free it before the next row
+            plan_strategy = {"plain": "ddp"}.get(strategy, strategy)
+            training = TrainingShape(micro_batch=args.micro_batch, seq_len=args.seq, precision="bf16-true",
+                                     checkpointing=mode)  # fmt: skip
+            mem = estimate_memory(spec, training, hw, STRATEGIES[plan_strategy], ParallelDims(), grad_accum=1,
+                                  assumptions=Assumptions(), layout=REFERENCE_LAYOUT)  # fmt: skip
+            unseen = sum(mem.detail.get(k, 0) for k in ("cuda_context", "allocator_reserve", "comm_buckets"))
+            planned = mem.total - unseen
+            above = {k: (v - states) / gib for k, v in phases.items()}
+            print(f"{strategy:<8} {mode:<10} {measured / gib:>9.2f} {planned / gib:>8.2f} {measured / planned:>6.3f} "
+                  f"{dt:>7.2f} {reserved / gib:>9.2f} {states / gib:>7.2f} {above['fwd']:>6.2f} {above['bwd']:>6.2f} "
+                  f"{above['opt']:>6.2f}")  # fmt: skip
+            if args.detail:
+                parts = {k: round(v / gib, 3) for k, v in mem.to_dict().items() if isinstance(v, int)}
+                parts.update({k: round(v / gib, 3) for k, v in mem.detail.items() if isinstance(v, (int, float))})
+                print(f"    planned (GiB): {parts}")
 
 
 def main() -> None:
@@ -154,6 +201,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--gpu", default="h100-80gb", help="accelerator name for the plan (jupyter-dist plan --list-gpus)")
+    ap.add_argument("--strategies", default="plain,ddp,fsdp2", help="GPU: plain (no wrapper), ddp, fsdp2 (world 1)")
+    ap.add_argument(
+        "--optimizer",
+        choices=("foreach", "fused"),
+        default="foreach",
+        help="GPU: AdamW's implementation (foreach: PyTorch's default on CUDA; what the plan counts)",
+    )
+    ap.add_argument("--detail", action="store_true", help="print each mode's measured and planned parts")
     ap.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     args = ap.parse_args()
     if torch.cuda.is_available() and not args.cpu:

@@ -268,29 +268,33 @@ def test_loss_peak_equals_measured(precision: str, b: int, s: int, h: int, v: in
     assert mem.detail["loss_peak"] == measured - 8
 
 
-def test_adamw_foreach_step_temporaries_equal_measured() -> None:
-    """torch.optim.AdamW's default (foreach) step allocates 4 bytes per parameter beyond its states; fused none."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+def test_adamw_foreach_step_temporaries_equal_measured(precision: str) -> None:
+    """torch.optim.AdamW's default (foreach) step allocates one state-sized tensor beyond its states (4 bytes per
+    parameter, 2 with bf16 states); fused none. (On an H200, 1.06B bf16 parameters: 1.97 GiB, docs/gpu.md.)"""
     from jupyter_dist.plan import STRATEGIES, Assumptions, Hardware
     from jupyter_dist.plan.memory import estimate_memory
 
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.Linear(160, 96, bias=False))
+    net = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.Linear(160, 96, bias=False)).to(dtype)
     n = sum(p.numel() for p in net.parameters())
     temps = {}
     for kind in ("foreach", "fused"):
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, **{kind: True})
         for _ in range(2):  # the first step creates the states; measure the second
-            net(torch.randn(4, 96)).sum().backward()
+            net(torch.randn(4, 96, dtype=dtype)).sum().backward()
             if _ == 1:
                 temps[kind] = _peak_above_start(opt.step, net, opt)
             else:
                 opt.step()
             opt.zero_grad(set_to_none=False)
-    assert temps == {"foreach": 4 * n, "fused": 0}
+    per_param = 4 if precision == "fp32" else 2
+    assert temps == {"foreach": per_param * n, "fused": 0}
     model = ModelSpec(layers=2, hidden=64, heads=4, vocab=128)
-    mem = estimate_memory(model, TrainingShape(precision="fp32"), Hardware.from_names("h100-80gb"), STRATEGIES["ddp"],
-                          ParallelDims(), grad_accum=1, assumptions=Assumptions())  # fmt: skip
-    assert mem.detail["optimizer_step_temporaries"] == 4 * model.params
+    mem = estimate_memory(model, TrainingShape(precision=precision), Hardware.from_names("h100-80gb"),
+                          STRATEGIES["ddp"], ParallelDims(), grad_accum=1, assumptions=Assumptions())  # fmt: skip
+    assert mem.detail["optimizer_step_temporaries"] == per_param * model.params
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -374,7 +378,14 @@ def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str
         # partition stays whole until backward ends (ZeRO-2 frees it at once): the planner's unbucketed gradients
         extra = got["backward_peak"] - zero2["backward_peak"]
         assert 0 < extra < whole - whole // 2, (got, zero2)
-        assert mem.detail["zero1_unbucketed_grads"] == pytest.approx(extra, rel=0.01), (extra, mem.to_dict())
+        # With overlap_comm one reduce bucket may still be in flight at the peak, depending on when the reducing
+        # stream finishes (fresh-clone CI: +16384 B fp32 = one 4096-element bucket; idle machine: +0); the planner
+        # counts that bucket in comm_buckets, so the unbucketed figure is the measured extra up to one bucket.
+        from jupyter_dist.plan.memory import comm_settings
+
+        planned = mem.detail["zero1_unbucketed_grads"]
+        bucket = comm_settings(spec, STRATEGIES["zero1"])["reduce_bucket_size"] * (4 if precision == "fp32" else 2)
+        assert planned * 0.99 <= extra <= planned * 1.01 + bucket, (extra, bucket, mem.to_dict())
         # with grad_accum > 1 DeepSpeed's stage 1 reduces only at the boundary: whole gradients, the paper's P_os
         accum = estimate_memory(spec, training, hw, STRATEGIES["zero1"], ParallelDims(dp=2), grad_accum=2,
                                 assumptions=Assumptions())  # fmt: skip

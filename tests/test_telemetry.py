@@ -95,6 +95,20 @@ def test_a_pending_window_is_written_by_the_monitor_tick_flush_and_close(tmp_pat
     em.close()
 
 
+def test_exit_on_cuda_writes_a_last_mem_record_with_the_runs_peak(tmp_path: Path) -> None:
+    """A run on a GPU ends with a mem record before exit (on an H200 a 12-step run had only its first record, taken
+    before any allocation: peak 0); without CUDA the exit stays the last word after the steps."""
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    em.cuda_device = 0  # what the worker sets when it uses CUDA (here the fields fall back to RSS: no CUDA)
+    em.log({"loss": 1.0}, step=0)
+    em.exit_record("ok")
+    recs = file_records(tmp_path, 0)
+    assert [r["kind"] for r in recs][-3:] == ["step", "mem", "exit"]
+    assert recs[-2]["max_rss"] > 0
+    em.close()
+
+
 class CountingTensor:
     """Stands in for a one-element tensor: counts .item() calls (each would be a GPU sync)."""
 

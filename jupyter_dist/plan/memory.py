@@ -777,9 +777,11 @@ def estimate_memory(
             temp = int(4 * optimizer / ob)
     elif training.optimizer is not OptimizerKind.SGD:
         # torch.optim.AdamW's default multi-tensor (foreach) step builds sqrt(exp_avg_sq) for all of a rank's
-        # parameters at once: 4 bytes per local parameter (MemTracker, tests/test_memory_measured.py; fused=True
-        # builds none). The step runs after backward has freed the activations: only the excess adds.
-        temp = int(4 * params / pb)
+        # parameters at once, in the states' dtype: 4 bytes per local parameter, 2 with bf16 states (MemTracker,
+        # tests/test_memory_measured.py; on an H200, benchmarks/memory_calibration.py: 1.97 GiB for 1.06B bf16
+        # parameters; fused=True builds none). The step runs after backward has freed the activations: only the
+        # excess adds.
+        temp = int((2 if training.precision is Precision.BF16_TRUE else 4) * params / pb)
     if temp:
         detail["optimizer_step_temporaries"] = temp
         detail["optimizer_step_excess"] = max(0, temp - activations)

@@ -408,10 +408,18 @@ class Emitter:
         return self.emit("error", error_type=type(error).__name__, error=str(error), traceback=tail)
 
     def exit_record(self, status: str, error: BaseException | None = None, **fields: Any) -> dict[str, Any] | None:
-        """Flush the ``step`` window and collective timings, then write the ``exit`` record (status, error)."""
+        """Flush the ``step`` window and collective timings, then write the ``exit`` record (status, error).
+
+        On CUDA (:attr:`cuda_device` set) a last ``mem`` and ``gpu`` record come first: the run's peak device memory,
+        even when it ended before the monitor's first round (a short run on a GPU had only a record from before its
+        first allocation).
+        """
         self.flush()
         with contextlib.suppress(Exception):
             self.comm_record()
+        if self.cuda_device is not None:
+            with contextlib.suppress(Exception):
+                self.memory()
         self.set_phase("done")
         return self.emit(
             "exit",
