@@ -378,14 +378,15 @@ def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str
         # partition stays whole until backward ends (ZeRO-2 frees it at once): the planner's unbucketed gradients
         extra = got["backward_peak"] - zero2["backward_peak"]
         assert 0 < extra < whole - whole // 2, (got, zero2)
-        # With overlap_comm one reduce bucket may still be in flight at the peak, depending on when the reducing
-        # stream finishes (fresh-clone CI: +16384 B fp32 = one 4096-element bucket; idle machine: +0); the planner
-        # counts that bucket in comm_buckets, so the unbucketed figure is the measured extra up to one bucket.
+        # With overlap_comm one reduce bucket may still be in flight at either run's peak, depending on when the
+        # reducing stream finishes (fresh-clone CI runs measured +16384 and -16384 B fp32, one 4096-element bucket;
+        # an idle machine +0); the planner counts that bucket in comm_buckets, so the unbucketed figure is the
+        # measured extra to within one bucket either way.
         from jupyter_dist.plan.memory import comm_settings
 
         planned = mem.detail["zero1_unbucketed_grads"]
         bucket = comm_settings(spec, STRATEGIES["zero1"])["reduce_bucket_size"] * (4 if precision == "fp32" else 2)
-        assert planned * 0.99 <= extra <= planned * 1.01 + bucket, (extra, bucket, mem.to_dict())
+        assert abs(extra - planned) <= bucket + planned * 0.01, (extra, bucket, mem.to_dict())
         # with grad_accum > 1 DeepSpeed's stage 1 reduces only at the boundary: whole gradients, the paper's P_os
         accum = estimate_memory(spec, training, hw, STRATEGIES["zero1"], ParallelDims(dp=2), grad_accum=2,
                                 assumptions=Assumptions())  # fmt: skip
