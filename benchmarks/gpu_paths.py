@@ -70,26 +70,30 @@ def launch(script: Path, runs: Path, name: str, strategy: str, ckpt: Path, stop:
     return dirs[-1]
 
 
-def records(run: Path) -> list[dict]:
-    out = []
-    for f in sorted((run / "telemetry").glob("rank-*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return out
-
-
-def losses(run: Path) -> dict[int, str]:
-    """Each step's loss as the script printed it (repr: every bit); step records are windowed, so not those."""
+def log_lines(run: Path) -> list[str]:
     log = run / "logs" / "rank-0.log"
-    lines = log.read_text().splitlines() if log.exists() else []
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def losses(lines: list[str]) -> dict[int, str]:
+    """Each step's loss as the script printed it (repr: every bit); step records are windowed, so not those."""
     return {int(p[1]): p[2] for p in (ln.split() for ln in lines) if len(p) == 3 and p[0] == "loss"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--strategies", default="ddp,fsdp2")
-    ap.add_argument("--out", default=None, help="copy the run directories' telemetry and logs here")
+    ap.add_argument("--strategies", default="ddp,fsdp2", help="comma-separated JD_STRATEGY names (default ddp,fsdp2)")
+    ap.add_argument("--out", default=None, help="write each uninterrupted run's telemetry records here (JSON lines)")
     args = ap.parse_args()
+    from jupyter_dist.plan import STRATEGIES
+
+    strategies = args.strategies.split(",")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        ap.error(f"unknown strategy {', '.join(unknown)}; valid: {', '.join(STRATEGIES)}")
     import torch
+
+    from jupyter_dist.telemetry.reader import read_run_records
 
     ok = True
     print(f"torch {torch.__version__}, cuda {torch.cuda.is_available()}"
@@ -98,26 +102,25 @@ def main() -> int:
         base = Path(d)
         script = base / "train.py"
         script.write_text(SCRIPT)
-        for strategy in args.strategies.split(","):
+        for strategy in strategies:
             print(f"== {strategy}, bf16-mixed")
             whole = launch(script, base / "runs", f"{strategy}-whole", strategy, base / f"ck-{strategy}-a", None)
             ck = base / f"ck-{strategy}-b"
-            first = launch(script, base / "runs", f"{strategy}-first", strategy, ck, 6)
+            launch(script, base / "runs", f"{strategy}-first", strategy, ck, 6)
             resumed = launch(script, base / "runs", f"{strategy}-resumed", strategy, ck, None)
-            lw, lr = losses(whole), losses(resumed)
-            logs = (resumed / "logs" / "rank-0.log").read_text() if (resumed / "logs" / "rank-0.log").exists() else ""
+            whole_log, resumed_log = log_lines(whole), log_lines(resumed)
+            lw, lr = losses(whole_log), losses(resumed_log)
             same_losses = bool(lr) and all(lw.get(s) == v for s, v in lr.items())
             pw, pr = torch.load(whole / "final.pt"), torch.load(resumed / "final.pt")
             same_params = len(pw) == len(pr) and all(torch.equal(a, b) for a, b in zip(pw, pr, strict=True))
-            start = [ln for ln in logs.splitlines() if ln.startswith("start ")]
+            start = [ln for ln in resumed_log if ln.startswith("start ")]
             print(f"  resumed run: {start[:1]}; steps {sorted(lr)}; losses equal the uninterrupted run's: "
                   f"{same_losses}; final parameters equal: {same_params}")  # fmt: skip
             ok &= same_losses and same_params and bool(start) and start[0].startswith("start 6")
-            dtype = [ln for ln in (whole / "logs" / "rank-0.log").read_text().splitlines() if "forward dtype" in ln]
+            dtype = [ln for ln in whole_log if "forward dtype" in ln]
             print(f"  autocast: {dtype[:1]}")
-            recs = records(whole)
-            mem = [r for r in recs if r.get("kind") == "mem"]
-            gpu = [r for r in recs if r.get("kind") == "gpu"]
+            recs = read_run_records(whole / "telemetry")
+            mem, gpu = recs.of_kind("mem"), recs.of_kind("gpu")
             cuda_mem = [r for r in mem if str(r.get("device", "")).startswith("cuda")]
             print(f"  mem records {len(mem)} (cuda {len(cuda_mem)}); gpu (NVML) records {len(gpu)}")
             if cuda_mem:
@@ -130,8 +133,8 @@ def main() -> int:
             if args.out:
                 dest = Path(args.out)
                 dest.mkdir(parents=True, exist_ok=True)
-                (dest / f"{strategy}-whole-rank0.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-            del first
+                lines = [json.dumps(r) for r in recs.records]
+                (dest / f"{strategy}-whole.jsonl").write_text("\n".join(lines) + "\n")
     print("ALL CHECKS PASSED" if ok else "SOME CHECK FAILED")
     return 0 if ok else 1
 

@@ -29,6 +29,7 @@ from jupyter_dist.plan.memory import REFERENCE_LAYOUT, activation_bytes_per_laye
 from jupyter_dist.worker._parallel import apply_activation_checkpointing
 
 MODES = ["none", "selective", "op", "layer:2", "full"]
+WRAPPERS = ("plain", "ddp", "fsdp2")
 
 
 def saved_bytes(blocks: list[Any], run: Any) -> int:
@@ -211,6 +212,9 @@ def main() -> None:
     ap.add_argument("--detail", action="store_true", help="print each mode's measured and planned parts")
     ap.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     args = ap.parse_args()
+    unknown = [s for s in args.strategies.split(",") if s not in WRAPPERS]
+    if unknown:
+        ap.error(f"unknown strategy {', '.join(unknown)}; valid: {', '.join(WRAPPERS)}")
     if torch.cuda.is_available() and not args.cpu:
         gpu_table(args)
     else:

@@ -372,7 +372,8 @@ def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str
     assert got["grads"] == mem.grads, (got, mem.to_dict())
     if strategy == "zero1":
         zero2 = measured_states[f"zero2:{precision}"]
-        whole = (4 if precision == "fp32" else 2) * spec.params
+        grad_bytes = 4 if precision == "fp32" else 2
+        whole = grad_bytes * spec.params
         assert got["grads"] == zero2["grads"] == whole // 2  # one rank's partition, not the paper's whole gradients
         # ...but a gradient larger than the reduce bucket (4096 = h^2 elements here) that lies in the other rank's
         # partition stays whole until backward ends (ZeRO-2 frees it at once): the planner's unbucketed gradients
@@ -385,7 +386,7 @@ def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str
         from jupyter_dist.plan.memory import comm_settings
 
         planned = mem.detail["zero1_unbucketed_grads"]
-        bucket = comm_settings(spec, STRATEGIES["zero1"])["reduce_bucket_size"] * (4 if precision == "fp32" else 2)
+        bucket = comm_settings(spec, STRATEGIES["zero1"])["reduce_bucket_size"] * grad_bytes
         assert abs(extra - planned) <= bucket + planned * 0.01, (extra, bucket, mem.to_dict())
         # with grad_accum > 1 DeepSpeed's stage 1 reduces only at the boundary: whole gradients, the paper's P_os
         accum = estimate_memory(spec, training, hw, STRATEGIES["zero1"], ParallelDims(dp=2), grad_accum=2,
