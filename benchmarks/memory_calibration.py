@@ -10,6 +10,11 @@ counts them) against the plan's per-layer figure.
 Prints one table; each ratio is measured/planned from this one run.
 
     python benchmarks/memory_calibration.py [--layers 20 --dim 2048 --seq 4096 --micro-batch 1]
+    python benchmarks/memory_calibration.py --hf-config benchmarks/hf_configs/llama-1.1b.json   # a Hugging Face model
+
+With ``--hf-config`` the model is the Hugging Face ``*ForCausalLM`` built from that ``config.json`` (offline, random
+weights, ``attn_implementation="sdpa"``, no KV cache) and planned from the same file (``ModelSpec.from_hf_config``,
+the planner's Hugging Face layout); needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
 import time
 from typing import Any
 
@@ -25,8 +31,9 @@ import torch
 from jupyter_dist.models import Transformer, TransformerConfig
 from jupyter_dist.models.transformer import Block
 from jupyter_dist.plan import STRATEGIES, Assumptions, Hardware, ModelSpec, ParallelDims, TrainingShape
-from jupyter_dist.plan.memory import REFERENCE_LAYOUT, activation_bytes_per_layer, estimate_memory
-from jupyter_dist.worker._parallel import apply_activation_checkpointing
+from jupyter_dist.plan.memory import HF_LAYOUT, REFERENCE_LAYOUT, activation_bytes_per_layer, estimate_memory
+from jupyter_dist.worker._checkpointing import apply_activation_checkpointing, replace_blocks
+from jupyter_dist.worker._strategy import find_blocks
 
 MODES = ["none", "selective", "op", "layer:2", "full"]
 WRAPPERS = ("plain", "ddp", "fsdp2")
@@ -94,8 +101,12 @@ def cpu_table(args: argparse.Namespace) -> None:
             print(f"{mode:<10} {precision[:4]:<6} {measured:>12,.0f} {planned:>12,.0f} {measured / planned:>7.3f}")
 
 
-def _wrap(model: Any, strategy: str) -> Any:
-    """``plain`` (one process, no wrapper), or DDP / FSDP2 on a world of one, as the worker wraps them."""
+def _wrap(model: Any, strategy: str, blocks: list[Any]) -> Any:
+    """``plain`` (one process, no wrapper), or DDP / FSDP2 on a world of one, as the worker wraps them.
+
+    ``blocks``: the model's blocks after checkpointing wrapped them (``layer:K`` wraps only some, so the blocks are
+    no longer of one class and :func:`find_blocks` would not find them: the whole model became one FSDP2 unit).
+    """
     if strategy == "plain":
         return model
     import torch.distributed as dist
@@ -108,38 +119,67 @@ def _wrap(model: Any, strategy: str) -> Any:
         return DDP(model, device_ids=[0], gradient_as_bucket_view=True)
     from torch.distributed.fsdp import fully_shard
 
-    for blk in model.layers.values():
+    for blk in blocks:
         fully_shard(blk)
     return fully_shard(model)
 
 
-def gpu_table(args: argparse.Namespace) -> None:
-    dev = torch.device("cuda")
+def _build(args: argparse.Namespace, dev: torch.device) -> tuple[Any, ModelSpec, Any, str]:
+    """(a bf16 model on ``dev`` with each block checkpointed per ``args.mode``, its plan spec, layout, title)."""
+    if args.hf_config:
+        import json
+
+        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+        with open(args.hf_config) as f:
+            data = json.load(f)
+        spec = ModelSpec.from_hf_config(data)
+        fields = {k: v for k, v in data.items() if k != "model_type" and not k.startswith("_")}
+        config = CONFIG_MAPPING[data["model_type"]](**fields)
+        config.use_cache = False  # training: a KV cache would hold every layer's K and V
+        with torch.device(dev):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.bfloat16)
+        title = f"Hugging Face {type(model).__name__} ({os.path.basename(args.hf_config)})"
+        return model, spec, HF_LAYOUT, title
     cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads)  # fmt: skip
     spec = ModelSpec(layers=args.layers, hidden=args.dim, heads=args.heads, kv_heads=args.kv_heads,
                      ffn=cfg.hidden_dim, vocab=args.vocab)  # fmt: skip
+    with torch.device(dev):
+        torch.manual_seed(0)
+        model = Transformer(cfg).to(torch.bfloat16)
+    return model, spec, REFERENCE_LAYOUT, "reference Transformer"
+
+
+def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def gpu_table(args: argparse.Namespace, device: str = "cuda") -> None:
+    dev = torch.device(device)
     hw = Hardware.from_names(args.gpu)
     gib = 2**30
-    print(f"GPU {torch.cuda.get_device_name()}: reference Transformer {spec.params / 1e9:.2f}B params, bf16 weights, "
-          f"AdamW ({args.optimizer}), micro-batch {args.micro_batch}, seq {args.seq}; GiB; phases: peak above the "
-          "states held between steps")  # fmt: skip
-    print(f"{'strategy':<8} {'mode':<10} {'measured':>9} {'planned':>8} {'ratio':>6} {'step s':>7} {'reserved':>9} "
-          f"{'states':>7} {'fwd':>6} {'bwd':>6} {'opt':>6}")  # fmt: skip
+    header = False
     for strategy in args.strategies.split(","):
         for mode in MODES:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            with torch.device(dev):
-                torch.manual_seed(0)
-                model = Transformer(cfg).to(torch.bfloat16)
-            names = list(model.layers.keys())
-            wrapped = apply_activation_checkpointing([model.layers[k] for k in names], mode)
-            for k, blk in zip(names, wrapped, strict=True):
-                model.layers[k] = blk
-            model = _wrap(model, strategy)
+            model, spec, layout, title = _build(args, dev)
+            if not header:
+                header = True
+                print(f"GPU {torch.cuda.get_device_name()}: {title} {spec.params / 1e9:.2f}B params, bf16 weights, "
+                      f"AdamW ({args.optimizer}), micro-batch {args.micro_batch}, seq {args.seq}; GiB; phases: peak "
+                      "above the states held between steps")  # fmt: skip
+                print(f"{'strategy':<8} {'mode':<10} {'measured':>9} {'planned':>8} {'ratio':>6} {'step s':>7} "
+                      f"{'reserved':>9} {'states':>7} {'fwd':>6} {'bwd':>6} {'opt':>6}")  # fmt: skip
+            blocks = find_blocks(model)
+            wrapped = apply_activation_checkpointing(blocks, mode)
+            replace_blocks(model, blocks, wrapped)
+            model = _wrap(model, strategy, wrapped)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{args.optimizer: True})
-            tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=dev)
+            tokens = torch.randint(0, spec.vocab, (args.micro_batch, args.seq + 1), device=dev)
             phases: dict[str, int] = {}
 
             def mark(name: str | None, phases: dict[str, int] = phases) -> None:
@@ -154,7 +194,7 @@ def gpu_table(args: argparse.Namespace) -> None:
                         mark(None)
                         states = torch.cuda.memory_allocated()  # parameters + optimizer states, between steps
                         t0 = time.perf_counter()
-                    logits = model(tokens[:, :-1])
+                    logits = _logits(model, tokens[:, :-1])
                     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
                     if step == 2:
                         mark("fwd")
@@ -173,19 +213,22 @@ def gpu_table(args: argparse.Namespace) -> None:
                 print(f"{strategy:<8} {mode:<10} {'OOM':>9}")
                 continue
             finally:
-                del model, opt
-                gc.collect()  # DDP's reducer holds its model in reference cycles: free it before the next row
+                # every name of this row's model goes before the collection: DDP's reducer and FSDP2's state hold
+                # their modules in reference cycles, and a block list left alive until the next row's assignment
+                # kept a whole model (1.97 GiB at 1B) through that row's measurement (session 7's FSDP2 rows)
+                del model, opt, blocks, wrapped
+                gc.collect()
             plan_strategy = {"plain": "ddp"}.get(strategy, strategy)
             training = TrainingShape(micro_batch=args.micro_batch, seq_len=args.seq, precision="bf16-true",
                                      checkpointing=mode)  # fmt: skip
             mem = estimate_memory(spec, training, hw, STRATEGIES[plan_strategy], ParallelDims(), grad_accum=1,
-                                  assumptions=Assumptions(), layout=REFERENCE_LAYOUT)  # fmt: skip
+                                  assumptions=Assumptions(), layout=layout)  # fmt: skip
             unseen = sum(mem.detail.get(k, 0) for k in ("cuda_context", "allocator_reserve", "comm_buckets"))
             planned = mem.total - unseen
             above = {k: (v - states) / gib for k, v in phases.items()}
             print(f"{strategy:<8} {mode:<10} {measured / gib:>9.2f} {planned / gib:>8.2f} {measured / planned:>6.3f} "
                   f"{dt:>7.2f} {reserved / gib:>9.2f} {states / gib:>7.2f} {above['fwd']:>6.2f} {above['bwd']:>6.2f} "
-                  f"{above['opt']:>6.2f}")  # fmt: skip
+                  f"{above['opt']:>6.2f}", flush=True)  # fmt: skip
             if args.detail:
                 parts = {k: round(v / gib, 3) for k, v in mem.to_dict().items() if isinstance(v, int)}
                 parts.update({k: round(v / gib, 3) for k, v in mem.detail.items() if isinstance(v, (int, float))})
@@ -209,12 +252,15 @@ def main() -> None:
         default="foreach",
         help="GPU: AdamW's implementation (foreach: PyTorch's default on CUDA; what the plan counts)",
     )
+    ap.add_argument("--hf-config", help="a Hugging Face config.json: measure and plan that model (needs transformers)")
     ap.add_argument("--detail", action="store_true", help="print each mode's measured and planned parts")
     ap.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     args = ap.parse_args()
     unknown = [s for s in args.strategies.split(",") if s not in WRAPPERS]
     if unknown:
         ap.error(f"unknown strategy {', '.join(unknown)}; valid: {', '.join(WRAPPERS)}")
+    if args.hf_config and not os.path.isfile(args.hf_config):
+        ap.error(f"--hf-config {args.hf_config!r} is not a file; give a Hugging Face config.json")
     if torch.cuda.is_available() and not args.cpu:
         gpu_table(args)
     else:

@@ -14,3 +14,4 @@ echo "### memory_calibration"; timeout 180 python3 benchmarks/memory_calibration
 for dt in bf16 fp32; do
   echo "### cp $dt"; timeout 90 python3 benchmarks/cp_cpu_probe.py --device cuda --dtype $dt --seq 8192 --heads 16 --head-dim 128 --batch 1; echo "rc=$?"
 done
+echo "### hf"; bash scripts/gpu_hf_memory.sh

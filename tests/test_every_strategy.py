@@ -26,6 +26,7 @@ DEEPSPEED = ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3
 FSDP1 = ("fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard", "fsdp-hybrid-shard")
 EVERY = ("none", "ddp", *FSDP1, "fsdp2", "fsdp2-hybrid", *DEEPSPEED)
 STEPS, LR = 8, 1e-2
+LAYER_K = ("fsdp-full-shard", "fsdp-hybrid-shard", "fsdp2", "zero3", "zero2-offload")  # JD_AC=layer:2; others full
 
 MODEL = """
 import torch
@@ -99,7 +100,8 @@ for step in range(STEPS):
     jd.log(step, loss=total)
     losses.append(total)
 result = {"model": type(model).__name__, "optimizer": type(opt).__name__,
-          "basic": type(getattr(opt, "optimizer", opt)).__name__, "losses": losses, "lrs": lrs}
+          "basic": type(getattr(opt, "optimizer", opt)).__name__, "losses": losses, "lrs": lrs,
+          "checkpointed": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules())}
 if os.environ["JD_STRATEGY"].startswith("zero"):  # the full parameters, gathered under ZeRO-3
     import deepspeed
 
@@ -155,12 +157,14 @@ def ds_config(strategy: str, accum: int = 1, clip: float = 0.0, per_rank: int = 
     return cfg
 
 
-def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0, cell: str = CELL) -> list[dict]:
+def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0, cell: str = CELL,
+             ac: str = "none") -> list[dict]:  # fmt: skip
     tmp_path.mkdir(exist_ok=True)
     script = tmp_path / "cell.py"
     script.write_text(cell)
     run_dir = tmp_path / "run"
-    env = {"JD_STRATEGY": strategy, "TEST_STEPS": str(STEPS), "TEST_LR": str(LR), "TEST_ACCUM": str(accum)}
+    env = {"JD_STRATEGY": strategy, "TEST_STEPS": str(STEPS), "TEST_LR": str(LR), "TEST_ACCUM": str(accum),
+           "JD_AC": ac}  # fmt: skip
     if strategy.startswith("zero"):
         pytest.importorskip("deepspeed")
         run_dir.mkdir(exist_ok=True)
@@ -175,9 +179,15 @@ def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", EVERY)
 def test_the_natural_cell_runs_unchanged_under_every_strategy(strategy: str, tmp_path: Path) -> None:
-    res = run_cell(tmp_path, strategy)
+    """Also with the plan's activation checkpointing (``JD_AC``), which every strategy must apply (DDP, FSDP1,
+    DeepSpeed and no strategy ignored it until session 8) and which must not change the math: ``full`` (both
+    blocks) or ``layer:2`` (the second block only: blocks of two classes, which FSDP1's wrap policy must see through).
+    """
+    ac, wrapped = ("layer:2", 1) if strategy in LAYER_K else ("full", 2)
+    res = run_cell(tmp_path, strategy, ac=ac)
     ref_losses, ref_lrs = reference_losses(STEPS, LR)
     for r in res:
+        assert r["checkpointed"] == wrapped, (ac, r)
         assert r["lrs"] == pytest.approx(ref_lrs, rel=1e-6), r  # the scheduler built before wrap drives the lr
         assert r["losses"][-1] < 0.6 * r["losses"][0], r["losses"]
     if strategy == "none":  # each process trains alone on its own data

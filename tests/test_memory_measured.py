@@ -7,12 +7,12 @@ outputs PyTorch caches for the policy (the ``_CachingTorchDispatchMode`` storage
 kept outside autograd's hooks. This is the same on CPU and GPU for the same kernels: what differs on a GPU is
 listed in docs/how-numbers-are-made.md (the flash kernel's output layout and padded log-sum-exp).
 
-The blocks: the reference ``jupyter_dist.models.Transformer`` block and Hugging Face Llama, Mistral, Qwen2 and
-Mixtral decoder layers built from small configs with ``attn_implementation="sdpa"``, at several (micro-batch,
-sequence, heads, kv-heads, hidden, MLP width) shapes, in fp32 and bf16, under every checkpointing mode as the worker
-applies it (``jupyter_dist.worker._parallel.apply_activation_checkpointing``, the code ``JD_AC`` runs). Each case
-must equal :func:`jupyter_dist.plan.memory.activation_bytes_per_layer` to the byte: a change in torch, transformers,
-the reference model or the planner that moves one of them fails here.
+The blocks: the reference ``jupyter_dist.models.Transformer`` block and Hugging Face Llama, Mistral, Qwen2, Qwen3
+(per-head query/key norms) and Mixtral decoder layers built from small configs with ``attn_implementation="sdpa"``,
+at several (micro-batch, sequence, heads, kv-heads, hidden, MLP width) shapes, in fp32 and bf16, under every
+checkpointing mode as the worker applies it (``jupyter_dist.worker._parallel.apply_activation_checkpointing``, the
+code ``JD_AC`` runs). Each case must equal :func:`jupyter_dist.plan.memory.activation_bytes_per_layer` to the byte:
+a change in torch, transformers, the reference model or the planner that moves one of them fails here.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ HF = {  # architecture: (config class, module, class prefix, extra config, Model
     "llama": ("LlamaConfig", "llama", "Llama", {}, {}),
     "mistral": ("MistralConfig", "mistral", "Mistral", {"sliding_window": None}, {}),
     "qwen2": ("Qwen2Config", "qwen2", "Qwen2", {}, {"qkv_bias": True}),
+    "qwen3": ("Qwen3Config", "qwen3", "Qwen3", {}, {"qk_norm": True}),  # head_dim = hidden / heads (set per shape)
     "mixtral": ("MixtralConfig", "mixtral", "Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2},
                 {"experts": 4, "top_k": 2}),
 }  # fmt: skip
@@ -112,6 +113,8 @@ def _blocks(arch: str, shape: tuple[int, ...], dtype: Any, n: int) -> tuple[list
         return [Block(cfg).to(dtype) for _ in range(n)], lambda blk, x: blk(x), []
     transformers = pytest.importorskip("transformers")
     config_cls, mod, prefix, extra, _ = HF[arch]
+    if arch == "qwen3":
+        extra = {**extra, "head_dim": h // a}  # Qwen3Config defaults to 128
     modeling = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
     cfg = getattr(transformers, config_cls)(
         hidden_size=h, intermediate_size=f, num_attention_heads=a, num_key_value_heads=kv, num_hidden_layers=n,

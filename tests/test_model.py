@@ -279,6 +279,27 @@ def test_hf_config_has_the_dimensions_of_the_preset(case: str) -> None:
     assert spec.with_(name=preset.name, source="preset") == preset
 
 
+@pytest.mark.parametrize(
+    ("model_type", "qk_norm"), [("qwen3", True), ("qwen3_moe", True), ("qwen2", False), ("llama", False)]
+)
+def test_per_head_query_key_norms_are_counted_as_the_module_has_them(model_type: str, qk_norm: bool) -> None:
+    """Qwen3's ``q_norm``/``k_norm`` (one ``head_dim`` weight each per layer): the spec's count equals the real
+    module's, built from the same config on the meta device (Qwen3-1.7B's shape, 4 layers; an MoE variant)."""
+    transformers = pytest.importorskip("transformers")
+    config = {"model_type": model_type, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 4,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False}  # fmt: skip
+    if model_type == "qwen3_moe":
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, decoder_sparse_step=1,
+                      mlp_only_layers=[])  # fmt: skip
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.qk_norm is qk_norm
+    hf = transformers.CONFIG_MAPPING[model_type](**{k: v for k, v in config.items() if k != "model_type"})
+    with torch.device("meta"):
+        module = transformers.AutoModelForCausalLM.from_config(hf)
+    assert spec.params == sum(p.numel() for p in module.parameters())
+
+
 def test_mixtral_from_hf_config_has_the_published_active_params() -> None:
     assert ModelSpec.from_hf_config(MIXTRAL_CONFIG).active_params == MIXTRAL_ACTIVE
 

@@ -53,7 +53,7 @@ def launch_contract(
     if precision is None:
         precision = plan.training.precision.value if plan is not None else "fp32"
     fields = {**choice.worker_fields(), **(worker or {})}
-    if plan is not None and "ac" not in fields:  # the planned activation checkpointing (applied under FSDP2)
+    if plan is not None and "ac" not in fields:  # the planned activation checkpointing (jd.wrap applies it)
         fields["ac"] = plan.training.checkpointing_name
     if plan is not None and choice.dims.pp > 1 and "pp_schedule" not in fields:  # the planned schedule (the memory
         fields["pp_schedule"] = plan.training.pp_schedule  # and bubble the plan shows are this schedule's)

@@ -357,7 +357,9 @@ def _llama_layer(model: ModelSpec, training: TrainingShape, dims: ParallelDims, 
     block in bf16; ``fp32`` in fp32). Each RMSNorm saves its fp32 input (``x.float()``: the input itself in fp32,
     a copy otherwise) ``4sbh``, ``rsqrt`` ``4sb`` and the normalised tensor before and after the weight, ``2e sbh``.
     Attention saves Q ``e sb q``, K and V ``e sb kv`` each (``e sb q`` when repeated), the SDPA output ``e sb q``
-    (and its copy when the layout copies it) and the fp32 log-sum-exp ``4sba``; a SwiGLU MLP saves gate, up,
+    (and its copy when the layout copies it) and the fp32 log-sum-exp ``4sba``; per-head Q/K norms (Qwen3) add
+    their fp32 inputs ``4sb(q+kv)``, ``rsqrt`` per head and the normalised Q and K before the weight ``e sb(q+kv)``
+    (the weighted output goes to the rotary embedding, which keeps only its tables); a SwiGLU MLP saves gate, up,
     act(gate) and their product, ``4e sbF``; a GeLU one its two inputs ``2e sbF``. A top-k MoE (Hugging Face's
     Mixtral experts) saves per routed slot the expert's index ``16``, its gathered input, output and weighted output
     ``3e h``, the fused gate-up output ``2e F``, act and product ``2e F``, the fp32 weight ``4``; and per token the
@@ -391,6 +393,9 @@ def _llama_layer(model: ModelSpec, training: TrainingShape, dims: ParallelDims, 
                 kept += e * sb * width if count % 2 == 1 else 0
         return kept
     norms = 2 * (4 * sb * h + 4 * sb + 2 * e * sb * h) / sp
+    if model.qk_norm:  # per head on Q and K: fp32 input, rsqrt per head, the normalised tensor before the weight
+        heads = a + model.n_kv_heads / t
+        norms += (4 + e) * sb * (q + kv) + 4 * sb * heads
     kv_saved = q if layout.kv_repeated else kv
     attention = e * sb * q + 2 * e * sb * kv_saved + attn_out * (2 if layout.attention_output_copied else 1) + lse
     rope = 4 * s * model.d_head if layout.rope_tables_per_block else 0.0

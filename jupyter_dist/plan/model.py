@@ -118,6 +118,8 @@ class ModelSpec:
     """Attention output projection has a bias."""
     mlp_bias: bool = False
     """MLP projections have biases."""
+    qk_norm: bool = False
+    """Queries and keys are RMS-normalised per head before the rotary embedding (Qwen3, Qwen3-MoE)."""
     max_positions: int = 0
     """Rows of a learned absolute position embedding (GPT-2); 0 for rotary or none."""
     dropout: bool = False
@@ -222,7 +224,9 @@ class ModelSpec:
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        return self.attention_params + self.experts * self.expert_params + self.router_params + 2 * self.norm_params
+        qk = 2 * self.d_head if self.qk_norm else 0  # one weight of head_dim for the queries, one for the keys
+        moe = self.experts * self.expert_params + self.router_params
+        return self.attention_params + moe + 2 * self.norm_params + qk
 
     @property
     def embedding_params(self) -> int:
@@ -401,6 +405,11 @@ def _hf_rate(data: dict[str, Any], key: str) -> float:
     return float(value)
 
 
+_QK_NORM = ("qwen3", "qwen3_moe")
+"""Hugging Face model types whose attention RMS-normalises each query and key head (``q_norm``/``k_norm`` of
+``head_dim``). Olmo2 normalises the whole projection and Gemma3 adds more norms around each block: not these."""
+
+
 def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
     if isinstance(data.get("text_config"), dict):  # multimodal wrappers keep the language model here
         data = {**data["text_config"], "model_type": data["text_config"].get("model_type", data.get("model_type"))}
@@ -438,8 +447,8 @@ def _spec_from_hf(data: dict[str, Any]) -> ModelSpec:
         name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads if kv_heads != heads else 0,
         head_dim=head_dim, ffn=ffn, vocab=vocab, tied_embeddings=tied, gated_mlp=gated, experts=experts,
         top_k=top_k, norm="layernorm" if gpt2_like else "rmsnorm", qkv_bias=qkv_bias, out_bias=out_bias,
-        mlp_bias=mlp_bias, max_positions=_hf_int(data, "max_positions", "n_positions", "max_position_embeddings",
-        default=0) if gpt2_like else 0, dropout=dropout, source="hf-config",
+        mlp_bias=mlp_bias, qk_norm=mtype in _QK_NORM, max_positions=_hf_int(data, "max_positions", "n_positions",
+        "max_position_embeddings", default=0) if gpt2_like else 0, dropout=dropout, source="hf-config",
     )  # fmt: skip
 
 

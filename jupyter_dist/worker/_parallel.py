@@ -9,9 +9,10 @@ mesh is HSDP). A model built on the meta device is sharded first and only its lo
 
 Each dimension's layout lives in its own module, called from :func:`parallelize`: tensor/sequence parallelism
 (where the layout comes from, the Hugging Face translation, sequence boundaries) in ``_tensor.py``, pipeline
-stages in ``_pipeline.py``, context parallelism in ``_context.py``, expert parallelism in ``_expert.py``. What is
-left here is the mesh, activation checkpointing, meta-device materialisation and pretrained loading, and the order
-of application, one recipe that a reader follows top to bottom.
+stages in ``_pipeline.py``, context parallelism in ``_context.py``, expert parallelism in ``_expert.py``,
+activation checkpointing in ``_checkpointing.py`` (shared with the data-parallel strategies). What is left here is
+the mesh, meta-device materialisation and pretrained loading, and the order of application, one recipe that a
+reader follows top to bottom.
 
 Where the layout comes from, in order: ``tp_plan=`` given to ``jd.wrap``; a Hugging Face model's own plan
 (``config.base_model_tp_plan`` and the head's ``_tp_plan``, strings such as ``"colwise"`` translated to PyTorch's
@@ -27,7 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..plan.strategies import get_strategy
-from ..plan.training import AC_NAMES
+from ._checkpointing import (  # re-exported: these names have always been importable from here
+    AC_MODES,
+    apply_activation_checkpointing,
+    checkpoint_attention_core,
+    op_sac_context_fn,
+    replace_blocks,
+)
 from ._env import WorkerEnv, WorkerError
 from ._expert import add_expert_mesh, apply_expert_parallel, shard_experts
 from ._tensor import (  # re-exported: the TP names have always been importable from here
@@ -53,6 +60,10 @@ __all__ = [
     "check_tp_divisible",
     "apply_tensor_parallel",
     "apply_activation_checkpointing",
+    "checkpoint_attention_core",
+    "op_sac_context_fn",
+    "replace_blocks",
+    "AC_MODES",
     "materialize",
     "load_pretrained",
 ]
@@ -131,136 +142,6 @@ def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
     mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     # this rank's data-parallel index is jd.dp_rank (Runtime.dp_rank), derived from the same row-major layout
     return Mesh(mesh=mesh, sizes=sizes, dp_size=sizes["dp_replicate"] * sizes["dp_shard"])
-
-
-# ------------------------------------------------------------------------------------------------ checkpointing
-AC_MODES = AC_NAMES
-"""Activation checkpointing modes ``jd.wrap`` applies (``JD_AC``): the planner's names, one table."""
-
-# torchtitan's op-level SAC keeps the outputs of these ops (torchtitan/distributed/activation_checkpoint.py,
-# ``_save_list`` / ``_custom_policy``: "Saves output of all compute ops, except every second mm"), plus the CPU
-# flash kernel and the math fallback that the CPU runs take, so the same policy is measured here.
-_OP_SAC_SAVE = (
-    "mm.default", "_scaled_dot_product_efficient_attention.default", "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
-)  # fmt: skip
-
-
-def _aten(names: tuple[str, ...]) -> set[Any]:
-    import torch
-
-    out = set()
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            out.add(op)
-    return out
-
-
-def op_sac_context_fn() -> Any:
-    """The op-level policy of torchtitan as a ``context_fn``: keep attention and every other ``mm`` output."""
-    from collections import defaultdict
-
-    import torch
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    save, mm = _aten(_OP_SAC_SAVE), torch.ops.aten.mm.default
-
-    def make() -> Any:
-        meta: dict[str, int] = defaultdict(int)
-
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
-            if op == mm:
-                meta[key] += 1
-            keep = op in save and not (op == mm and meta[key] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return make
-
-
-def checkpoint_attention_core(block: torch.nn.Module) -> torch.nn.Module:
-    """Korthikanti's selective recomputation on ``block``: its attention kernel is recomputed in backward.
-
-    Every ``scaled_dot_product_attention`` call in the block's forward runs under non-reentrant
-    ``torch.utils.checkpoint``, so backward keeps what it keeps without checkpointing except the kernel's own output
-    and log-sum-exp.
-
-    A ``TorchFunctionMode`` entered by forward hooks catches the call wherever the block makes it (the reference
-    models' ``attention.core``, Hugging Face's ``sdpa_attention_forward``); the block and its state-dict keys stay
-    as they are. PyTorch's op-level SAC with "recompute attention, save the rest" would instead cache *every* op's
-    output: measured 1.9x the memory of no checkpointing on a Llama layer (tests/test_memory_measured.py).
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-    from torch.utils.checkpoint import checkpoint
-
-    class _RecomputeAttention(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
-                return checkpoint(func, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-            return func(*args, **kwargs)
-
-    modes: list[TorchFunctionMode] = []
-
-    def enter(_m: Any, _args: Any) -> None:
-        mode = _RecomputeAttention()
-        mode.__enter__()
-        modes.append(mode)
-
-    def leave(_m: Any, _args: Any, _out: Any) -> None:
-        if modes:
-            modes.pop().__exit__(None, None, None)
-
-    block.register_forward_pre_hook(enter)
-    block.register_forward_hook(leave, always_call=True)
-    return block
-
-
-def apply_activation_checkpointing(blocks: list[torch.nn.Module], mode: str) -> list[torch.nn.Module]:
-    """Wrap each block for activation checkpointing; returns the wrapped blocks (the caller puts them in place).
-
-    ``full`` recomputes every block in backward; ``layer:K`` every K-th (torchtitan counts blocks from 1 and wraps
-    those whose count is a multiple of K); ``op`` is torchtitan's op-level policy (:func:`op_sac_context_fn`);
-    ``selective`` is Korthikanti et al. 2022's: the attention kernel alone is recomputed
-    (:func:`checkpoint_attention_core`).
-    """
-    from ..plan.training import Checkpointing, parse_checkpointing
-
-    kind, every = parse_checkpointing(mode, what="JD_AC")
-    if kind is Checkpointing.NONE:
-        return blocks
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    if kind is Checkpointing.FULL:
-        return [checkpoint_wrapper(b, preserve_rng_state=False) for b in blocks]
-    if kind is Checkpointing.LAYER:
-        return [checkpoint_wrapper(b, preserve_rng_state=False) if (i + 1) % every == 0 else b
-                for i, b in enumerate(blocks)]  # fmt: skip
-    if kind is Checkpointing.OP:
-        return [checkpoint_wrapper(b, context_fn=op_sac_context_fn(), preserve_rng_state=False) for b in blocks]
-    return [checkpoint_attention_core(b) for b in blocks]
-
-
-def replace_blocks(model: torch.nn.Module, old: list[torch.nn.Module], new: list[torch.nn.Module]) -> None:
-    """Put ``new[i]`` where ``old[i]`` sits in its parent container."""
-    import torch.nn as nn
-
-    where = {id(b): i for i, b in enumerate(old)}
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for i, child in enumerate(module):
-                if id(child) in where:
-                    module[i] = new[where[id(child)]]
-        elif isinstance(module, nn.ModuleDict):
-            for key, child in module.items():
-                if id(child) in where:
-                    module[key] = new[where[id(child)]]
 
 
 # ------------------------------------------------------------------------------------------ meta models, weights
@@ -343,7 +224,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     """
     import torch
 
-    from ._strategy import _mixed, _param_names, find_blocks, rebuild_optimizer
+    from ._strategy import _mixed, _param_names, checkpoint_blocks, rebuild_optimizer
 
     for dim, issue in ():  # every dimension runs; a new one starts here refused
         if getattr(env, dim) > 1:
@@ -409,11 +290,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         _log.info("jd.wrap: context parallelism cp%d over %d attention cores (ring attention)", env.cp, n)
     if env.ep > 1:
         apply_expert_parallel(model, mesh, on_meta=on_meta)
-    blocks = find_blocks(model)
-    if env.ac != "none" and blocks:
-        wrapped = apply_activation_checkpointing(blocks, env.ac)
-        replace_blocks(model, blocks, wrapped)
-        blocks = wrapped
+    blocks = checkpoint_blocks(env, model)
     views = stage_plan.views(model) if stage_plan is not None else []
     if family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -12,7 +12,10 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["find_blocks", "apply_strategy", "rebuild_optimizer", "deepspeed_client_optimizer", "FSDP1_NEEDS_GPU"]
+__all__ = [
+    "find_blocks", "checkpoint_blocks", "apply_strategy", "rebuild_optimizer", "deepspeed_client_optimizer",
+    "FSDP1_NEEDS_GPU",
+]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -130,12 +133,37 @@ def require_process_group(name: str) -> None:
         )
 
 
+def checkpoint_blocks(env: WorkerEnv, model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Apply ``JD_AC`` to the model's repeated blocks in place; answers the blocks as they now sit in the model.
+
+    Every strategy checkpoints the same blocks the same way (the plan's memory assumes it): DDP, FSDP1, DeepSpeed
+    and no strategy here, FSDP2 and the model-parallel layouts in :func:`._parallel.parallelize`. A model without
+    repeated blocks runs without checkpointing, and rank 0's log says so.
+    """
+    blocks = find_blocks(model)
+    if env.ac == "none":
+        return blocks
+    if not blocks:
+        if env.rank == 0:
+            _log.warning("jd.wrap: JD_AC=%s, but the model has no repeated blocks (a ModuleList or ModuleDict of one "
+                         "class) to checkpoint: it runs without activation checkpointing", env.ac)  # fmt: skip
+        return blocks
+    from ._checkpointing import apply_activation_checkpointing, replace_blocks
+
+    wrapped = apply_activation_checkpointing(blocks, env.ac)
+    replace_blocks(model, blocks, wrapped)
+    if env.rank == 0:
+        _log.info("jd.wrap: activation checkpointing %s of %d blocks", env.ac, len(blocks))
+    return wrapped
+
+
 def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
                    comm_stats: Any = None) -> tuple[Any, Any]:  # fmt: skip
     """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`."""
     import torch
 
     name = env.strategy
+    blocks = checkpoint_blocks(env, model)
     if name == "none":
         return model, optimizer
     family = get_strategy(name).family
@@ -171,7 +199,7 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
         mixed = _mixed(env.precision)
         mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
         old_names = _param_names(model)
-        for block in find_blocks(model):
+        for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if optimizer is not None:
@@ -183,8 +211,10 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
         from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        blocks = find_blocks(model)
-        policy = ModuleWrapPolicy({type(blocks[0])}) if blocks else None
+        # the blocks' own class: under ``layer:K`` only some are inside a CheckpointWrapper, and FSDP1 wraps the
+        # inner block either way (the wrapper, holding no parameters of its own, stays outside the unit)
+        inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in blocks]
+        policy = ModuleWrapPolicy({type(inner[0])}) if inner else None
         mixed = _mixed(env.precision)
         kwargs: dict[str, Any] = {}
         if get_strategy(name).hybrid:
