@@ -503,7 +503,8 @@ def test_memory_parts_are_positive_integers(preset: str, checkpointing: Checkpoi
         parts = (mem.params, mem.grads, mem.optimizer, mem.activations, mem.overhead, mem.total)
         assert all(type(x) is int and x >= 0 for x in parts), (name, parts)
         assert mem.total > 0 and mem.activations > 0 and mem.overhead >= ASSUME.cuda_context_bytes
-        assert mem.total == mem.model_states + mem.activations + mem.overhead
+        assert mem.total == mem.model_states + mem.activations + mem.overhead - mem.grads_reuse
+        assert 0 <= mem.grads_reuse <= mem.grads and (mem.grads_reuse == 0 or name.startswith("fsdp2")), name
         assert all(type(v) is int for v in mem.detail.values())
         assert MemoryBreakdown.from_dict(mem.to_dict()) == mem
 

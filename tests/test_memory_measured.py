@@ -468,3 +468,56 @@ def test_backward_peak_of_a_block_stack_equals_measured(precision: str, mode: st
     assert kept == stored
     planned = 3 * per_layer + mem.detail["activations_recompute_peak"] + mem.detail["activations_backward_working"]
     assert abs(peak - planned) <= b * s * h * dtype.itemsize, (peak, planned)
+
+
+FSDP2_GRADS_CELL = """
+import gc, json, os, weakref
+import torch
+import jupyter_dist.worker as jd
+from jupyter_dist.models import Transformer, TransformerConfig
+
+torch.manual_seed(0)
+model = Transformer(TransformerConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+model, opt = jd.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+params = list(model.parameters())
+seen = {"at_forward": [], "after_backward": [], "alive_after_step": []}
+model.register_forward_pre_hook(lambda m, a: seen["at_forward"].append(sum(p.grad is not None for p in params)))
+tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(jd.rank))
+for step in range(3):
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    jd.backward(loss)
+    grads = [p.grad for p in params if p.grad is not None]
+    seen["after_backward"].append(len(grads))
+    local = [weakref.ref(getattr(g, "_local_tensor", g)) for g in grads]  # the shard's own storage
+    del grads, logits, loss
+    jd.step(opt)
+    gc.collect()
+    seen["alive_after_step"].append(sum(r() is not None for r in local))
+    jd.log(step, loss=0.0)
+seen["params"] = len(params)
+with open(os.path.join(os.environ["JD_RUN_DIR"], f"grads-rank{jd.rank}.json"), "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_frees_its_gradients_between_steps(tmp_path: Any) -> None:
+    """Why the plan lets FSDP2's gradients reuse memory backward freed (``MemoryBreakdown.grads_reuse``): through
+    ``jd.wrap``/``jd.backward``/``jd.step`` on 2 gloo ranks, every parameter has a gradient after backward, the
+    gradient shards are gone after the step, and no gradient exists when the next forward starts."""
+    import json
+    from pathlib import Path
+
+    from test_worker import explain, torchrun
+
+    script = Path(tmp_path) / "cell.py"
+    script.write_text(FSDP2_GRADS_CELL)
+    run_dir = Path(tmp_path) / "run"
+    proc = torchrun(script, run_dir, timeout=240, JD_STRATEGY="fsdp2")
+    assert proc.returncode == 0, explain(proc, run_dir)
+    for rank in (0, 1):
+        seen = json.loads((run_dir / f"grads-rank{rank}.json").read_text())
+        assert seen["after_backward"] == [seen["params"]] * 3, seen
+        assert seen["alive_after_step"] == [0, 0, 0], seen
+        assert seen["at_forward"] == [0, 0, 0], seen

@@ -574,8 +574,12 @@ def test_every_candidate_of_the_planners_big_plans_gets_a_train_py_that_compiles
         d = b.layout.dims
         assert s.constants["STRATEGY"] == b.candidate.strategy, key
         assert [s.constants.get(n, 1) for n in ("TP", "PP", "CP", "EP")] == [d.tp, d.pp, d.cp, d.ep], key
-    recommended = {name: p.best.name for name, p in _big_plans().items() if p.best is not None}
-    assert recommended["mixtral-8x7b"] == "zero1+pp2+ep8"  # the compositions the issue names are among them
+    plans = _big_plans()
+    recommended = {name: p.best.name for name, p in plans.items() if p.best is not None}
+    # the compositions the issue names are among the candidates; since FSDP2's gradients reuse memory backward frees
+    # (measured: docs/gpu.md), Mixtral fits without the pipeline (zero1+pp2+ep8 was the best before)
+    assert "zero1+pp2+ep8" in {c.name for c in plans["mixtral-8x7b"].candidates}
+    assert recommended["mixtral-8x7b"] == "fsdp2+ep8"
     assert recommended["llama-3-8b-seq65536"] == "fsdp2-hybrid+cp16"
 
 

@@ -285,9 +285,10 @@ def _fit_sentence(c: Candidate) -> str:
         verdict = f"fits with {100 * mem.headroom:.0f}% headroom"
     else:
         verdict = f"does not fit ({fmt_gib(mem.total - mem.capacity)} over)"
+    reuse = f", less {fmt_gib(mem.grads_reuse)} of gradients in memory backward freed" if mem.grads_reuse else ""
     return (
         f"{c.label} needs {fmt_gib(mem.total)} per GPU (model states {fmt_gib(mem.model_states)}, activations "
-        f"{fmt_gib(mem.activations)}, overhead {fmt_gib(mem.overhead)}) of {fmt_gib(mem.capacity)}: {verdict}."
+        f"{fmt_gib(mem.activations)}, overhead {fmt_gib(mem.overhead)}{reuse}) of {fmt_gib(mem.capacity)}: {verdict}."
     )
 
 
