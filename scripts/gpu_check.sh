@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one command for a lent GPU machine (see docs/gpu.md): the launched run's CUDA telemetry,
 # bf16 autocast and CUDA RNG resume (benchmarks/gpu_paths.py), planned vs measured peak memory of a ~1B model under
-# every checkpointing mode (benchmarks/memory_calibration.py), context-parallel attention on the CUDA kernels
+# every checkpointing mode (benchmarks/memory_calibration.py; through a launched run: launched_memory.py; Hugging Face
+# models: gpu_hf_memory.sh), context-parallel attention on the CUDA kernels
 # (benchmarks/cp_cpu_probe.py --device cuda). Uses the machine's own torch; jupyter_dist from this checkout.
 set -u
 cd "$(dirname "$0")/.."
@@ -14,4 +15,6 @@ echo "### memory_calibration"; timeout 180 python3 benchmarks/memory_calibration
 for dt in bf16 fp32; do
   echo "### cp $dt"; timeout 90 python3 benchmarks/cp_cpu_probe.py --device cuda --dtype $dt --seq 8192 --heads 16 --head-dim 128 --batch 1; echo "rc=$?"
 done
+echo "### launched"; timeout 400 python3 benchmarks/launched_memory.py --gpu "${GPU_NAME:-h100-80gb}" \
+    --modes none,selective,op,layer:2,full; echo "rc=$?"
 echo "### hf"; bash scripts/gpu_hf_memory.sh

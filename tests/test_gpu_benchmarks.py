@@ -21,6 +21,9 @@ pytest.importorskip("torch")
         ("memory_calibration.py", ["--strategies", "plain,zero9"], "unknown strategy zero9; valid: plain, ddp, fsdp2"),
         ("gpu_paths.py", ["--strategies", "ddp,nope"], "unknown strategy nope; valid: ddp, zero1"),
         ("cp_cpu_probe.py", ["--device", "tpu"], "invalid choice: 'tpu'"),
+        ("launched_memory.py", ["--strategies", "zero2"], "unknown strategy zero2; valid: ddp, fsdp2"),
+        ("launched_memory.py", ["--modes", "none,sometimes"], "unknown --modes 'sometimes'; valid: none, selective"),
+        ("memory_calibration.py", ["--hf-config", "/nonexistent.json"], "is not a file; give a Hugging Face config"),
     ],
 )
 def test_a_bad_argument_is_one_line_exit_2(script: str, args: list[str], message: str) -> None:
