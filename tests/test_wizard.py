@@ -59,6 +59,10 @@ def test_default_wizard_shows_the_planners_answer() -> None:
     first = direct.candidate(direct.recommended)
     assert sum(s["values"][0] for s in fig["series"]) == pytest.approx(first.memory.total / GiB)
     assert fig["vlines"][0]["x"] == pytest.approx(direct.hardware.accelerator.memory_bytes / GiB)
+    for i, cat in enumerate(fig["categories"]):  # every bar, FSDP2's too (its gradients reuse freed memory)
+        total = direct.candidate(cat.split()[-1]).memory.total
+        assert sum(s["values"][i] for s in fig["series"]) == pytest.approx(total / GiB), cat
+    assert any(direct.candidate(c.split()[-1]).memory.grads_reuse > 0 for c in fig["categories"])
     assert {c.split()[-1] for c in fig["categories"]} == {c.strategy for c in direct.candidates} | {
         direct.recommended}  # fmt: skip
     ET.fromstring(w.chart.value)  # well-formed SVG

@@ -64,7 +64,7 @@ WHATIF_VALUES: dict[str, tuple[int, ...]] = {
 # memory components, bottom to top of each stacked bar, with their colours
 COMPONENTS = (
     ("params", "parameters", "#1f77b4"),
-    ("grads", "gradients", "#ff7f0e"),
+    ("grads", "gradients (at the peak)", "#ff7f0e"),
     ("optimizer", "optimizer states", "#2ca02c"),
     ("activations", "activations", "#9467bd"),
     ("overhead", "overhead", "#8c8c8c"),
@@ -312,6 +312,15 @@ def _axis_end(rows: list[Candidate], cap_gib: float) -> float | None:
     return 2 * cap_gib if top > 2.2 * cap_gib else None
 
 
+def _component(c: Candidate, key: str) -> int:
+    """One bar segment; the gradients as they stand at the peak, so that the segments add up to the total.
+
+    FSDP2's gradients reuse memory backward freed (``MemoryBreakdown.grads_reuse``).
+    """
+    value = getattr(c.memory, key)
+    return value - c.memory.grads_reuse if key == "grads" else value
+
+
 def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
     """A stacked bar per candidate (GiB per GPU by component) against the device's memory."""
     rows = chart_rows(p, show_all=show_all)
@@ -326,7 +335,7 @@ def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
     return {
         "id": "plan-memory", "kind": "hbar", "title": "Peak memory per GPU, by strategy",
         "x_title": "GiB per GPU (1 GiB = 2^30 bytes)", "categories": cats,
-        "series": [{"name": label, "values": [getattr(c.memory, key) / GiB for c in rows], "color": color}
+        "series": [{"name": label, "values": [_component(c, key) / GiB for c in rows], "color": color}
                    for key, label, color in COMPONENTS],
         "labels": labels, "label_colors": colors,
         "highlight": [i for i, c in enumerate(rows) if c.name == p.recommended],
