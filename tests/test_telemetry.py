@@ -26,42 +26,75 @@ class FakeClock:
         return self.t
 
 
-def file_records(folder: Path, rank: int) -> list[dict[str, Any]]:
+def raw_records(folder: Path, rank: int) -> list[dict[str, Any]]:
+    """The records as written (a ``steps`` batch is one record)."""
     lines = Path(telemetry_path(folder, rank)).read_text().splitlines()
     return [r for r in map(records.decode, lines) if r is not None]
+
+
+def file_records(folder: Path, rank: int) -> list[dict[str, Any]]:
+    """The records as readers see them (one ``step`` record per ``jd.log`` call)."""
+    out: list[dict[str, Any]] = []
+    for rec in raw_records(folder, rank):
+        out.extend(records.expand_steps(rec) if rec["kind"] == "steps" else [rec])
+    return out
 
 
 def emitter(tmp_path: Path, clock: FakeClock, interval: float = 1.0, rank: int = 0) -> Emitter:
     return Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(tmp_path, rank))], clock=clock, interval_s=interval)
 
 
-# --------------------------------------------------------------------------- coalesced step records
-def test_step_records_are_coalesced_to_one_per_interval_with_means_and_rates(tmp_path: Path) -> None:
+# --------------------------------------------------------------------------- lossless step records
+def test_every_call_is_kept_with_its_own_value_and_only_the_write_is_batched(tmp_path: Path) -> None:
     clock = FakeClock()
     em = emitter(tmp_path, clock)
     first = em.log({"loss": 4.0, "tokens": 512}, step=0)  # the first call writes at once
-    assert first is not None and first["n"] == 1 and "step_time" not in first
-    for step in range(1, 11):  # ten steps, 0.1 s apart
+    assert first is not None and first["kind"] == "steps" and first["step"] == [0] and first["prev"] is None
+    for step in range(1, 11):  # ten steps, 0.1 s apart: one write after 1 s, holding all ten
         clock.t += 0.1
         out = em.log({"loss": 4.0 - step * 0.1, "tokens": 512}, step=step)
         assert (out is None) == (step < 10), step
-    rec = out
-    assert rec is not None and rec["step"] == 10 and rec["n"] == 10
-    assert rec["loss"] == pytest.approx(sum(4.0 - s * 0.1 for s in range(1, 11)) / 10)
-    assert rec["step_time"] == pytest.approx(0.1)
-    assert rec["tokens_per_s"] == pytest.approx(10 * 512 / 1.0)
+    assert out is not None and out["step"] == list(range(1, 11)) and out["prev"] == [1000.0, 0]
     em.close()
+    raw = raw_records(tmp_path, 0)
+    assert [len(r["step"]) for r in raw if r["kind"] == "steps"] == [1, 10]
     steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
-    assert [r["n"] for r in steps] == [1, 10]
+    assert [r["step"] for r in steps] == list(range(11))
+    assert [r["loss"] for r in steps] == [4.0] + [4.0 - s * 0.1 for s in range(1, 11)]  # exactly what was logged
+    assert [r["t"] for r in steps] == pytest.approx([1000.0 + 0.1 * s for s in range(11)])
+    assert "step_time" not in steps[0]
+    assert all(r["step_time"] == pytest.approx(0.1) for r in steps[1:])  # across the batch boundary too
+    assert all(r["tokens_per_s"] == pytest.approx(5120.0) for r in steps[1:])
 
 
-def test_logging_every_few_steps_still_gives_time_per_step(tmp_path: Path) -> None:
+def test_interval_zero_writes_every_call_and_sparse_metrics_stay_absent(tmp_path: Path) -> None:
     clock = FakeClock()
     em = emitter(tmp_path, clock, interval=0)
     em.log({"loss": 1.0}, step=0)
     clock.t += 2.0
     rec = em.log({"loss": 0.5, "samples": 40}, step=10)  # jd.log every 10 steps
-    assert rec is not None and rec["step_time"] == pytest.approx(0.2) and rec["samples_per_s"] == pytest.approx(20)
+    assert rec is not None and rec["step"] == [10]
+    em.log({"eval_loss": 0.7}, step=10)
+    em.close()
+    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
+    assert steps[1]["step_time"] == pytest.approx(0.2) and steps[1]["samples_per_s"] == pytest.approx(20)
+    assert "eval_loss" not in steps[1] and steps[2]["eval_loss"] == 0.7 and "loss" not in steps[2]
+
+
+def test_a_batch_keeps_sparse_metrics_as_null_and_non_finite_values_by_name(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    em.log({"loss": 1.0}, step=0)
+    for step, values in ((1, {"loss": float("nan")}), (2, {"loss": float("inf"), "eval": 3.0}), (3, {"loss": 0.25})):
+        clock.t += 0.1
+        em.log(values, step=step)
+    em.close()
+    raw = [r for r in raw_records(tmp_path, 0) if r["kind"] == "steps"][1]
+    assert raw["m"] == {"loss": ["nan", "inf", 0.25], "eval": [None, 3.0, None]}
+    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert steps[1]["loss"] != steps[1]["loss"] and steps[2]["loss"] == float("inf") and steps[3]["loss"] == 0.25
+    assert [r.get("eval") for r in steps] == [None, None, 3.0, None]
 
 
 def test_user_metrics_named_like_derived_ones_win_and_n_is_reserved(tmp_path: Path) -> None:
@@ -69,13 +102,27 @@ def test_user_metrics_named_like_derived_ones_win_and_n_is_reserved(tmp_path: Pa
     em = emitter(tmp_path, clock, interval=0)
     em.log({"loss": 1.0}, step=0)
     clock.t += 1.0
-    rec = em.log({"step_time": 9.0}, step=1)
-    assert rec is not None and rec["step_time"] == 9.0
+    em.log({"step_time": 9.0}, step=1)
+    em.close()
+    assert file_records(tmp_path, 0)[-1]["step_time"] == 9.0
     with pytest.raises(ValueError, match="reserved"):
         em.log({"n": 3}, step=2)
 
 
-def test_a_pending_window_is_written_by_the_monitor_tick_flush_and_close(tmp_path: Path) -> None:
+def test_a_batch_is_written_at_max_batch_calls_even_within_the_interval(tmp_path: Path) -> None:
+    clock = FakeClock()
+    em = emitter(tmp_path, clock, interval=3600.0)
+    em.log({"loss": 0.0}, step=0)
+    for step in range(1, records.MAX_BATCH + 5):
+        em.log({"loss": float(step)}, step=step)
+    assert em.pending == 4
+    em.close()
+    sizes = [len(r["step"]) for r in raw_records(tmp_path, 0) if r["kind"] == "steps"]
+    assert sizes == [1, records.MAX_BATCH, 4]
+    assert [r["loss"] for r in file_records(tmp_path, 0) if r["kind"] == "step"] == [float(s) for s in range(1029)]
+
+
+def test_a_pending_batch_is_written_by_the_monitor_tick_flush_and_close(tmp_path: Path) -> None:
     clock = FakeClock()
     em = emitter(tmp_path, clock)
     em.log({"loss": 3.0}, step=0)
@@ -86,7 +133,7 @@ def test_a_pending_window_is_written_by_the_monitor_tick_flush_and_close(tmp_pat
     clock.t += 1.0
     em.tick()  # stale now: the monitor writes it
     steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
-    assert [(r["step"], r["n"]) for r in steps] == [(0, 1), (1, 1)]
+    assert [(r["step"], r["loss"]) for r in steps] == [(0, 3.0), (1, 2.0)]
     clock.t += 0.1
     em.log({"loss": 1.0}, step=2)
     em.exit_record("ok")  # exit flushes first, so the last steps are never lost
@@ -132,17 +179,40 @@ class CountingTensor:
         return self.value
 
 
-def test_tensor_metrics_are_read_once_per_record_not_once_per_step(tmp_path: Path) -> None:
+def test_real_tensor_metrics_are_read_once_per_batch_each_value_exact() -> None:
+    torch = pytest.importorskip("torch")
     clock = FakeClock()
-    em = emitter(tmp_path, clock)
-    CountingTensor.items = 0
-    for step in range(100):
-        clock.t += 0.025
-        em.log({"loss": CountingTensor(2.0)}, step=step)
-    em.close()
-    steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
-    assert CountingTensor.items == len(steps) < 10
-    assert all(r["loss"] == pytest.approx(2.0) for r in steps) and sum(r["n"] for r in steps) == 100
+    sink = types.SimpleNamespace(lines=[], write_line=lambda line: sink.lines.append(line), close=lambda: None)
+    em = Emitter(rank=0, sinks=[sink], clock=clock, interval_s=1.0)
+    values = [torch.tensor(1.0 / (k + 3), dtype=torch.bfloat16) for k in range(40)]
+    calls = {"n": 0}
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self: Any) -> Any:
+        calls["n"] += 1
+        return real_tolist(self)
+
+    torch.Tensor.tolist = counting_tolist  # type: ignore[method-assign]
+    try:
+        for step, v in enumerate(values):
+            clock.t += 0.01
+            em.log({"loss": v, "lr": 1e-3}, step=step)
+        em.close()
+    finally:
+        torch.Tensor.tolist = real_tolist  # type: ignore[method-assign]
+    batches = [records.decode(line) for line in sink.lines]
+    assert len(batches) == 2 and calls["n"] == 1  # the first call (.item()), then a batch of 39 in one .tolist()
+    logged = [x for b in batches for x in b["m"]["loss"]]  # type: ignore[index]
+    assert logged == [v.item() for v in values]  # each bf16 value exactly, not a mean
+
+
+def test_mixed_dtype_tensors_in_one_batch_are_each_converted() -> None:
+    torch = pytest.importorskip("torch")
+    from jupyter_dist.telemetry.emitter import _tensor_values
+
+    vals = [torch.tensor(0.1), torch.tensor(0.3, dtype=torch.float64), torch.tensor(0.7, dtype=torch.bfloat16),
+            CountingTensor(2.5)]  # fmt: skip
+    assert _tensor_values(vals) == [torch.tensor(0.1).item(), 0.3, torch.tensor(0.7, dtype=torch.bfloat16).item(), 2.5]
 
 
 def test_real_tensors_are_summed_on_their_device() -> None:

@@ -1,4 +1,5 @@
-"""What a run measured (step time, tokens/s, peak memory per rank) and the calibration fitted from it.
+"""What a run measured (the one measurement of :mod:`jupyter_dist.telemetry.measurement`, with the candidate that
+ran) and the calibration fitted from it.
 
 Shared by the :class:`~.run.Run` handle (its summary compares a finished run with its plan) and ``%dist_tune``
 (:mod:`.tune`), which measures several candidates. Reads a run's telemetry through ``run.records(kind)``.
@@ -9,84 +10,49 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
+
+from ..telemetry.measurement import WARMUP_STEPS, Measured, measure_records
 
 __all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak"]
 
-WARMUP_STEPS = 2
-"""Steps left out of the step-time median (first-step allocation, lazy initialisation, compilation)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Measured:
-    """What one run measured."""
-
-    step_time_s: float | None
-    """Median seconds per step after the warm-up, on the slowest rank (``None``: too few steps logged)."""
-    tokens_per_s: float | None
-    """Tokens per second, whole job (from the ``tokens`` the cell logs; ``None`` when it logs none)."""
-    peak_bytes: dict[int, int] = field(default_factory=dict)
-    """Peak memory per rank: CUDA ``peak_allocated`` on GPUs, the process's ``max_rss`` on CPU."""
-    memory_kind: str = "rss"
-    """``"cuda"`` or ``"rss"``: what :attr:`peak_bytes` counts."""
-    steps: int = 0
-    """Steps logged (by the slowest rank)."""
-
-    @property
-    def peak(self) -> int:
-        """The largest rank's peak (bytes; 0 when none was recorded)."""
-        return max(self.peak_bytes.values(), default=0)
-
-
 def measure_run(run: Any, *, warmup: int = WARMUP_STEPS) -> Measured:
-    """Step time, tokens/s and peak memory per rank from a run's telemetry (any finished or running Run)."""
-    steps: dict[int, list[dict[str, Any]]] = {}
-    for rec in run.records("step"):
-        steps.setdefault(int(rec["rank"]), []).append(rec)
-    per_rank_time: list[float] = []
-    per_rank_tps: dict[int, float] = {}
-    logged = 0
-    for rank, recs in steps.items():
-        recs.sort(key=lambda r: r.get("seq", 0))
-        logged = max(logged, int(recs[-1].get("step", 0)) + 1)
-        # coalesced records carry n calls; weigh each record's step_time by its calls
-        times = [float(r["step_time"]) for r in recs[1:] if r.get("step_time") and int(r.get("step", 0)) >= warmup]
-        if times:
-            per_rank_time.append(statistics.median(times))
-        tps = [float(r["tokens_per_s"]) for r in recs[1:] if r.get("tokens_per_s") and int(r.get("step", 0)) >= warmup]
-        if tps:
-            per_rank_tps[rank] = statistics.median(tps)
-    step_time = max(per_rank_time) if per_rank_time else None
-    tokens = None
-    if per_rank_tps:
-        # ranks of a tensor/pipeline/context group share their tokens: count each data-parallel rank once
-        world = max(1, int(getattr(run, "world_size", len(per_rank_tps))))
-        dp = _dp_size(run, world)
-        tokens = sum(per_rank_tps.values()) * dp / max(1, len(per_rank_tps)) if dp else None
-    peaks: dict[int, int] = {}
-    kind = "rss"
-    for rec in run.records("mem"):
-        rank = int(rec["rank"])
-        if rec.get("peak_allocated") is not None:
-            kind = "cuda"
-            value = int(rec["peak_allocated"])
-        else:
-            value = int(rec.get("max_rss") or rec.get("rss") or 0)
-        peaks[rank] = max(peaks.get(rank, 0), value)
-    return Measured(step_time_s=step_time, tokens_per_s=tokens, peak_bytes=peaks, memory_kind=kind, steps=logged)
+    """Step time, tokens/s, MFU and peak memory per rank from a run's telemetry (any finished or running Run).
+
+    The one measurement (:func:`~jupyter_dist.telemetry.measurement.measure_records`), with the data-parallel size
+    of the candidate that ran when the run knows it, and MFU from its plan's model FLOPs.
+    """
+    world = max(1, int(getattr(run, "world_size", 0) or 0)) or None
+    m = measure_records(run.records(), warmup=warmup, dp_size=_dp_size(run, world), world_size=world)
+    predicted = _candidate_of(run)
+    if predicted is not None and m.tokens_per_s and predicted.time.tokens_per_s and predicted.time.mfu:
+        # the same model on the same GPUs: MFU scales with tokens/s
+        m = replace(m, mfu=predicted.time.mfu * m.tokens_per_s / predicted.time.tokens_per_s)
+    return m
 
 
-def _dp_size(run: Any, world: int) -> int:
-    """Data-parallel ranks of a run (from its candidate's degrees when known, else all of them)."""
+def _candidate_of(run: Any) -> Any:
     plan = getattr(run, "plan", None)
     name = getattr(run, "candidate", None)
-    if plan is not None and name:
+    if plan is None:
+        return None
+    try:
+        return plan.candidate(name) if name else plan.best
+    except (KeyError, AttributeError):
+        return None
+
+
+def _dp_size(run: Any, world: int | None) -> int | None:
+    """Data-parallel ranks of the candidate that ran, when the run knows it (else what the workers said)."""
+    plan = getattr(run, "plan", None)
+    name = getattr(run, "candidate", None)
+    if plan is not None and name and world:
         try:
-            return int(plan.candidate(name).dims.dp) if plan.world_size == world else world
-        except KeyError:
+            return int(plan.candidate(name).dims.dp) if plan.world_size == world else None
+        except (KeyError, AttributeError):
             pass
-    return world
+    return None
 
 
 def planned_peak(memory: Any, kind: str) -> int:

@@ -60,7 +60,7 @@ class RunRow:
     best_loss: float | None
     """Lowest loss of a logged step (mean over ranks)."""
     throughput: float | None
-    """Tokens/s (else samples/s, else steps/s; see :attr:`throughput_unit`), summed over ranks."""
+    """Tokens/s (else samples/s, else steps/s; see :attr:`throughput_unit`), each data-parallel replica counted once."""
     throughput_unit: str | None
     """``tokens/s``, ``samples/s`` or ``steps/s``."""
     peak_mem: tuple[int, ...]

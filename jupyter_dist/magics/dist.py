@@ -20,7 +20,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from ..cli.flags import MAX_COUNT, MAX_LOCAL_NPROC, MAX_SECONDS, add_plan_arguments, float_arg, int_arg, plan_from_args
+from ..cli.flags import (
+    MAX_COUNT,
+    MAX_LOCAL_NPROC,
+    MAX_SECONDS,
+    add_output_argument,
+    add_plan_arguments,
+    float_arg,
+    int_arg,
+    plan_from_args,
+)
 from ..errors import JupyterDistError
 from .args import parse_magic_line
 
@@ -82,6 +91,7 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
     p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
     p.add_argument("--no-dashboard", action="store_true", help="do not show live panels under the cell")
+    add_output_argument(p)
     p.add_argument("--log-to", metavar="SINKS",
                    help="forward the run's metrics from this kernel to tensorboard,wandb,mlflow,trackio "
                         "(comma-separated; credentials by name with --secret)")  # fmt: skip
@@ -89,7 +99,7 @@ def _train_parser() -> MagicArgumentParser:
         "--telemetry-interval",
         type=float_arg(0.0, 3600.0),
         metavar="S",
-        help="seconds between the ranks' coalesced step records (default 1; 0: one per jd.log call)",
+        help="seconds between the ranks' writes of their jd.log calls (default 1; 0: each call at once); every call is kept",
     )
     p.add_argument(
         "--heartbeat", type=float_arg(0.0, 3600.0), metavar="S", help="seconds between heartbeats (default 2; 0: off)"
@@ -376,6 +386,11 @@ class DistMagics(Magics):
             if value is not None and value < 1:
                 raise UsageError(f"--{dim} must be >= 1, got {value}")
         backend = args.backend or self.default_backend
+        if args.nproc is not None:  # a rank the run will not have: refused before it starts
+            try:
+                args.output.resolve(args.nproc * args.nodes)
+            except JupyterDistError as exc:
+                raise UsageError(str(exc)) from None
         try:
             cluster = self._cluster_options(args, backend)
             result = start_run(
@@ -385,7 +400,7 @@ class DistMagics(Magics):
                 runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
                 hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
                 ep=args.ep, sp=args.sp, worker=worker, log_to=args.log_to,
-                secrets=tuple(args.secret) if args.log_to else (),
+                secrets=tuple(args.secret) if args.log_to else (), output="none",  # shown below the panels
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
@@ -401,8 +416,14 @@ class DistMagics(Magics):
                 result.show_dashboard(interval=0.5)  # its status line replaces the card
             except JupyterDistError as exc:  # e.g. anywidget missing: say how to get the panels, keep the run
                 print(f"(no live panels: {exc})")
+        try:  # the ranks' prints under the panels (after them, so the panels stay at the top of the cell)
+            result.show_output(args.output)
+        except JupyterDistError as exc:  # a rank the run does not have (--nproc left to the machine)
+            print(f"(no output shown: {exc})")
         if args.wait and hasattr(result, "wait"):
             result.wait()
+            if result.shown_output is not None:
+                result.shown_output.wait(30.0)
             if result.shown_dashboard is not None:
                 result.shown_dashboard.finished.wait(10.0)
                 if args.profile is not None:  # the panels replaced the card: show the profile summary here

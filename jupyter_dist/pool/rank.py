@@ -343,7 +343,7 @@ class _Rank:
 
 
 def _flush_telemetry() -> None:
-    """Write the coalesced ``jd.log`` metrics of the cell now, so the panels show them when the cell ends."""
+    """Write the buffered ``jd.log`` calls of the cell now, so the panels show them when the cell ends."""
     try:
         from ..worker._runtime import get_runtime
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from .records import SENTINEL, check_metrics, decode, encode, make_record
+from .records import MAX_BATCH, SENTINEL, check_metrics, decode, encode, make_record, steps_fields
 
 __all__ = ["Sink", "JsonlFileSink", "StreamSink", "Emitter", "Nvml", "telemetry_path", "memory_fields", "cuda_index"]
 
@@ -203,27 +203,37 @@ def _as_float(value: Any) -> float:
     return float(value.item()) if hasattr(value, "item") else float(value)
 
 
-def _sum_tensors(values: list[Any]) -> float:
-    """Sum one-element tensors with one reduction and one ``.item()`` (one device sync per record)."""
-    if len(values) == 1:
-        return _as_float(values[0])
+def _tensor_values(values: list[Any]) -> list[float]:
+    """Floats of one-element tensors with one ``.tolist()`` per device and dtype (one device sync per batch).
+
+    Each value is converted in its own dtype (a bf16 loss is the bf16 number it was, as a float), never summed or
+    rounded; a group that cannot be stacked falls back to ``.item()`` per value.
+    """
     torch = sys.modules.get("torch")
-    if torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        return float(torch.stack([v.reshape(()) for v in values]).to(torch.float64).sum().item())
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return _as_float(total)
+    out: list[float] = [0.0] * len(values)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault((str(getattr(v, "device", "")), str(getattr(v, "dtype", ""))), []).append(i)
+    for idx in groups.values():
+        try:
+            if torch is None or len(idx) == 1:
+                raise TypeError
+            floats = torch.stack([values[i].reshape(()) for i in idx]).tolist()
+        except (TypeError, RuntimeError):
+            floats = [_as_float(values[i]) for i in idx]
+        for i, f in zip(idx, floats, strict=True):
+            out[i] = float(f)
+    return out
 
 
 class Emitter:
     """Builds records for one rank and fans them out to its sinks; thread-safe.
 
-    ``step`` records are coalesced: :meth:`log` adds to a window that is written when ``interval_s`` has passed
-    since the last ``step`` record (and at once for the first call, on :meth:`flush`, at exit and from the monitor
-    thread once the window is older than ``interval_s``). A window holds the mean of each metric, the call count
-    ``n``, and the measured ``step_time`` and ``tokens_per_s`` / ``samples_per_s``. One-element tensors are summed
-    as tensors and converted with ``.item()`` only when the record is written.
+    Every :meth:`log` call is kept with its step, its time and its values: calls are buffered and written as one
+    ``steps`` record when ``interval_s`` has passed since the last write, when :data:`~.records.MAX_BATCH` calls
+    are waiting, at once for the first call, on :meth:`flush`, at exit, and from the monitor thread once the batch
+    is older than ``interval_s``. Only the *write* is batched, never the values. One-element tensors are kept
+    (detached) and converted when the batch is written, with one ``.tolist()`` per device (one sync per batch).
 
     Parameters
     ----------
@@ -236,7 +246,7 @@ class Emitter:
     clock
         Source of ``t`` (unix seconds).
     interval_s
-        Seconds between ``step`` records (0: one record per :meth:`log` call).
+        Seconds between ``steps`` writes (0: one write per :meth:`log` call); values are never merged.
     """
 
     def __init__(
@@ -262,12 +272,9 @@ class Emitter:
         self._stop = threading.Event()
         self.last_step: int | None = None
         """The step of the last :meth:`log` call (``None`` before the first)."""
-        self._sums: dict[str, Any] = {}
-        self._counts: dict[str, int] = {}
-        self._n = 0
-        self._win_step = 0
-        self._win_t = 0.0
-        self._ref: tuple[float, int] | None = None  # (time, step) of the last call of the previous window
+        self._calls: list[tuple[int, float, dict[str, Any]]] = []  # (step, time, values) not written yet
+        self._tensors = False  # whether a value in _calls is a tensor
+        self._ref: tuple[float, int] | None = None  # (time, step) of the last call of the previous batch
         self._last_flush: float | None = None
         self._phase: tuple[str, float] = ("init", clock())
         self.nvml: Nvml | None = None
@@ -342,33 +349,30 @@ class Emitter:
 
     # ---- step records --------------------------------------------------------------------------------------
     def log(self, metrics: dict[str, Any], step: int) -> dict[str, Any] | None:
-        """Add one call to the ``step`` window (validates even when disabled); returns the record if one was written."""
+        """Keep one call (validates even when disabled); returns the ``steps`` record if this call wrote one."""
         step_int, values = check_metrics(step, metrics)
         self.last_step = step_int
         if not self.enabled:
             return None
         now = self._clock()
         with self._lock:
-            for name, value in values.items():
-                if name not in self._sums:
-                    self._sums[name] = [] if hasattr(value, "detach") else 0.0
-                    self._counts[name] = 0
-                total = self._sums[name]
-                if isinstance(total, list):  # tensors: kept, summed once per record (one dispatcher call per log)
-                    total.append(value)
-                else:
-                    self._sums[name] = total + _as_float(value)
-                self._counts[name] += 1
-            self._n += 1
-            self._win_step, self._win_t = step_int, now
-            if self._last_flush is None or self.interval_s == 0 or now - self._last_flush >= self.interval_s:
+            self._calls.append((step_int, now, values))
+            if not self._tensors and any(hasattr(v, "detach") for v in values.values()):
+                self._tensors = True
+            if (self._last_flush is None or self.interval_s == 0 or now - self._last_flush >= self.interval_s
+                    or len(self._calls) >= MAX_BATCH):  # fmt: skip
                 return self._flush_locked(now)
         return None
 
+    @property
+    def pending(self) -> int:
+        """Calls kept but not written yet."""
+        return len(self._calls)
+
     def flush(self, *, if_older_than: float | None = None) -> dict[str, Any] | None:
-        """Write the pending ``step`` window now (or only if its last write is ``if_older_than`` seconds old)."""
+        """Write the pending calls now (or only if the last write is ``if_older_than`` seconds old)."""
         with self._lock:
-            if self._n == 0 or self._closed:
+            if not self._calls or self._closed:
                 return None
             now = self._clock()
             if if_older_than is not None and self._last_flush is not None and now - self._last_flush < if_older_than:
@@ -376,24 +380,17 @@ class Emitter:
             return self._flush_locked(now)
 
     def _flush_locked(self, now: float) -> dict[str, Any] | None:
-        fields: dict[str, Any] = {"step": self._win_step, "n": self._n}
-        totals: dict[str, float] = {}
-        for name, total in self._sums.items():
-            value = _sum_tensors(total) if isinstance(total, list) else float(total)
-            totals[name] = value
-            fields[name] = value / self._counts[name]
-        if self._ref is not None and self._win_t > self._ref[0]:
-            dt = self._win_t - self._ref[0]
-            steps = self._win_step - self._ref[1]
-            if steps > 0:
-                fields.setdefault("step_time", dt / steps)
-            for unit in ("tokens", "samples"):
-                if unit in totals:
-                    fields.setdefault(f"{unit}_per_s", totals[unit] / dt)
-        self._ref = (self._win_t, self._win_step)
-        self._sums, self._counts, self._n = {}, {}, 0
+        calls, self._calls = self._calls, []
+        if self._tensors:
+            self._tensors = False
+            where = [(i, k) for i, (_, _, vals) in enumerate(calls) for k, v in vals.items() if hasattr(v, "detach")]
+            floats = _tensor_values([calls[i][2][k] for i, k in where])
+            for (i, k), f in zip(where, floats, strict=True):
+                calls[i][2][k] = f
+        fields = steps_fields(calls, self._ref)  # type: ignore[arg-type]
+        self._ref = (calls[-1][1], calls[-1][0])
         self._last_flush = now
-        return self._emit_locked("step", fields)
+        return self._emit_locked("steps", fields)
 
     # ---- other records --------------------------------------------------------------------------------------
     def start_record(self, **fields: Any) -> dict[str, Any] | None:
@@ -408,7 +405,7 @@ class Emitter:
         return self.emit("error", error_type=type(error).__name__, error=str(error), traceback=tail)
 
     def exit_record(self, status: str, error: BaseException | None = None, **fields: Any) -> dict[str, Any] | None:
-        """Flush the ``step`` window and collective timings, then write the ``exit`` record (status, error).
+        """Write the pending ``jd.log`` calls and collective timings, then the ``exit`` record (status, error).
 
         On CUDA (:attr:`cuda_device` set) a last ``mem`` and ``gpu`` record come first: the run's peak device memory,
         even when it ended before the monitor's first round (a short run on a GPU had only a record from before its
@@ -449,7 +446,7 @@ class Emitter:
         return record
 
     def tick(self) -> None:
-        """One round of the monitor thread: a stale ``step`` window, then ``hb``, ``mem`` and ``gpu`` records."""
+        """One round of the monitor thread: pending calls older than the interval, then ``hb``, ``mem``, ``gpu``."""
         self.flush(if_older_than=self.interval_s)
         self.heartbeat()
         self.memory()

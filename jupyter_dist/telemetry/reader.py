@@ -1,6 +1,8 @@
 """Read telemetry records: from a run's ``telemetry/rank-<k>.jsonl`` files or from log lines carrying the sentinel.
 
-Records are de-duplicated by (rank, seq); torn, partial or foreign lines are counted, never fatal.
+Records are de-duplicated by (rank, seq); torn, partial or foreign lines are counted, never fatal. A ``steps``
+batch is handed out as one ``step`` record per ``jd.log`` call (:func:`~.records.expand_steps`), so every reader
+sees every logged value at its step.
 
 * :class:`RecordSet` -- parse lines, de-duplicate, keep the records (the whole run, for post-hoc analysis);
 * :class:`FileFollower` -- the new complete lines of every ``rank-*.jsonl`` in a folder since the last call, for
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .records import KINDS, SENTINEL, decode
+from .records import KINDS, SENTINEL, decode, expand_steps
 
 __all__ = ["SENTINEL", "RecordSet", "Dedup", "FileFollower", "TelemetryReader", "read_run_records"]
 
@@ -94,7 +96,13 @@ class RecordSet:
             if not self._dedup.first_time(rank, seq):
                 self.duplicates += 1
                 continue
-            out.append(rec)
+            if rec.get("kind") == "steps":
+                calls = expand_steps(rec)
+                if not calls:
+                    self.bad_lines += 1
+                out.extend(calls)
+            else:
+                out.append(rec)
         return out
 
     def of_kind(self, kind: str) -> list[dict[str, Any]]:

@@ -17,16 +17,24 @@ Every record has the envelope
 and then the fields of its kind:
 
 ``start``
-    ``world_size``, ``local_rank``, ``pid``, ``host``, ``strategy``, ``precision``, ``device``, ``backend``
+    ``world_size``, ``dp_size`` (data-parallel replicas: ``world / (tp x pp x cp)``, how views count tokens),
+    ``local_rank``, ``pid``, ``host``, ``strategy``, ``precision``, ``device``, ``backend``
     (``null`` without a process group), ``torch`` (version or ``null``);
+``steps``
+    a batch of ``jd.log`` calls, every call kept with its own values (values are never merged; only the *write*
+    is batched): ``t0`` (unix time of the batch's first call), ``step`` (the logged steps, ints), ``dt`` (each
+    call's time as seconds after ``t0``, microseconds), ``m`` (``{metric: [value per call]}``: a float, ``null``
+    where that call did not log the metric, or the string ``"nan"``, ``"inf"`` or ``"-inf"``) and ``prev``
+    (``[time, step]`` of the call before the batch, ``null`` for the first). A loop writes one batch per rank per
+    ``JD_TELEMETRY_INTERVAL_S`` (default 1 s; 0 writes one per call) or per :data:`MAX_BATCH` calls; the first call,
+    a checkpoint and the end of the run write at once. Readers see it as one ``step`` record per call
+    (:func:`expand_steps`);
 ``step``
-    ``step`` (int) and every metric passed to ``jd.log`` as a float;
-``step``
-    coalesced ``jd.log`` calls: ``step`` (the last logged step, int), ``n`` (calls merged into this record), each
-    metric as the mean over those calls (a float), and what the emitter measured itself: ``step_time`` (seconds per
-    step since the previous record), ``tokens_per_s`` / ``samples_per_s`` (when ``tokens`` / ``samples`` per call
-    are logged). A fast loop writes about one record per rank per ``JD_TELEMETRY_INTERVAL_S`` (default 1 s; 0
-    writes one per call); the first call, a checkpoint and the end of the run write at once;
+    one ``jd.log`` call as readers see it: ``step`` (int), every metric logged in that call (a float), and what is
+    derived from the time between calls (not logged, never overriding a metric of the same name): ``step_time``
+    (seconds per step since the previous call) and ``tokens_per_s`` / ``samples_per_s`` (the call's ``tokens`` /
+    ``samples`` over that time). Written directly by older versions, which merged the calls of one interval into one
+    record with their mean and a count ``n`` (such records still read, with ``n``);
 ``hb``
     heartbeat from a daemon thread (it keeps coming while the main thread is blocked in a collective): ``step``
     (last logged step or ``null``), ``phase`` (``init``, ``wrap``, ``forward``, ``backward``, ``optimizer``,
@@ -76,6 +84,9 @@ __all__ = [
     "metric_value",
     "step_fields",
     "check_metrics",
+    "steps_fields",
+    "expand_steps",
+    "MAX_BATCH",
     "encode",
     "decode",
 ]
@@ -86,11 +97,14 @@ SCHEMA_VERSION = 1
 SENTINEL = "@@JD@@"
 """Marker before a record printed into a log stream: ``<any prefix>@@JD@@{json}`` (same as the reader's)."""
 
-KINDS = ("start", "step", "hb", "mem", "gpu", "comm", "error", "exit")
+KINDS = ("start", "steps", "step", "hb", "mem", "gpu", "comm", "error", "exit")
 """Record kinds this version writes."""
 
 ENVELOPE = ("v", "kind", "rank", "seq", "t")
 """Fields every record has, in this order."""
+
+MAX_BATCH = 1024
+"""Most ``jd.log`` calls in one ``steps`` record (a line stays small however fast the loop)."""
 
 _RESERVED = frozenset(ENVELOPE) | {"step", "n", "nonfinite"}
 _NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -175,6 +189,81 @@ def check_metrics(step: Any, metrics: dict[str, Any]) -> tuple[int, dict[str, An
         else:
             out[name] = metric_value(name, metric)
     return value, out
+
+
+def _column_value(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def steps_fields(calls: list[tuple[int, float, dict[str, float]]], prev: tuple[float, int] | None) -> dict[str, Any]:
+    """The fields of a ``steps`` record from ``(step, time, {metric: float})`` per call, in call order.
+
+    Every value is kept as given (floats, non-finite ones as their names); only the times are rounded, to
+    microseconds after the first call.
+    """
+    t0 = calls[0][1]
+    names: dict[str, None] = {}
+    for _, _, values in calls:
+        for name in values:
+            names.setdefault(name)
+    columns = {name: [_column_value(values.get(name)) for _, _, values in calls] for name in names}
+    return {
+        "t0": t0,
+        "step": [c[0] for c in calls],
+        "dt": [round(c[1] - t0, 6) for c in calls],
+        "m": columns,
+        "prev": None if prev is None else [prev[0], prev[1]],
+    }
+
+
+def _float_of(value: Any) -> float | None:
+    if isinstance(value, str):
+        return _NONFINITE_NAMES.get(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def expand_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One ``step`` record per call of a ``steps`` record (see the module docstring); ``[]`` for a damaged one.
+
+    Each gets the batch's envelope (``seq`` included: they sort after the records written before the batch), the
+    call's own time as ``t``, its step and logged values, and ``step_time`` / ``tokens_per_s`` /
+    ``samples_per_s`` derived from the time since the previous call (unless the call logged those names itself).
+    """
+    steps, dts, cols = record.get("step"), record.get("dt"), record.get("m")
+    t0 = record.get("t0")
+    if not (isinstance(steps, list) and isinstance(dts, list) and isinstance(cols, dict)) or len(steps) != len(dts):
+        return []
+    if not isinstance(t0, (int, float)) or any(not isinstance(c, list) or len(c) != len(steps) for c in cols.values()):
+        return []
+    prev = record.get("prev")
+    last: tuple[float, int] | None = None
+    if isinstance(prev, list) and len(prev) == 2 and all(isinstance(x, (int, float)) for x in prev):
+        last = (float(prev[0]), int(prev[1]))
+    base = {"v": record.get("v"), "kind": "step", "rank": record.get("rank"), "seq": record.get("seq")}
+    out: list[dict[str, Any]] = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, int) or not isinstance(dts[i], (int, float)):
+            return []
+        t = float(t0) + float(dts[i])
+        rec: dict[str, Any] = {**base, "t": t, "step": step}
+        for name, col in cols.items():
+            value = _float_of(col[i])
+            if value is not None:
+                rec[name] = value
+        if last is not None and t > last[0]:
+            span = t - last[0]
+            if step > last[1]:
+                rec.setdefault("step_time", span / (step - last[1]))
+            for unit in ("tokens", "samples"):
+                if unit in rec and math.isfinite(rec[unit]):
+                    rec.setdefault(f"{unit}_per_s", rec[unit] / span)
+        last = (t, step)
+        out.append(rec)
+    return out
 
 
 def encode(record: dict[str, Any]) -> str:

@@ -7,7 +7,11 @@ of rank 0 to every sink. The ranks never talk to a tracking service, so training
 fails is switched off with its error kept in :attr:`SinkForwarder.errors`, and the others go on.
 
 Every sink implements the two-method protocol ``log(metrics, step)`` / ``close()`` (:class:`MetricSink`); one that
-batches also has ``flush()``, called after each poll's records:
+batches also has ``flush()``, called after each poll's records. The run's hyperparameters (its record's ``hparams``:
+shipped scalars, ``jd.config``, a Trainer's arguments, Lightning's ``hparams``) reach every sink through
+``log_hparams(params)``, called with all of them whenever they change (at the first poll, then when rank 0 records
+more): MLflow params, the W&B run's config, a TensorBoard HParams session (the ``hparams`` plugin's
+``session_start_info``), the Trackio run's config.
 
 ``tensorboard``
     event files in ``<run dir>/tensorboard/`` (``JD_TENSORBOARD_DIR`` overrides), written with TensorBoard's own
@@ -108,6 +112,8 @@ class SinkContext:
     """Run parameters recorded with the run (strategy, world size, candidate)."""
     secrets: tuple[str, ...] = ()
     """Names of the kernel's environment variables the sinks need (values are never stored here)."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """The run's hyperparameters known when the sinks open (more arrive through ``log_hparams``)."""
 
 
 def parse_log_to(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -179,11 +185,19 @@ class TensorBoardSink:
         self.logdir = Path(base) / ctx.run_name if base else ctx.run_dir / "tensorboard"
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(self.logdir), flush_secs=5)
+        self._started = time.time()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """One event with a scalar per metric."""
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
         self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """The HParams plugin's session start (every value, each time they change; the newest wins)."""
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+
+        pb = hparams_pb(dict(params), trial_id=str(self.logdir.name), start_time_secs=int(self._started))
+        self._writer.add_event(self._event(wall_time=time.time(), step=0, summary=pb))
 
     def close(self) -> None:
         """Flush and close the event file."""
@@ -201,11 +215,16 @@ class WandbSink:
         folder = ctx.run_dir / "sinks"
         folder.mkdir(parents=True, exist_ok=True)
         self.run: Any = wandb.init(project=os.environ.get("WANDB_PROJECT") or ctx.project, name=ctx.run_name,
-                              dir=str(folder), config=ctx.config, reinit="create_new")  # fmt: skip
+                              dir=str(folder), config={**ctx.config, **ctx.hparams},
+                              reinit="create_new")  # fmt: skip
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """``run.log(metrics, step=step)``."""
         self.run.log(metrics, step=step)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """``run.config.update(params)``."""
+        self.run.config.update(dict(params), allow_val_change=True)
 
     def close(self) -> None:
         """``run.finish()``."""
@@ -229,8 +248,27 @@ class MlflowSink:
         run = self.client.create_run(exp_id, run_name=ctx.run_name, tags={"jupyter_dist.run_dir": str(ctx.run_dir)})
         self.run_id: str = run.info.run_id
         self._pending: list[Any] = []
+        self._params: dict[str, str] = {}
+        self.skipped_params: dict[str, Any] = {}
+        """Hyperparameters whose value changed after MLflow stored them (its params are write-once)."""
         for key, value in ctx.config.items():
             self.client.log_param(self.run_id, key, value)
+            self._params[key] = str(value)
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """New hyperparameters as MLflow params (``log_batch``); one already stored with another value is skipped."""
+        from mlflow.entities import Param
+
+        new = []
+        for key, value in params.items():
+            name, text = _mlflow_key(key), str(value)
+            if name not in self._params:
+                new.append(Param(name, text))
+                self._params[name] = text
+            elif self._params[name] != text:
+                self.skipped_params[name] = value
+        for i in range(0, len(new), 100):  # MLflow takes at most 100 params per call
+            self.client.log_batch(self.run_id, params=new[i : i + 100])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Queue every metric at ``step``; :meth:`flush` sends them."""
@@ -264,7 +302,13 @@ class TrackioSink:
         import trackio
 
         self.run: Any = trackio.init(project=os.environ.get("TRACKIO_PROJECT") or ctx.project, name=ctx.run_name,
-                                config=ctx.config, embed=False, auto_log_gpu=False, auto_log_cpu=False)  # fmt: skip
+                                config={**ctx.config, **ctx.hparams}, embed=False, auto_log_gpu=False,
+                                auto_log_cpu=False)  # fmt: skip
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        """Merged into the run's config (sent with its next records)."""
+        if isinstance(getattr(self.run, "config", None), dict):
+            self.run.config.update(params)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """``run.log(metrics, step=step)``."""
@@ -308,12 +352,19 @@ class SinkForwarder:
         Seconds between polls.
     opener
         Builds a sink from its name (tests pass their own); default :func:`open_sink`.
+    hparams
+        Called at every poll: the run's hyperparameters now; when they changed, every sink with a ``log_hparams``
+        method gets all of them.
     """
 
     def __init__(self, telemetry_dir: str | os.PathLike[str], names: Iterable[str], ctx: SinkContext, *,
                  done: Callable[[], bool], interval: float = 1.0, rank: int = 0,
-                 opener: Callable[[str, SinkContext], MetricSink] = open_sink) -> None:  # fmt: skip
+                 opener: Callable[[str, SinkContext], MetricSink] = open_sink,
+                 hparams: Callable[[], dict[str, Any]] | None = None) -> None:  # fmt: skip
         self.names = tuple(names)
+        self._hparams = hparams
+        self.hparams_sent: dict[str, Any] = {}
+        """The hyperparameters last handed to the sinks."""
         self.ctx = ctx
         self.rank = rank
         self.interval = interval
@@ -354,10 +405,12 @@ class SinkForwarder:
             while not self._stop.is_set():
                 finished = self._done()
                 self._reader.poll()
+                self._push_hparams()
                 if finished:
                     break
                 self._stop.wait(self.interval)
             self._reader.poll()
+            self._push_hparams()
         except Exception as exc:  # pragma: no cover - a forwarder must never die silently
             self._fail("forwarder", exc)
         finally:
@@ -388,6 +441,25 @@ class SinkForwarder:
             if flush is not None:
                 try:
                     flush()
+                except Exception as exc:
+                    self._fail(sink.name, exc)
+
+    def _push_hparams(self) -> None:
+        if self._hparams is None:
+            return
+        try:
+            current = dict(self._hparams())
+        except Exception as exc:  # a damaged record must not stop the metrics
+            self._fail("hparams", exc)
+            return
+        if not current or current == self.hparams_sent:
+            return
+        self.hparams_sent = current
+        for sink in self._working():
+            push = getattr(sink, "log_hparams", None)
+            if push is not None:
+                try:
+                    push(dict(current))
                 except Exception as exc:
                     self._fail(sink.name, exc)
 

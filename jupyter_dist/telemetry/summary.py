@@ -1,9 +1,10 @@
 """A run's telemetry condensed into one small dict: what the runs table shows (stdlib only).
 
-:func:`summarize_records` reads the records once: steps, the last and best loss (the mean over ranks of each logged
-step), throughput (tokens/s, else samples/s, else steps/s: the sum over ranks of each rank's median rate, steps/s
-the mean), each rank's peak memory in bytes, the time span, and restarts (the most ``start`` records of one rank,
-minus one). :func:`write_summary` puts it in ``<run dir>/summary.json`` when a run ends, so a table over hundreds
+:func:`summarize_records` reads the records once: steps, the last and best loss (the mean over the ranks that logged
+it of each logged step's value: every ``jd.log`` call is kept, so with one rank, or ranks that log the same value,
+the last loss is the last value logged), and from the one measurement (:mod:`.measurement`) the throughput
+(tokens/s, else samples/s, else steps/s; each data-parallel replica counted once) and each rank's peak memory in
+bytes; the time span, and restarts (the most ``start`` records of one rank, minus one). :func:`write_summary` puts it in ``<run dir>/summary.json`` when a run ends, so a table over hundreds
 of runs reads one small file per run instead of every telemetry line.
 """
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from .measurement import MeasureBuilder
 
 __all__ = [
     "SUMMARY_FILE",
@@ -29,9 +31,9 @@ __all__ = [
 
 SUMMARY_FILE = "summary.json"
 """The summary's file name inside a run directory."""
-SUMMARY_VERSION = 1
-"""Layout version written as ``v``; a summary with another version is recomputed."""
-_RATES = (("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s"))
+SUMMARY_VERSION = 2
+"""Layout version written as ``v``; a summary with another version is recomputed (2: lossless steps, rates counted
+once per data-parallel replica)."""
 
 
 def _finite(v: Any) -> float | None:
@@ -49,9 +51,7 @@ class SummaryBuilder:
     def __init__(self, *, metric: str = "loss") -> None:
         self.metric = metric
         self.by_step: dict[int, list[float]] = {}
-        self.rates: dict[str, dict[int, list[float]]] = {}
-        self.step_times: dict[int, list[float]] = {}
-        self.peaks: dict[int, float] = {}
+        self.measure = MeasureBuilder()
         self.starts: dict[int, int] = {}
         self.first_t: float | None = None
         self.last_t: float | None = None
@@ -61,6 +61,8 @@ class SummaryBuilder:
 
     def add(self, records: Iterable[dict[str, Any]]) -> SummaryBuilder:
         """Take records (any order, any ranks); returns self."""
+        records = list(records)
+        self.measure.add(records)
         for rec in records:
             self.n += 1
             try:
@@ -79,16 +81,6 @@ class SummaryBuilder:
                 value = _finite(rec.get(self.metric))
                 if value is not None:
                     self.by_step.setdefault(step, []).append(value)
-                for key, _unit in _RATES:
-                    rate = _finite(rec.get(key))
-                    if rate is not None:
-                        self.rates.setdefault(key, {}).setdefault(rank, []).append(rate)
-                st = _finite(rec.get("step_time"))
-                if st is not None and st > 0:
-                    self.step_times.setdefault(rank, []).append(1.0 / st)
-            elif kind == "mem":
-                peak = max((_finite(rec.get(k)) or 0.0) for k in ("peak_active", "peak_allocated", "max_rss", "rss"))
-                self.peaks[rank] = max(self.peaks.get(rank, 0.0), peak)
             elif kind == "start":
                 self.starts[rank] = self.starts.get(rank, 0) + 1
         return self
@@ -98,14 +90,8 @@ class SummaryBuilder:
         means = {s: sum(v) / len(v) for s, v in self.by_step.items()}
         last_step = max(means, default=None)
         best_step = min(means, key=lambda s: (means[s], s), default=None)
-        throughput, unit = None, None
-        for key, name in _RATES:
-            if self.rates.get(key):
-                throughput, unit = sum(statistics.median(v) for v in self.rates[key].values()), name
-                break
-        if throughput is None and self.step_times:
-            per_rank = [statistics.median(v) for v in self.step_times.values()]
-            throughput, unit = sum(per_rank) / len(per_rank), "steps/s"
+        measured = self.measure.result()
+        throughput, unit = measured.throughput
         return {
             "v": SUMMARY_VERSION,
             "steps": self.max_step + 1 if self.max_step is not None else 0,
@@ -114,7 +100,9 @@ class SummaryBuilder:
             "best_step": best_step,
             "throughput": throughput,
             "throughput_unit": unit,
-            "peak_mem": {str(r): int(b) for r, b in sorted(self.peaks.items())},
+            "step_time_s": measured.step_time_s,
+            "dp_size": measured.dp_size,
+            "peak_mem": {str(r): int(b) for r, b in measured.peak_bytes.items()},
             "first_t": self.first_t,
             "last_t": self.last_t,
             "restarts": max((c - 1 for c in self.starts.values()), default=0),
@@ -127,7 +115,8 @@ def summarize_records(records: Iterable[dict[str, Any]], *, metric: str = "loss"
     """The summary of one run's records (any order, any ranks).
 
     Keys: ``v``, ``steps`` (the highest logged step + 1, or 0), ``last_loss``, ``best_loss``, ``best_step``,
-    ``throughput`` and ``throughput_unit``, ``peak_mem`` (``{rank: bytes}``, keys as strings), ``first_t`` and
+    ``throughput`` and ``throughput_unit``, ``step_time_s``, ``dp_size`` (the replicas the rates were counted with,
+    ``None`` when no worker said), ``peak_mem`` (``{rank: bytes}``, keys as strings), ``first_t`` and
     ``last_t`` (unix seconds), ``restarts``, ``ranks`` and ``records``. Absent figures are ``None``.
     """
     return SummaryBuilder(metric=metric).add(records).result()

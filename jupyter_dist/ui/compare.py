@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
+from ..telemetry.measurement import MeasureBuilder, job_rate
 from ..telemetry.reader import TelemetryReader
 from .figures import PALETTE, Figure
 from .panels import decimate_minmax
@@ -44,6 +45,8 @@ class _RunSeries:
     unit: str | None = None
     steps_t: list[tuple[float, int]] = field(default_factory=list)
     mem: list[tuple[float, int, float]] = field(default_factory=list)
+    measure: MeasureBuilder = field(default_factory=MeasureBuilder)
+    """The one measurement of the run (its throughput is the number the summary and the runs table show)."""
 
 
 class CompareModel:
@@ -74,6 +77,8 @@ class CompareModel:
     def ingest(self, index: int, records: Iterable[dict[str, Any]]) -> None:
         """Take records of run ``index``."""
         s = self.runs[index]
+        records = list(records)
+        s.measure.add(records)
         for rec in records:
             t = rec.get("t")
             if not isinstance(t, (int, float)):
@@ -128,13 +133,14 @@ class CompareModel:
                 "note": "no steps logged yet"}  # fmt: skip
 
     def throughput_figure(self) -> Figure:
-        """Throughput per run: the sum over ranks (steps/s: the mean) of each step's rates."""
+        """Throughput per run at each step: each data-parallel replica counted once (steps/s: the mean over ranks)."""
         traces, units = [], set()
         for s in self.runs:
             steps = sorted(s.rate)
             xs = [self._x(s, k, s.rate_t[k]) for k in steps]
-            agg = (lambda v: sum(v) / len(v)) if s.unit == "steps/s" else sum
-            ys = [float(agg(list(s.rate[k].values()))) for k in steps]
+            dp, world = s.measure.dp_size, s.measure.world_size
+            ys = [(sum(s.rate[k].values()) / len(s.rate[k]) if s.unit == "steps/s"
+                   else float(job_rate(s.rate[k], dp_size=dp, world_size=world) or 0.0)) for k in steps]  # fmt: skip
             if s.unit:
                 units.add(s.unit)
             traces.append(self._trace(s, xs, ys))
@@ -264,7 +270,9 @@ class Comparison:
         for s, run in zip(self.model.runs, self.runs, strict=True):
             last = max(s.loss, default=None)
             loss = f"{sum(s.loss[last]) / len(s.loss[last]):.4g}" if last is not None else "-"
-            lines.append(f"{s.label}: {run.status}, {len(s.loss)} steps logged, last {self.model.metric} {loss}")
+            rate, unit = s.measure.result().throughput
+            speed = "" if rate is None else f", {rate:,.0f} {unit}" if rate >= 100 else f", {rate:.3g} {unit}"
+            lines.append(f"{s.label}: {run.status}, {len(s.loss)} steps logged, last {self.model.metric} {loss}{speed}")
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:

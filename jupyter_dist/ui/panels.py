@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..telemetry.health import HB_COLORS, HealthTracker, hb_state
+from ..telemetry.measurement import MeasureBuilder, job_rate
 from .figures import Figure, rank_color
 
 __all__ = ["Series", "Extend", "DashboardModel", "decimate_minmax", "LINE_FIGURES", "SMALL_FIGURES"]
@@ -192,7 +193,7 @@ class DashboardModel:
         The metric of the loss panel (default ``loss``, else the first one logged).
     smoothing
         Weight of the newest step in the smoothed mean (an exponential moving average per step, debiased as in
-        TensorBoard's smoothing; a coalesced record of ``n`` steps weighs as ``n`` steps).
+        TensorBoard's smoothing; a coalesced record of ``n`` steps, from runs of older versions, weighs as ``n``).
     clock
         Unix time source (tests pass a fake one).
     """
@@ -206,6 +207,8 @@ class DashboardModel:
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.world_size = world_size
+        self.dp_size: int | None = None
+        """Data-parallel replicas (from ``start`` records): the throughput counts each replica once."""
         self.plan_memory = plan_memory
         self.device_limit = device_limit
         self.hb_interval = hb_interval
@@ -237,6 +240,8 @@ class DashboardModel:
         self._mem: dict[int, dict[str, Any]] = {}
         self._comm_bins: dict[int, dict[int, float]] = {}
         self.health = HealthTracker()
+        self.measure = MeasureBuilder()
+        """The one measurement (``telemetry/measurement.py``): the status line's throughput is the summary's."""
         self.hang_timeout = 120.0
         """Seconds without a step (while heartbeats come) before the status line reports a hang."""
         self._comm_bin_s = 1.0
@@ -256,6 +261,7 @@ class DashboardModel:
         used = 0
         batch = sorted(records, key=_time_of)
         self.health.ingest(batch)
+        self.measure.add(batch)
         for rec in batch:
             kind = rec.get("kind")
             try:
@@ -285,6 +291,9 @@ class DashboardModel:
         ws = rec.get("world_size")
         if isinstance(ws, int) and ws > 0 and (self.world_size is None or ws > self.world_size):
             self.world_size = ws
+        dp = rec.get("dp_size")
+        if isinstance(dp, int) and dp > 0:
+            self.dp_size = dp
         self._starts[rank] = self._starts.get(rank, 0) + 1
         if self._starts[rank] > 1:  # the same rank started again: an elastic restart
             n = self._starts[rank] - 1
@@ -331,7 +340,9 @@ class DashboardModel:
             if unit == self.rate_unit:
                 self._rates[rank] = rate
                 values = list(self._rates.values())
-                total = sum(values) if unit != "steps/s" else sum(values) / len(values)
+                # the one counting rule (telemetry/measurement.py): each data-parallel replica once
+                total = (job_rate(self._rates, dp_size=self.dp_size, world_size=self.world_size)
+                         if unit != "steps/s" else sum(values) / len(values))  # fmt: skip
                 label = "total" if unit != "steps/s" else "mean over ranks"
                 series = self.lines["throughput"].get("total", lambda: Series(label, "#1565c0", width=2.0))
                 x = t - (self.t0 or t)
@@ -559,7 +570,9 @@ class DashboardModel:
         now = self.clock() if now is None else now
         alive = sum(1 for r, hb in self._hb.items() if r not in self._exited and now - float(hb["t"]) <= 5 * max(
             self.hb_interval, 0.5))  # fmt: skip
+        rate, unit = self.measure.result().throughput
         return {"state": self.state, "elapsed_s": None if self.t0 is None else round(max(0.0, now - self.t0), 1),
+                "throughput": rate, "throughput_unit": unit,
                 "step": self.max_step, "world_size": self.world_size, "ranks_alive": alive,
                 "restarts": self.restarts, "errors": list(self.errors), "bad_lines": self.bad_lines,
                 "duplicates": self.duplicates, "records": self.records, "straggler": self.straggler(),
@@ -577,6 +590,9 @@ class DashboardModel:
             parts.append(f"{st['elapsed_s']:.0f} s")
         if st["step"] is not None:
             parts.append(f"step {st['step']}")
+        if st["throughput"] is not None:
+            rate = st["throughput"]
+            parts.append(f"{rate:,.0f} {st['throughput_unit']}" if rate >= 100 else f"{rate:.3g} {st['throughput_unit']}")
         if st["world_size"]:
             parts.append(f"{st['ranks_alive']}/{st['world_size']} ranks alive")
         if st["restarts"]:

@@ -71,6 +71,7 @@ __all__ = [
     "step",
     "train_step",
     "log",
+    "config",
     "save",
     "resume",
     "start_step",
@@ -214,18 +215,38 @@ def train_step(inputs: Any, targets: Any, loss_fn: Any) -> Any:
 def log(step: int, loss: Any = None, **metrics: Any) -> dict[str, Any] | None:
     """Record the metrics of ``step``; cheap enough to call every step.
 
-    Calls are coalesced into about one ``step`` record per ``JD_TELEMETRY_INTERVAL_S`` (default 1 s) in
-    ``<run dir>/telemetry/rank-<k>.jsonl``, holding the mean of each metric, the number of calls ``n``, and the
-    measured ``step_time`` (s/step); log ``tokens=`` (or ``samples=``) processed since the previous call to get
-    ``tokens_per_s`` (``samples_per_s``). Metrics are numbers or one-element tensors; tensors are summed on their
-    device and read with ``.item()`` only when a record is written, so logging does not synchronise with the GPU
-    every step. NaN and infinities are kept (written as ``null`` plus a ``nonfinite`` note, see
-    :mod:`jupyter_dist.telemetry.records`). Returns the record when this call wrote one, else ``None`` (always
-    ``None`` without ``JD_RUN_DIR``).
+    Every call is kept, at its step, with the values given (never averaged): calls are buffered and written to
+    ``<run dir>/telemetry/rank-<k>.jsonl`` as one ``steps`` batch about every ``JD_TELEMETRY_INTERVAL_S`` (default
+    1 s; 0 writes each call at once). Readers derive ``step_time`` (s/step) from the time between calls; log
+    ``tokens=`` (or ``samples=``) processed since the previous call to get ``tokens_per_s`` (``samples_per_s``).
+    Metrics are numbers or one-element tensors; tensors are kept and read with one ``.tolist()`` per batch, so
+    logging does not synchronise with the GPU every step. NaN and infinities are kept (see
+    :mod:`jupyter_dist.telemetry.records`). Returns the ``steps`` record when this call wrote one, else ``None``
+    (always ``None`` without ``JD_RUN_DIR``).
     """
     if loss is not None:
         metrics = {"loss": loss, **metrics}
     return get_runtime().log(step, metrics)
+
+
+def config(**values: Any) -> dict[str, Any]:
+    """Record the run's hyperparameters (``jd.config(lr=3e-4, batch=32, optimizer="adamw")``); returns all so far.
+
+    Values are numbers, bools or one-line strings (numpy and 0-d torch scalars become numbers); anything else is a
+    one-line :class:`~jupyter_dist.launch.record.HparamError` naming the key, on every rank. Rank 0 merges them
+    into ``hparams.json`` in the run directory (atomically; later calls add and overwrite keys); the kernel merges
+    that file into the run record: a runs-table column each, ``compare``'s legends, and the params/config of every
+    ``--log-to`` sink. Without ``JD_RUN_DIR`` (a plain script) the values are only checked and returned.
+    """
+    from ..launch.record import check_hparams, read_hparams, write_hparams
+
+    checked = check_hparams(values)
+    run_dir = os.environ.get("JD_RUN_DIR")
+    if not run_dir:
+        return dict(checked)
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return {**read_hparams(run_dir), **checked}
+    return dict(write_hparams(run_dir, checked))
 
 
 def save(

@@ -117,7 +117,8 @@ class WorkerEnv:
     keep: int | None = None
     """``JD_KEEP``: checkpoints kept by ``jd.checkpoint`` (older ones are pruned; ``None``: all)."""
     telemetry_interval_s: float = 1.0
-    """``JD_TELEMETRY_INTERVAL_S``: seconds between coalesced ``step`` records; 0 writes one per ``jd.log`` call."""
+    """``JD_TELEMETRY_INTERVAL_S``: seconds between writes of the buffered ``jd.log`` calls (each call is kept whole;
+    0 writes each call at once)."""
     telemetry_stdout: bool = False
     """``JD_TELEMETRY_STDOUT=1``: also print each record after the sentinel on stdout (for log-stream back-ends)."""
     tp: int = 1

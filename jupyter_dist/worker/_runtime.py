@@ -243,6 +243,7 @@ class Runtime(TrainingVerbs):
                 emitter.nvml = Nvml(cuda_index(index, os.environ.get("CUDA_VISIBLE_DEVICES")))
         emitter.start_record(
             world_size=self.env.world_size,
+            dp_size=self.dp_size,  # how the views count tokens: once per data-parallel replica
             local_rank=self.env.local_rank,
             strategy=self.env.strategy,
             precision=self.env.precision,
