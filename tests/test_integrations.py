@@ -242,38 +242,58 @@ def loss_panel(run: Any) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_and_tensorboard(
-    ip: Any, runs: Path, monkeypatch: pytest.MonkeyPatch
+def test_hf_trainer_on_two_processes_under_dist_train_fills_the_panels_tensorboard_and_mlflow(
+    ip: Any, runs: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """The default telemetry interval (calls batched, never averaged): a Trainer that logs its loss 8 times shows
+    those 8 values in run.metrics(), the loss panel, TensorBoard and MLflow, and the runs table's last loss is the
+    Trainer's last logged loss (the issue this replaces found 1 averaged point and a last loss 17 % off)."""
     pytest.importorskip("transformers")
     pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from jupyter_dist.launch.runs import runs as run_table
+
     monkeypatch.setenv("JD_TEST_SINK_SECRET", "hunter2-d4e1c0")
-    line = "--nproc 2 --name hf_run --log-to tensorboard --secret JD_TEST_SINK_SECRET --telemetry-interval 0 "
-    line += "--timeout 400"
-    run = ip.run_cell_magic("dist_train", line, hf_cell(8))
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "jd-hf-lossless")
+    line = "--nproc 2 --name hf_run --log-to tensorboard,mlflow --secret JD_TEST_SINK_SECRET --timeout 400"
+    run = ip.run_cell_magic("dist_train", line, hf_cell(16))
     run.wait(420)
     assert run.status == "succeeded", run.summary()
     assert descendants_gone(run)
     for rank in (0, 1):
         recs = step_calls(run.dir, rank)
-        assert [r["step"] for r in recs if "loss" in r] == [2, 4, 6, 8], f"rank {rank}: {recs}"
-        assert [r["step"] for r in recs if "eval_loss" in r] == [4, 8]
+        assert [r["step"] for r in recs if "loss" in r] == list(range(2, 17, 2)), f"rank {rank}: {recs}"
+        assert [r["step"] for r in recs if "eval_loss" in r] == [4, 8, 12, 16]
         assert any(r.get("samples_per_s", 0) > 0 for r in recs) and any("learning_rate" in r for r in recs)
+    rank0 = [r for r in step_calls(run.dir, 0) if "loss" in r]
+    losses = [r["loss"] for r in rank0]
+    assert len(set(losses)) > 1  # the values differ: a mean would show
     frame = run.metrics()
-    assert set(frame["rank"]) == {0, 1} and frame["loss"].notna().sum() == 8
+    assert set(frame["rank"]) == {0, 1} and frame["loss"].notna().sum() == 16
+    assert frame[frame["rank"] == 0]["loss"].dropna().tolist() == losses
     panel = loss_panel(run)
     assert {"rank 0", "rank 1"} <= set(panel)
-    rank0 = [r for r in step_calls(run.dir, 0) if "loss" in r]
-    assert panel["rank 0"]["x"] == [2, 4, 6, 8] and panel["rank 0"]["y"] == pytest.approx([r["loss"] for r in rank0])
+    assert panel["rank 0"]["x"] == list(range(2, 17, 2)) and panel["rank 0"]["y"] == pytest.approx(losses)
     assert run.sinks.wait(60) and run.sinks.errors == {}
     acc = EventAccumulator(str(run.dir / "tensorboard"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6, 8]
-    assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in rank0], rel=1e-6)
+    assert [e.step for e in acc.Scalars("loss")] == list(range(2, 17, 2))
+    assert [e.value for e in acc.Scalars("loss")] == pytest.approx(losses, rel=1e-6)  # TensorBoard keeps float32
+    client = MlflowClient(tracking_uri=uri)
+    (mrun,) = client.search_runs([client.get_experiment_by_name("jd-hf-lossless").experiment_id])
+    history = sorted(client.get_metric_history(mrun.info.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == list(zip(range(2, 17, 2), losses, strict=True))
+    rank1_last = [r for r in step_calls(run.dir, 1) if "loss" in r][-1]["loss"]
+    row = run_table(runs)[0]
+    assert row.last_loss == (losses[-1] + rank1_last) / 2 and losses[-1] == pytest.approx(rank1_last)
     meta = json.loads((run.dir / "run.json").read_text())
-    assert meta["log_to"] == ["tensorboard"] and meta["sink_secrets"] == ["JD_TEST_SINK_SECRET"]
+    assert meta["log_to"] == ["tensorboard", "mlflow"] and meta["sink_secrets"] == ["JD_TEST_SINK_SECRET"]
     written = [p for p in run.dir.rglob("*") if p.is_file() and b"hunter2-d4e1c0" in p.read_bytes()]
     assert written == []  # the secret's value is in no file of the run
     assert "metrics -> tensorboard" in run.summary()
