@@ -233,7 +233,7 @@ def run_demo(*, nproc: int = 2, strategy: str = "auto", steps: int = 300, runs_d
     from .ui.dashboard import Dashboard
 
     run: Any = start_run(DEMO_CELL.format(steps=steps), nproc=nproc, strategy=strategy, name="demo",
-                         runs_dir=runs_dir, timeout=timeout)  # fmt: skip
+                         runs_dir=runs_dir, timeout=timeout, output="none")  # fmt: skip
     print(f"started {nproc} processes ({run.strategy or strategy}); run directory {run.dir}", file=out)
     dash = Dashboard(run, widget=False, interval=0.5)
     t0 = time.time()

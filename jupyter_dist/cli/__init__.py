@@ -20,6 +20,7 @@ from .flags import (  # re-exported: these have always been importable from jupy
     MAX_LOCAL_NPROC,
     MAX_SECONDS,
     add_check_arguments,
+    add_output_argument,
     add_plan_arguments,
     add_render_arguments,
     add_tune_arguments,
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "follow it to the end and print its summary; exit 0 when it succeeded. "
                                     "Everything after SCRIPT is the script's.")  # fmt: skip
     add_launch_arguments(la)
+    add_output_argument(la)
 
     s = sub.add_parser("log-to", help="forward a run's metrics to tensorboard, wandb, mlflow, trackio",
                        description="Forward the step records of a run directory to metric sinks from this process (a "

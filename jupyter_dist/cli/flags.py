@@ -1,6 +1,6 @@
 """The flags ``jupyter-dist`` shares with the magics, defined once.
 
-Bounded number types, the plan, render, check and tune flag groups, and what they build (``plan_from_args``,
+Bounded number types, the plan, render, check, tune and output flag groups, and what they build (``plan_from_args``,
 ``render_options_from_args``, ``check_from_args``, ``tune_from_args``). ``%dist_plan`` takes exactly the flags of
 ``jupyter-dist plan``.
 """
@@ -16,7 +16,8 @@ from ..errors import JupyterDistError
 
 __all__ = ["MAX_LOCAL_NPROC", "MAX_SECONDS", "MAX_COUNT", "int_arg", "float_arg", "add_plan_arguments",
            "add_render_arguments", "render_options_from_args", "plan_from_args", "add_check_arguments",
-           "check_from_args", "add_tune_arguments", "tune_from_args", "load_module"]  # fmt: skip
+           "check_from_args", "add_tune_arguments", "tune_from_args", "load_module", "add_output_argument",
+           "output_arg"]  # fmt: skip
 
 
 MAX_LOCAL_NPROC = 512
@@ -366,6 +367,28 @@ def check_from_args(args: argparse.Namespace, *, plan: object = None) -> object:
     return run_check(nproc=args.nproc, nodes=args.nodes, sizes=parse_sizes(args.sizes), ops=ops, iters=args.iters,
                      plan=plan, hardware=hardware, expected_busbw=expected, timeout=args.timeout,
                      runs_dir=args.runs_dir)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output: whose prints a run shows, shared by ``jupyter-dist launch`` and ``%%dist_train``
+# ---------------------------------------------------------------------------------------------------------------
+def output_arg(text: str) -> Any:
+    """An argparse ``type`` for ``--output``: ``all``, ``none``, ``0``, ``0,2`` -> an ``OutputSelection``."""
+    from ..launch.output import parse_output
+
+    try:
+        return parse_output(text)
+    except JupyterDistError as exc:
+        why = str(exc).removeprefix(f"--output {text!r}: ")
+        raise argparse.ArgumentTypeError(f"{why}, got {_shown(text)}") from None
+
+
+def add_output_argument(p: argparse._ActionsContainer) -> None:
+    """``--output all|0|none|0,2``: the ranks whose output is shown while the run goes (default rank 0)."""
+    p.add_argument("--output", type=output_arg, default="0", metavar="RANKS",
+                   help="whose prints are shown while the run goes, prefixed [rankK]: 0 (default), all, none, or "
+                        "ranks such as 0,2; at most 50 lines/s (the dropped are counted); every line stays in "
+                        "logs/rank-K.log")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def run_check(*, nproc: int | None = None, nodes: int = 1, sizes: list[int] | No
     code = CHECK_CELL.format(sizes=sizes, ops=ops, iters=iters, delay_rank=delay_rank, delay_s=delay_s)
     run: Any = start_run(code, nproc=nproc, nodes=nodes, strategy="none", launcher=launcher, name="check",
                          timeout=timeout, env=dict(env or {}), worker={"heartbeat_s": 1.0},
-                         runs_dir=runs_dir)  # fmt: skip
+                         runs_dir=runs_dir, output="none")  # fmt: skip
     status = run.wait(timeout + 30)
     path = run.dir / "check.json"
     if not path.exists():

@@ -91,6 +91,7 @@ class Run(RunWatching):
         self._stop_reason: str | None = None
         self.plan = plan
         self._dashboard: Any = None
+        self._output: Any = None
         self._skip_display = False
         self._plan_check_cache: dict[str, Any] | None = None
         self.router: LogRouter | None = None
@@ -541,6 +542,30 @@ class Run(RunWatching):
     def shown_dashboard(self) -> Any:
         """The dashboard :meth:`show_dashboard` displayed (``None`` when none was)."""
         return self._dashboard
+
+    def show_output(self, ranks: Any = "0", *, sink: Any = None, **kwargs: Any) -> Any:
+        """Show what ``ranks`` print while the run goes: under the current cell in a notebook, else on stdout.
+
+        ``ranks``: ``"0"`` (default), ``"all"``, ``"none"``, ``"0,2"`` or a list. Each line is prefixed
+        ``[rank<k>] ``, at most 50 lines/s are shown (the rest are counted in a note), telemetry lines are never
+        shown; the ranks' log files are followed, so nothing here can slow or block a rank (:mod:`.output`).
+        Returns the :class:`~.output.RankOutput` (also :attr:`shown_output`), or ``None`` when no rank is chosen or
+        the run has ended. ``sink`` and ``kwargs`` (``rate``, ``burst``, ``interval``) go to it.
+        """
+        from .output import RankOutput, default_sink, parse_output
+
+        chosen = parse_output(ranks).resolve(self.world_size)
+        if not chosen or self.done:
+            return None
+        follower = RankOutput(self._rd.logs, chosen, sink=sink if sink is not None else default_sink(chosen),
+                              done=lambda: self.done, **kwargs)  # fmt: skip
+        self._output = follower.start()
+        return follower
+
+    @property
+    def shown_output(self) -> Any:
+        """The :class:`~.output.RankOutput` :meth:`show_output` started (``None`` when none was)."""
+        return self._output
 
     def expect_stop(self, reason: str = STOPPED) -> None:
         """Say the run is being ended on purpose (a pool shutting down): its final status is ``reason``, not failed.

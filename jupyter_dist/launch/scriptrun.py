@@ -3,7 +3,8 @@
 The same path as ``%dist_train --script SCRIPT -- ARGS`` (:func:`~.session.start_run` with ``script=``): the script
 runs unmodified as every rank's ``__main__`` (one using ``jd`` or plain ``torch.distributed``), in a run directory
 with the same Run handle, logs, exit codes and diagnosis. The command follows the run until it ends (Ctrl-C stops
-it), prints the summary and exits 0 when it succeeded, 1 otherwise; ``--detach`` returns once it started
+it), printing what rank 0 prints as it goes (``--output``: :mod:`.output`), then the summary, and exits 0 when it
+succeeded, 1 otherwise; ``--detach`` returns once it started
 (``%dist_attach RUN_DIR`` follows it later), ``--dry-run`` prints what would run.
 """
 
@@ -91,7 +92,10 @@ def split_script(line: str) -> tuple[str, str | None, tuple[str, ...]]:
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``jupyter-dist launch`` (the ``%dist_train`` flags that apply to a script)."""
+    """The flags of ``jupyter-dist launch`` (the ``%dist_train`` flags that apply to a script).
+
+    The parser adds ``--output`` from :mod:`jupyter_dist.cli.flags`, shared with the magic.
+    """
     p.add_argument("script", help="the training script (run as __main__ on every rank)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after the script's name)")
     p.add_argument("--backend", choices=("local", "slurm", "skypilot"), default="local", help="where it runs")
@@ -141,7 +145,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         )  # fmt: skip
     result = start_run("", script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
                        strategy=args.strategy, name=args.name, timeout=args.timeout, env=env, runs_dir=args.runs_dir,
-                       dry_run=args.dry_run, backend=args.backend, cluster=cluster)  # fmt: skip
+                       dry_run=args.dry_run, backend=args.backend, cluster=cluster,
+                       output="none" if args.detach else args.output)  # fmt: skip
     if args.dry_run:
         print(result.to_text())  # type: ignore[union-attr]
         return 0
@@ -153,8 +158,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         status = run.wait()
     except KeyboardInterrupt:
         status = run.stop()
+    shown = run.shown_output
+    if shown is not None:  # rank output followed live: its last lines before the summary
+        shown.wait(30.0)
     print(run.summary())
     if status != "succeeded":
         failing = next((r for r, c in sorted((run.exit_codes or {}).items()) if c), 0)
-        sys.stdout.write(run.logs(failing)[-3000:])
+        if shown is None or failing not in shown.ranks or shown.dropped.get(failing):
+            sys.stdout.write(run.logs(failing)[-3000:])
     return 0 if status == "succeeded" else 1

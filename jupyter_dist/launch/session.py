@@ -52,6 +52,7 @@ def start_run(
     cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
     sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
     secrets: Iterable[str] = (), script: str | None = None, script_args: tuple[str, ...] = (),
+    output: str | Iterable[int] | None = "0",
 ) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
@@ -62,9 +63,15 @@ def start_run(
     :class:`~.cluster.ClusterOptions`); see :mod:`jupyter_dist.launch.backends.cluster`. ``log_to``
     (``"tensorboard,wandb"``) forwards the run's metrics from this process to those sinks, ``secrets`` naming the
     environment variables they need (:meth:`Run.log_to`); both are checked before anything is launched.
+    ``output`` chooses whose prints are shown while the run goes (``"0"``: rank 0, the default; ``"all"``,
+    ``"none"``, ``"0,2"``), under the cell in a notebook, else on stdout (:meth:`Run.show_output`).
     """
     from ..telemetry.sinks import check_sinks, parse_log_to
+    from .output import parse_output
 
+    shown = parse_output(output)
+    if nproc is not None:  # a rank the run will not have is refused before anything starts
+        shown.resolve(nproc * nodes)
     sinks = parse_log_to(log_to)
     secrets = tuple(secrets)
     check_sinks(sinks, secrets)
@@ -78,6 +85,8 @@ def start_run(
         result.notes.append(f"metrics forwarded from this kernel to: {', '.join(sinks)}")
     elif sinks:
         result.log_to(sinks, secrets=secrets)
+    if not isinstance(result, DryRun):
+        result.show_output(shown)
     return result
 
 

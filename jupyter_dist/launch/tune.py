@@ -317,7 +317,7 @@ def _run_trial(
     try:
         run = start_run(cell, nproc=nproc, nodes=nodes, strategy=predicted.name, plan=trial_plan, name=name,
                         runs_dir=runs_dir, timeout=timeout, env=env, backend=backend, cluster=cluster,
-                        worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25})  # fmt: skip
+                        worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25}, output="none")  # fmt: skip
     except JupyterDistError as exc:
         return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
                      error=str(exc).splitlines()[0][:160])  # fmt: skip

@@ -187,13 +187,14 @@ class LaunchTab:
 
                 with self.launch_out:
                     try:
-                        run = shell.run_cell_magic("dist_train", line.removeprefix("%%dist_train ") + " --no-dashboard",
-                                                   self.code.value)  # fmt: skip
+                        # no panels and no rank output inside the Launch tab (its run is followed by the run's card)
+                        run = shell.run_cell_magic("dist_train", line.removeprefix("%%dist_train ")
+                                                   + " --no-dashboard --output none", self.code.value)  # fmt: skip
                     except UsageError as exc:
                         raise JupyterDistError(str(exc)) from None
             elif backend == "local":
                 run = start_run(self.code.value, nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
-                                runs_dir=self.runs_dir, timeout=timeout)  # fmt: skip
+                                runs_dir=self.runs_dir, timeout=timeout, output="none")  # fmt: skip
             else:
                 raise JupyterDistError(f"a {backend} run launches through the %%dist_train magic: use the wizard in "
                                        "IPython or Jupyter")  # fmt: skip
