@@ -164,6 +164,27 @@ def test_a_flood_is_rate_limited_and_every_dropped_line_is_counted(tmp_path: Pat
     assert not any(SENTINEL in ln for ln in lines)
 
 
+def test_a_broken_sink_stops_the_follower_and_nothing_else(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A closed terminal (`jupyter-dist launch ... | head`) or a failing display ends the showing, quietly for a gone
+    reader; the follower's thread ends (``finished``) while the run would go on writing its logs."""
+    (tmp_path / "rank-0.log").write_text("one\n")
+
+    class Broken(ListSink):
+        def __init__(self, exc: BaseException) -> None:
+            super().__init__()
+            self.exc = exc
+
+        def write(self, lines: list[str]) -> None:
+            raise self.exc
+
+    for exc, logged in ((BrokenPipeError(32, "Broken pipe"), False), (RuntimeError("display gone"), True)):
+        caplog.clear()
+        sink = Broken(exc)
+        out = RankOutput(tmp_path, [0], sink=sink, done=lambda: False, interval=0.01).start()
+        assert out.wait(10) and sink.closed
+        assert ("display gone" in caplog.text) is logged
+
+
 def test_a_skypilot_log_stream_routed_into_the_run_directory_is_shown_the_same(tmp_path: Path) -> None:
     """On SkyPilot the LogRouter writes logs/rank-K.log from the job's stream: the same files, the same follower."""
     from jupyter_dist.launch.backends.stream import LogRouter

@@ -555,6 +555,9 @@ class Run(RunWatching):
         from .output import RankOutput, default_sink, parse_output
 
         chosen = parse_output(ranks).resolve(self.world_size)
+        if self._output is not None:  # shown again (other ranks): one follower at a time
+            self._output.stop()
+            self._output = None
         if not chosen or self.done:
             return None
         follower = RankOutput(self._rd.logs, chosen, sink=sink if sink is not None else default_sink(chosen),

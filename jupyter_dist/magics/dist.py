@@ -306,6 +306,12 @@ class DistMagics(Magics):
                ...: trainer = transformers.Trainer(model=model, args=args, train_dataset=ds)  # logs to jd by itself
                ...: trainer.train()
 
+            In [8]: %%dist_train --nproc 4 --output all     # every rank's prints under the cell (default: rank 0)
+               ...: print(f"rank {jd.rank} starts")
+
+        What the ranks print appears under the panels as ``[rank0] ...`` lines while the run goes (at most 50
+        lines/s; ``run.logs(k)`` keeps every line).
+
         ``%dist_train ... --script FILE [--] ARGS...`` (one ``%``) runs an existing script instead of a cell; every
         word after FILE is the script's.
         """
