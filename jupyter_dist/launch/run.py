@@ -50,6 +50,7 @@ from .watch import (  # re-exported: the states and kill_tree have always been i
 
 if TYPE_CHECKING:
     from ..telemetry.diagnose import Diagnosis
+    from .record import RunRecord
 
 __all__ = ["Run", "RunStatus", "open_run", "kill_tree", "kill_strays"]
 
@@ -160,6 +161,33 @@ class Run(RunWatching):
     def notes(self) -> list[str]:
         """What runs, in words: the mesh line, then a rehearsal note when a plan runs on fewer processes."""
         return [str(n) for n in self._meta.get("notes") or []]
+
+    @property
+    def mesh(self) -> str:
+        """The mesh line as it is (``"mesh: dp_replicate=2 (2 processes)"`` for DDP, which shards nothing).
+
+        Runs recorded before the mesh line said so (``dp_shard=2`` under DDP) are named correctly here.
+        """
+        from ..plan.candidates import replicates
+
+        line = self.notes[0] if self.notes else ""
+        if line and replicates(self.strategy or "") and "dp_replicate=" not in line:
+            line = line.replace("dp_shard=", "dp_replicate=")
+        return line
+
+    @property
+    def record(self) -> RunRecord:
+        """The run's :class:`~.record.RunRecord` as this handle holds it, with rank 0's ``hparams.json`` merged."""
+        from .record import RunRecord, read_hparams
+
+        with self._lock:
+            rec = RunRecord.from_dict(self._meta)
+        return rec.with_hparams(read_hparams(self.dir))
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """Hyperparameters: scalars shipped to the cell, ``jd.config(...)``, a Trainer's arguments, Lightning's."""
+        return dict(self.record.hparams)
 
     # ---- tags and notes -------------------------------------------------------------------------------------
     @property
@@ -618,11 +646,24 @@ class Run(RunWatching):
 
 
 def open_run(path: str | Path) -> Run:
-    """Reopen a run from its directory (after a kernel restart): a live run is watched again."""
+    """Reopen a run from its directory (after a kernel restart): a live run is watched again.
+
+    A local run whose record says pending or running but whose processes are all gone is settled first
+    (:func:`~.record.settle_stale`: its status from the exit files the ranks left), and the record rewritten.
+    """
+    from .record import settle_stale
+
     rd = RunDir(Path(path).expanduser().resolve())
     if not rd.run_json.is_file():
         raise JupyterDistError(f"{rd.path} is not a jupyter-dist run directory (no run.json)")
-    meta = rd.read_meta()  # a damaged run.json is a JupyterDistError saying so
+    record = rd.read_record()  # a damaged run.json is a JupyterDistError saying so
+    settled = settle_stale(rd.path, record)
+    if settled is not record:
+        try:
+            settled = rd.write_meta(settled)
+        except OSError:  # a read-only or deleted run directory: the corrected status lives on in this handle
+            pass
+    meta = settled.to_dict()
     plan = None
     if meta.get("plan"):
         from ..plan.plan import Plan

@@ -1,7 +1,7 @@
 """The run directory: ``run.json``, ``script.py``, configs, ``logs/``, ``telemetry/``, ``checkpoints/``.
 
-A run can be reopened from its directory after a kernel restart (``%dist_attach``). ``run.json`` is rewritten
-atomically (temp file + rename), so a reader never sees half of it.
+A run can be reopened from its directory after a kernel restart (``%dist_attach``). ``run.json`` is the run's
+:class:`~.record.RunRecord`, written and read only through :mod:`.record` (atomically: a reader never sees half).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any
 
 from ..errors import JupyterDistError
 from ..render.common import SECRET_NAMES
+from .record import RunRecord, read_record, write_record
 
 __all__ = ["RunDir", "new_run_dir", "scrub_env"]
 
 MAX_NAME = 64
 """Longest run name kept in a directory name (the rest is cut; file names are limited to 255 bytes)."""
-MAX_META_BYTES = 64 << 20
-"""Largest ``run.json`` read (a real one is a few KiB; a bigger one is garbage and is refused, not loaded)."""
 
 _SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "APIKEY", "CREDENTIAL")
 
@@ -108,28 +107,17 @@ class RunDir:
             p.mkdir(parents=True, exist_ok=True)
         return self
 
-    def write_meta(self, meta: dict[str, Any]) -> None:
-        """Atomically replace ``run.json``."""
-        tmp = self.run_json.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
-        os.replace(tmp, self.run_json)
+    def write_meta(self, meta: dict[str, Any] | RunRecord) -> RunRecord:
+        """Atomically replace ``run.json`` (through :func:`~.record.write_record`, its one writer); returns it."""
+        return write_record(self.path, meta)
+
+    def read_record(self) -> RunRecord:
+        """The typed record (:func:`~.record.read_record`); a damaged ``run.json`` is a ``JupyterDistError``."""
+        return read_record(self.path)
 
     def read_meta(self) -> dict[str, Any]:
-        """Read ``run.json``; a missing, unreadable or damaged one is a :class:`JupyterDistError` saying so."""
-        try:
-            with open(self.run_json, "rb") as fh:
-                raw = fh.read(MAX_META_BYTES + 1)
-        except OSError as exc:
-            raise JupyterDistError(f"cannot read {self.run_json}: {exc.strerror or exc}") from None
-        if len(raw) > MAX_META_BYTES:
-            raise JupyterDistError(f"{self.run_json} is larger than {MAX_META_BYTES >> 20} MiB: not a run.json")
-        try:
-            result = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise JupyterDistError(f"{self.run_json} is damaged (not a JSON object); the run cannot be read") from None
-        if not isinstance(result, dict):
-            raise JupyterDistError(f"{self.run_json} is damaged (not a JSON object); the run cannot be read")
-        return result
+        """``run.json`` as a dict in its current layout (read through :func:`~.record.read_record`, any layout)."""
+        return read_record(self.path).to_dict()
 
     def exit_codes(self, world_size: int) -> dict[int, int | None]:
         """Per-rank exit codes the bootstrap recorded (None where a rank left none, e.g. killed)."""

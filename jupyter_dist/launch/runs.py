@@ -6,7 +6,9 @@ its telemetry followed: each table reads only the lines written since the previo
 this process); one that ended before summaries existed is read once and its summary saved.
 
 :class:`RunTable` is a plain value (no pandas): ``.sort("best_loss")``, ``.filter(status="succeeded",
-tag="baseline")``, ``.open("run-2026...")``; it displays itself as an HTML table, and ``.widget()`` gives the
+tag="baseline")``, ``.open("run-2026...")``; every hyperparameter of the runs' records is a column too
+(``.sort("-lr")``, ``.filter(lr=3e-4)``; ``hp.lr`` where a name is also a field), and the table shows those that
+differ between runs; it displays itself as an HTML table, and ``.widget()`` gives the
 interactive view the notebook front-end subscribed (``jupyter_dist.ui.runs_view``).
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 from ..errors import JupyterDistError
 from ..telemetry.reader import FileFollower, RecordSet
 from ..telemetry.summary import SummaryBuilder, read_summary, summarize_dir, write_summary
+from .record import settle_stale
 from .rundir import RunDir
 
 __all__ = ["RunRow", "RunTable", "runs", "COLUMNS", "FINAL_STATES"]
@@ -75,6 +78,14 @@ class RunRow:
     """Tags given with ``Run.tag``."""
     notes: tuple[str, ...] = field(default=(), repr=False)
     """Notes given with ``Run.note``."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """The run's hyperparameters (its record's: shipped scalars, ``jd.config``, a Trainer's, Lightning's)."""
+
+    def value(self, column: str) -> Any:
+        """A column's value: a field, ``peak_mem_max``, or a hyperparameter (``lr`` or ``hp.lr``; ``None`` if unset)."""
+        if column in _SORTABLE:
+            return getattr(self, column)
+        return self.hparams.get(column[3:] if column.startswith("hp.") else column)
 
     @property
     def peak_mem_max(self) -> int | None:
@@ -88,8 +99,8 @@ class RunRow:
         return open_run(self.path)
 
 
-COLUMNS = tuple(f.name for f in fields(RunRow))
-"""Fields a table can be sorted and filtered by (plus ``peak_mem_max``)."""
+COLUMNS = tuple(f.name for f in fields(RunRow) if f.name != "hparams")
+"""Fields a table can be sorted and filtered by (plus ``peak_mem_max`` and every hyperparameter's name)."""
 _SORTABLE = (*COLUMNS, "peak_mem_max")
 
 
@@ -121,10 +132,11 @@ def _live_summary(path: Path) -> dict[str, Any]:
 def _row(path: Path, now: float) -> RunRow | None:
     rd = RunDir(path)
     try:
-        meta = rd.read_meta()
+        record = settle_stale(path, rd.read_record())  # a run whose processes are gone is not shown as running
     except JupyterDistError:
         return None
-    status = str(meta.get("status") or "pending")
+    meta = record.to_dict()
+    status = record.status
     summary = read_summary(path)
     if summary is None and status not in FINAL_STATES:  # still going: read only what was written since last time
         summary = _live_summary(path)
@@ -158,7 +170,7 @@ def _row(path: Path, now: float) -> RunRow | None:
         started=float(started) if started is not None else None,
         duration=float(ended) - float(started) if ended is not None and started is not None else None,
         restarts=int(summary.get("restarts") or 0), tags=tuple(ann["tags"]),
-        notes=tuple(str(n["text"]) for n in ann["notes"]),
+        notes=tuple(str(n["text"]) for n in ann["notes"]), hparams=dict(record.hparams),
     )  # fmt: skip
 
 
@@ -229,12 +241,11 @@ class RunTable(Sequence[RunRow]):
         ``descending`` defaults to True for ``started`` (newest first), else False.
         """
         key = by.lstrip("-")
-        if key not in _SORTABLE:
-            raise JupyterDistError(f"cannot sort by {by!r}; columns: {', '.join(_SORTABLE)}")
+        self._check_columns([key], "sort by")
         desc = by.startswith("-") or (descending if descending is not None else key == "started")
-        present = [r for r in self.rows if getattr(r, key) is not None]
-        missing = [r for r in self.rows if getattr(r, key) is None]
-        present.sort(key=lambda r: _sort_key(getattr(r, key)), reverse=desc)
+        present = [r for r in self.rows if r.value(key) is not None]
+        missing = [r for r in self.rows if r.value(key) is None]
+        present.sort(key=lambda r: _sort_key(r.value(key)), reverse=desc)
         return RunTable(present + missing, folder=self.folder, skipped=self.skipped)
 
     def filter(self, predicate: Callable[[RunRow], bool] | None = None, /, *, tag: str | None = None,
@@ -245,9 +256,7 @@ class RunTable(Sequence[RunRow]):
         tags or notes contain it (case-insensitive); ``status="running"`` (any column) keeps equal values; a list or
         tuple value keeps any of them (``status=["failed", "hung"]``).
         """
-        bad = [k for k in equals if k not in _SORTABLE]
-        if bad:
-            raise JupyterDistError(f"cannot filter by {', '.join(bad)}; columns: {', '.join(_SORTABLE)}")
+        self._check_columns(list(equals), "filter by")
         out = []
         needle = text.lower() if text else None
         for r in self.rows:
@@ -256,12 +265,13 @@ class RunTable(Sequence[RunRow]):
             if tag is not None and tag not in r.tags:
                 continue
             if needle is not None:
-                hay = " ".join([r.name, r.strategy, r.candidate, r.mesh, r.status, r.backend, *r.tags, *r.notes])
+                hay = " ".join([r.name, r.strategy, r.candidate, r.mesh, r.status, r.backend, *r.tags, *r.notes,
+                                *(f"{k}={v}" for k, v in r.hparams.items())])  # fmt: skip
                 if needle not in hay.lower():
                     continue
             ok = True
             for k, want in equals.items():
-                have = getattr(r, k)
+                have = r.value(k)
                 if isinstance(want, (list, tuple, set, frozenset)):
                     ok = have in want
                 else:
@@ -271,6 +281,25 @@ class RunTable(Sequence[RunRow]):
             if ok:
                 out.append(r)
         return RunTable(out, folder=self.folder, skipped=self.skipped)
+
+    @property
+    def hparam_names(self) -> tuple[str, ...]:
+        """Every hyperparameter name of the rows, sorted (each is a column to sort and filter by)."""
+        return tuple(sorted({k for r in self.rows for k in r.hparams}))
+
+    def hparam_columns(self, limit: int = 8) -> tuple[str, ...]:
+        """The hyperparameters the table shows: those whose values differ between rows first, at most ``limit``."""
+        names = self.hparam_names
+        varying = [k for k in names if len({repr(r.hparams.get(k)) for r in self.rows}) > 1]
+        return tuple((varying + [k for k in names if k not in varying])[:limit])
+
+    def _check_columns(self, keys: list[str], what: str) -> None:
+        names = set(self.hparam_names)
+        bad = [k for k in keys if k not in _SORTABLE and (k[3:] if k.startswith("hp.") else k) not in names]
+        if bad:
+            hp = f"; hyperparameters: {', '.join(sorted(names))}" if names else ""
+            shown = repr(bad[0]) if what == "sort by" else ", ".join(bad)
+            raise JupyterDistError(f"cannot {what} {shown}; columns: {', '.join(_SORTABLE)}{hp}")
 
     def open(self, name: str | int = 0, **kwargs: Any) -> Any:
         """The live panels of one run (its :meth:`Run.dashboard`), by name or position; display the result."""
@@ -291,7 +320,8 @@ class RunTable(Sequence[RunRow]):
 
     def records(self) -> list[dict[str, Any]]:
         """Each row as a plain dict (for ``pandas.DataFrame(table.records())``)."""
-        return [{f: getattr(r, f) for f in COLUMNS} for r in self.rows]
+        return [{**{k: v for k, v in r.hparams.items() if k not in COLUMNS}, **{f: getattr(r, f) for f in COLUMNS}}
+                for r in self.rows]  # fmt: skip
 
     def widget(self) -> Any:
         """The interactive view (sort, filter, open) subscribed by the notebook front-end."""
@@ -302,20 +332,22 @@ class RunTable(Sequence[RunRow]):
     # ---- display --------------------------------------------------------------------------------------------
     def text(self) -> str:
         """A fixed-width text table."""
+        hp = self.hparam_columns()
         head = ("name", "backend", "strategy", "status", "steps", "last loss", "best loss", "throughput", "peak mem",
-                "duration", "restarts", "tags")  # fmt: skip
-        lines = [head] + [_cells(r) for r in self.rows]
+                "duration", "restarts", "tags", *hp)  # fmt: skip
+        lines = [head] + [_cells(r) + [_hp(r.hparams.get(k)) for k in hp] for r in self.rows]
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
     def html(self, *, max_rows: int = 500) -> str:
         """An HTML table (escaped text; no scripts), ``max_rows`` rows at most."""
+        hp = self.hparam_columns()
         head = ("name", "backend", "strategy / mesh", "status", "steps", "last loss", "best loss", "throughput",
-                "peak mem / rank", "duration", "restarts", "tags")  # fmt: skip
+                "peak mem / rank", "duration", "restarts", "tags", *hp)  # fmt: skip
         th = "".join(f'<th style="text-align:left;padding:2px 6px;white-space:nowrap">{h}</th>' for h in head)
         body = []
         for r in self.rows[:max_rows]:
-            c = _cells(r)
+            c = _cells(r) + [_hp(r.hparams.get(k)) for k in hp]
             c[2] = f"{r.candidate or r.strategy}" + (f" ({r.mesh})" if r.mesh else "")
             c[8] = " / ".join(_gib(b) for b in r.peak_mem) or "-"
             tds = "".join(f'<td style="padding:2px 6px{";white-space:nowrap" if i in (0, 4, 7) else ""}">'
@@ -339,8 +371,18 @@ class RunTable(Sequence[RunRow]):
 
 def _sort_key(value: Any) -> Any:
     if isinstance(value, tuple):
-        return (max(value) if value else -1.0,)
-    return value
+        return (0, max(value) if value else -1.0)
+    if isinstance(value, (int, float)):  # numbers before strings when a hyperparameter holds both
+        return (0, float(value))
+    return (1, str(value))
+
+
+def _hp(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return _fmt(value)
+    return str(value)
 
 
 def _fmt(v: float | None) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import JupyterDistError
 from .backends.local import LaunchError, LocalLauncher, check_launcher
 from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
+from .record import RunRecord, launch_record
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, scrub_env
 
@@ -123,7 +124,6 @@ def _start_run(
         raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
     if hang_timeout is not None and hang_timeout <= 0:
         raise JupyterDistError(f"--hang-timeout must be positive seconds, got {hang_timeout}")
-    world = nproc * nodes
     choice, contract = launch_contract(strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker)
     strat = choice.strategy
     extra_env = dict(env or {})
@@ -168,25 +168,24 @@ def _start_run(
         _ship(rd, ship)
     lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                         port=port, extra_env=jd_env)  # fmt: skip
-    meta: dict[str, Any] = {
-        "name": name, "status": "pending", "strategy": strat, "candidate": choice.candidate.name, "notes": notes,
-        "world_size": world, "nproc": nproc, "nodes": nodes,
-        "timeout": timeout, "hang_timeout": hang_timeout, "env": scrub_env(lau.env()), "created": time.time(),
-        "plan": plan.to_dict() if plan is not None else None, "shipped": sorted(ship or {}),
-    }  # fmt: skip
-    procs = start_recorded(rd, meta, lau)
+    record = launch_record(name=name, backend="local", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
+                           timeout=timeout, hang_timeout=hang_timeout, env=scrub_env(lau.env()), plan=plan,
+                           ship=ship)  # fmt: skip
+    meta, procs = start_recorded(rd, record, lau)
     return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
 
 
-def start_recorded(rd: RunDir, meta: dict[str, Any], lau: LocalLauncher) -> list[subprocess.Popen[bytes]]:
-    """Write ``run.json``, start the launcher, and record the outcome (``failed``, or running with its pids)."""
-    rd.write_meta(meta)
+def start_recorded(rd: RunDir, record: RunRecord,
+                   lau: LocalLauncher) -> tuple[dict[str, Any], list[subprocess.Popen[bytes]]]:  # fmt: skip
+    """Write the record, start the launcher, and record the outcome (``failed``, or running with its pids).
+
+    Returns the record as the :class:`~.run.Run` handle keeps it (its ``run.json`` dict) and the launcher processes.
+    """
+    rd.write_meta(record)
     try:
         procs = lau.start()
     except LaunchError:
-        meta.update(status="failed", error="launch failed")
-        rd.write_meta(meta)
+        rd.write_meta(replace(record, status="failed", error="launch failed"))
         raise
-    meta.update(status=RUNNING, started=time.time(), pids=lau.pids, launcher=lau.to_dict())
-    rd.write_meta(meta)
-    return procs
+    record = replace(record, status=RUNNING, started=time.time(), pids=tuple(lau.pids), launcher=lau.to_dict())
+    return rd.write_meta(record).to_dict(), procs

@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 
 from ..launch.backends.local import LocalLauncher
+from ..launch.record import Degrees, RunRecord, kernel_versions
 from ..launch.run import STOPPED, Run, kill_tree
 from ..launch.rundir import new_run_dir, scrub_env
 from ..launch.session import start_recorded
@@ -259,15 +260,16 @@ class Pool:
             secret_env = {"JD_POOL_ADDR": str(self.address), "JD_POOL_KEY": self._key.hex(),
                           "JD_POOL_KERNEL_PID": str(os.getpid())}  # fmt: skip
             lau = LocalLauncher(run_dir=rd, nproc=self.nproc, extra_env={**jd_env, **secret_env})
-            meta: dict[str, Any] = {
-                "name": self.name, "kind": "pool", "status": "pending", "strategy": self.strategy,
-                "world_size": self.world_size, "nproc": self.nproc, "nodes": 1, "timeout": None,
-                "hang_timeout": None, "created": time.time(), "control": self.address,
-                "env": scrub_env({k: v for k, v in lau.env().items() if k not in secret_env}),
-                "plan": self.plan.to_dict() if self.plan is not None else None, "shipped": [],
-            }  # fmt: skip
+            record = RunRecord(
+                name=self.name, kind="pool", backend="local", strategy=self.strategy,
+                candidate=self.choice.candidate.name, degrees=Degrees.from_choice(self.choice),
+                notes=(self.choice.mesh(),), world_size=self.world_size, nproc=self.nproc, nodes=1,
+                created=time.time(), env=scrub_env({k: v for k, v in lau.env().items() if k not in secret_env}),
+                plan=self.plan.to_dict() if self.plan is not None else None, versions=kernel_versions(),
+                extra={"control": self.address},
+            )  # fmt: skip
             self._note(f"starting {self.nproc} ranks; control channel on {self.address}")
-            procs = start_recorded(rd, meta, lau)
+            meta, procs = start_recorded(rd, record, lau)
             self.run = Run(rd, meta, procs=procs, launcher=lau, plan=self.plan)
             _LIVE.add(self)
             self._wait_connected()

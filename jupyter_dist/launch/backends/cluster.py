@@ -307,7 +307,7 @@ def start_cluster_run(
             script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
             nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship,
             timeout=timeout, runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
-            dry_cls=DryRun, ship_fn=_ship, layout=layout, renv=renv,
+            dry_cls=DryRun, ship_fn=_ship, layout=layout, renv=renv, choice=choice,
         )  # fmt: skip
     from .skypilot import start_skypilot
 
@@ -315,6 +315,7 @@ def start_cluster_run(
         script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
         nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout, runs_dir=runs_dir,
         port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout, renv=renv, script_copy=script_copy,
+        choice=choice,
     )  # fmt: skip
 
 
@@ -322,7 +323,7 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
                  cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
                  extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
                  port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
-                 ship_fn: Any, layout: Layout, renv: Any = None) -> Any:  # fmt: skip
+                 ship_fn: Any, layout: Layout, renv: Any = None, choice: Any = None) -> Any:  # fmt: skip
     from ...render.common import RenderOptions
     from ...render.slurm import render_sbatch
     from .local import _free_port
@@ -359,19 +360,17 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
         (rd.path / fname).write_text(text, encoding="utf-8")
     if ship:
         ship_fn(rd, ship)
-    meta: dict[str, Any] = {
-        "name": name, "status": "pending", "backend": "slurm", "strategy": strat, "world_size": nproc * nodes,
-        "nproc": nproc, "nodes": nodes, "timeout": timeout, "env": scrub_env(run_env), "created": time.time(),
-        "plan": user_plan.to_dict() if user_plan is not None else None, "shipped": sorted(ship or {}),
-        "secrets": list(cluster.secrets),
-    }  # fmt: skip
-    rd.write_meta(meta)
+    from ..record import launch_record
+
+    record = launch_record(name=name, backend="slurm", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
+                           timeout=timeout, env=scrub_env(run_env), plan=user_plan, ship=ship,
+                           secrets=cluster.secrets)  # fmt: skip
+    rd.write_meta(record)
     try:
         lau.start()
     except JupyterDistError:
-        meta.update(status="failed", error="submission failed")
-        rd.write_meta(meta)
+        rd.write_meta(replace(record, status="failed", error="submission failed"))
         raise
-    meta.update(started=time.time(), job_id=lau.job_id, launcher=lau.to_dict())
-    rd.write_meta(meta)
+    record = replace(record, started=time.time(), launcher=lau.to_dict(), extra={"job_id": lau.job_id})
+    meta = rd.write_meta(record).to_dict()
     return run_cls(rd, meta, launcher=lau, timeout=timeout, plan=user_plan)

@@ -27,7 +27,6 @@ SkyPilot is an optional extra, imported on first use: ``pip install "jupyter-dis
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import threading
@@ -372,7 +371,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
                    cluster: Any, nproc: int, nodes: int, job: str, name: str, strat: str, jd_env: dict[str, str],
                    ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path, port: int | None,
                    dry_run: bool, max_restarts: int, layout: Layout | None = None, renv: Any = None,
-                   script_copy: Path | None = None) -> Any:  # fmt: skip
+                   script_copy: Path | None = None, choice: Any = None) -> Any:  # fmt: skip
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
     from ...render.common import RenderOptions
     from ...render.skypilot import dump_yaml, render_skypilot_task
@@ -430,21 +429,20 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
         _ship(rd, ship)
         os.replace(rd.path / "shipped.pkl", workdir / "shipped.pkl")
     lau.task_yaml.write_text(dump_yaml(task), encoding="utf-8")
-    meta: dict[str, Any] = {
-        "name": name, "status": "pending", "backend": "skypilot", "strategy": strat, "world_size": nproc * nodes,
-        "nproc": nproc, "nodes": nodes, "timeout": timeout, "env": scrub_env(run_env), "created": time.time(),
-        "plan": user_plan.to_dict() if user_plan is not None else None, "shipped": sorted(ship or {}),
-        "secrets": list(cluster.secrets), "cluster": name_on_cluster,
-    }  # fmt: skip
-    rd.write_meta(meta)
+    from dataclasses import replace
+
+    from ..record import launch_record
+
+    record = launch_record(name=name, backend="skypilot", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
+                           timeout=timeout, env=scrub_env(run_env), plan=user_plan, ship=ship,
+                           secrets=cluster.secrets, extra={"cluster": name_on_cluster})  # fmt: skip
+    rd.write_meta(record)
     try:
         lau.start()
     except JupyterDistError:
-        meta.update(status="failed", error="launch failed")
-        rd.write_meta(meta)
+        rd.write_meta(replace(record, status="failed", error="launch failed"))
         raise
-    meta.update(started=time.time(), launcher=lau.to_dict())
-    rd.write_meta(meta)
+    meta = rd.write_meta(replace(record, started=time.time(), launcher=lau.to_dict())).to_dict()
     return Run(rd, meta, launcher=lau, timeout=timeout, plan=user_plan)
 
 
@@ -487,8 +485,8 @@ def attach_job(ref: str, *, runs_dir: str | Path = "runs") -> Any:
     root = Path(runs_dir).expanduser().resolve()
     for meta_path in sorted(root.glob("*/run.json"), reverse=True):
         try:
-            saved = json.loads(meta_path.read_text()).get("launcher") or {}
-        except (OSError, ValueError):
+            saved = RunDir(meta_path.parent).read_record().launcher
+        except JupyterDistError:
             continue
         if saved.get("kind") == "skypilot" and saved.get("cluster") == cluster and str(saved.get("job_id")) == job_id:
             return open_run(meta_path.parent)
@@ -496,8 +494,9 @@ def attach_job(ref: str, *, runs_dir: str | Path = "runs") -> Any:
     rd = new_run_dir(root, f"attach-{cluster}-{job_id}")
     lau = SkyPilotLauncher(run_dir=rd, cluster=cluster, job_id=job_id, state="running")
     lau._launched.set()
-    meta: dict[str, Any] = {"name": rd.path.name, "status": "pending", "backend": "skypilot", "strategy": None,
-                            "world_size": None, "nodes": None, "env": {}, "created": time.time(),
-                            "started": time.time(), "cluster": cluster, "launcher": lau.to_dict()}  # fmt: skip
-    rd.write_meta(meta)
+    from ..record import RunRecord, kernel_versions
+
+    record = RunRecord(name=rd.path.name, backend="skypilot", created=time.time(), started=time.time(),
+                       launcher=lau.to_dict(), versions=kernel_versions(), extra={"cluster": cluster})  # fmt: skip
+    meta = rd.write_meta(record).to_dict()
     return Run(rd, meta, launcher=lau)
