@@ -10,7 +10,9 @@ Every optimizer step (``on_step_end``) logs ``samples`` (per-device batch x grad
 carry ``samples_per_s`` and the measured ``step_time``) on every rank; every Trainer log (``on_log``: ``loss``,
 ``learning_rate``, ``grad_norm``, ``epoch``, ``eval_*`` metrics, the final ``train_*`` summary) goes to ``jd.log``
 at ``state.global_step`` with its numeric values (``total_flos`` left out). With ``include_num_input_tokens_seen``
-the tokens since the previous log are logged as ``tokens`` (so ``tokens_per_s`` appears too).
+the tokens since the previous log are logged as ``tokens`` (so ``tokens_per_s`` appears too). When training
+begins (``on_train_begin``) the ``TrainingArguments``' scalar fields become the run's hyperparameters
+(:func:`training_hparams` through ``jd.config``: ``learning_rate``, ``per_device_train_batch_size``, ...).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by the install-hint 
         f'jupyter_dist.integrations.hf needs transformers ({_exc}): pip install "jupyter-dist[hf]"'
     ) from None
 
-__all__ = ["JupyterDistCallback", "install", "metrics_from_logs"]
+__all__ = ["JupyterDistCallback", "install", "metrics_from_logs", "training_hparams"]
 
 SKIPPED = frozenset({"total_flos", "step"})
 """Trainer log keys not forwarded: ``total_flos`` (a count, not a curve) and ``step`` (the record's own field)."""
@@ -49,6 +51,17 @@ def metrics_from_logs(logs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def training_hparams(args: Any) -> dict[str, Any]:
+    """A ``TrainingArguments``' scalar fields (``learning_rate``, ``per_device_train_batch_size``, ...).
+
+    As ``jd.config`` takes them: ``None``, lists, the hub's settings and tokens left out.
+    """
+    from ..launch.record import scalar_items
+
+    values = args.to_dict() if hasattr(args, "to_dict") else dict(vars(args))
+    return scalar_items({k: v for k, v in values.items() if not k.startswith(("hub_", "push_to_hub"))}, depth=0)
+
+
 class JupyterDistCallback(TrainerCallback):  # type: ignore[misc]
     """Streams a ``transformers.Trainer``'s logs into ``jd.log`` on every rank (see the module docstring).
 
@@ -61,6 +74,7 @@ class JupyterDistCallback(TrainerCallback):  # type: ignore[misc]
 
     _logged: tuple[int, int] | None = None  # (id(logs), step) of the last on_log handled by any instance
     _stepped: tuple[int, int] | None = None  # (id(state), step) of the last on_step_end handled by any instance
+    _configured: int | None = None  # id(args) of the last on_train_begin handled by any instance
 
     def __init__(self, *, every_step: bool = True) -> None:
         self.every_step = every_step
@@ -71,6 +85,13 @@ class JupyterDistCallback(TrainerCallback):  # type: ignore[misc]
         import jupyter_dist.worker as jd
 
         return jd
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """The Trainer's arguments become the run's hyperparameters (``jd.config``; rank 0 records them)."""
+        if JupyterDistCallback._configured != id(args):  # a second instance on one Trainer: once
+            JupyterDistCallback._configured = id(args)
+            self._jd().config(**training_hparams(args))
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         """One optimizer step: ``samples`` processed by this rank since the previous step."""

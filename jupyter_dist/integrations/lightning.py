@@ -11,7 +11,9 @@ installed); elsewhere add one line::
 After every training batch it logs, at ``trainer.global_step``: ``loss`` (from what ``training_step`` returned),
 ``lr`` (the first optimizer's first param group), ``samples`` (the batch's first dimension, so the records carry
 ``samples_per_s`` and ``step_time``) and every scalar in ``trainer.callback_metrics`` that ``self.log`` wrote during
-training; after validation (not the sanity check) the scalars validation added (``val_loss``, ...). The unified
+training; after validation (not the sanity check) the scalars validation added (``val_loss``, ...). When training
+starts (``on_train_start``) the module's and datamodule's ``hparams`` (what ``save_hyperparameters()`` stored)
+become the run's hyperparameters (:func:`module_hparams` through ``jd.config``). The unified
 ``lightning`` package is supported (``import lightning as L``); the standalone ``pytorch_lightning`` package is not.
 """
 
@@ -29,7 +31,7 @@ except ImportError as _exc:  # pragma: no cover - exercised by the install-hint 
         f'jupyter_dist.integrations.lightning needs Lightning ({_exc}): pip install "jupyter-dist[lightning]"'
     ) from None
 
-__all__ = ["JupyterDistCallback", "callbacks_factory", "install", "scalar_metrics"]
+__all__ = ["JupyterDistCallback", "callbacks_factory", "install", "module_hparams", "scalar_metrics"]
 
 _RESERVED = frozenset({"v", "kind", "rank", "seq", "t", "n", "nonfinite", "step"})
 
@@ -44,6 +46,21 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             value = value.detach().float().item()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[f"pl_{key}" if key in _RESERVED else str(key)] = float(value)
+    return out
+
+
+def module_hparams(module: Any, datamodule: Any = None) -> dict[str, Any]:
+    """What ``save_hyperparameters()`` stored on the module and the datamodule, as ``jd.config`` takes it.
+
+    Numbers, bools and one-line strings; a nested mapping one level deep as ``outer.inner``; the rest left out.
+    """
+    from ..launch.record import scalar_items
+
+    out: dict[str, Any] = {}
+    for owner in (datamodule, module):  # the module's win on a shared name
+        hp = getattr(owner, "hparams", None) if owner is not None else None
+        if hp is not None and hasattr(hp, "items"):
+            out.update(scalar_items(dict(hp.items())))
     return out
 
 
@@ -77,6 +94,11 @@ class JupyterDistCallback(Callback):  # type: ignore[misc]
         """Only the first instance on a Trainer logs."""
         first = next((c for c in trainer.callbacks if isinstance(c, JupyterDistCallback)), self)
         self.active = first is self
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """The module's (and the datamodule's) ``hparams`` become the run's hyperparameters (``jd.config``)."""
+        if self.active:
+            self._jd().config(**module_hparams(pl_module, getattr(trainer, "datamodule", None)))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Loss, learning rate, samples and the training metrics of this step."""

@@ -345,8 +345,10 @@ class Run(RunWatching):
             raise JupyterDistError(f"run {self.name} already forwards its metrics ({', '.join(self.sinks.names)})")
         config = {k: self._meta.get(k) for k in ("strategy", "candidate", "world_size", "nproc", "nodes")
                   if self._meta.get(k) is not None}  # fmt: skip
-        ctx = SinkContext(run_name=self.name, run_dir=self.dir, project=project, config=config, secrets=secrets)
-        self.sinks = SinkForwarder(self._rd.telemetry, names, ctx, done=self._done.is_set, interval=interval)
+        ctx = SinkContext(run_name=self.name, run_dir=self.dir, project=project, config=config, secrets=secrets,
+                          hparams=self.hparams)  # fmt: skip
+        self.sinks = SinkForwarder(self._rd.telemetry, names, ctx, done=self._done.is_set, interval=interval,
+                                   hparams=lambda: self.hparams)  # fmt: skip
         with self._lock:
             self._meta["log_to"] = list(names)
             self._meta["sink_secrets"] = list(secrets)  # names only

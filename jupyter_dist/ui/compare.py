@@ -178,6 +178,33 @@ class CompareModel:
         return "step" if self.x == "step" else "seconds since start"
 
 
+def mesh_line(run: Any) -> str:
+    """The run's mesh line as it is (:attr:`Run.mesh <jupyter_dist.launch.run.Run.mesh>`: DDP replicates)."""
+    mesh = getattr(run, "mesh", None)
+    return str(mesh) if mesh is not None else str((getattr(run, "notes", None) or [""])[0])
+
+
+def hparam_labels(runs: list[Any], *, limit: int = 4) -> list[str]:
+    """Legend labels: ``name (candidate)`` and the hyperparameters that differ between the runs (all, for one run).
+
+    At most ``limit`` hyperparameters per label, ``lr=0.001, batch=32``.
+    """
+    hps = [dict(getattr(r, "hparams", None) or {}) for r in runs]
+    names = sorted({k for hp in hps for k in hp})
+    if len(runs) > 1:
+        names = [k for k in names if len({repr(hp.get(k)) for hp in hps}) > 1]
+    labels = []
+    for run, hp in zip(runs, hps, strict=True):
+        base = Comparison._label(run)
+        shown = [f"{k}={_short(hp[k])}" for k in names[:limit] if k in hp]
+        labels.append(f"{base} {', '.join(shown)}" if shown else base)
+    return labels
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _as_run(item: Any) -> Any:
     from ..launch.run import Run, open_run
 
@@ -199,7 +226,7 @@ class Comparison:
         self.runs = [_as_run(r) for r in runs]
         if labels is not None and len(labels) != len(self.runs):
             raise JupyterDistError(f"labels: {len(labels)} given for {len(self.runs)} runs")
-        self.labels = labels or [self._label(r) for r in self.runs]
+        self.labels = labels or hparam_labels(self.runs)
         self.model = CompareModel(self.labels, x=x, metric=metric)
         self.readers = [TelemetryReader(Path(r.dir) / "telemetry", interval=interval, maxlen=16) for r in self.runs]
         self.interval = interval

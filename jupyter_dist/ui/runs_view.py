@@ -1,8 +1,9 @@
 """The runs table as a widget: filter text, sort column, the table, and buttons that open or compare runs.
 
 Controls + one ``Output`` + one handler (CONVENTIONS 10): every change re-renders the table from the pure
-:class:`~jupyter_dist.launch.runs.RunTable` (``filter(text=...)`` then ``sort(...)``); "open" shows the chosen run's
-panels under the table, "compare" overlays the chosen runs (:func:`jupyter_dist.ui.compare.compare`).
+:class:`~jupyter_dist.launch.runs.RunTable` (``filter(text=...)`` then ``sort(...)``, by a column or a
+hyperparameter, ``hp.<name>``); "open" shows the chosen run's panels under the table, "compare" overlays the chosen
+runs (:func:`jupyter_dist.ui.compare.compare`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ def RunsWidget(table: Any) -> Any:  # noqa: N802 - a widget factory, named like 
     except ImportError:
         raise MissingDependencyError('the runs widget needs ipywidgets: pip install "jupyter-dist[notebook]"') from None
 
-    text = w.Text(placeholder="filter: name, strategy, status, tag ...", description="filter",
+    text = w.Text(placeholder="filter: name, strategy, status, tag, lr=0.001 ...", description="filter",
                   layout=w.Layout(width="320px"))  # fmt: skip
-    sort = w.Dropdown(options=SORT_CHOICES, value="started", description="sort by", layout=w.Layout(width="240px"))
+    hp = tuple(f"hp.{k}" for k in table.hparam_names)  # every hyperparameter is a column too
+    sort = w.Dropdown(options=SORT_CHOICES + hp, value="started", description="sort by",
+                      layout=w.Layout(width="240px"))  # fmt: skip
     desc = w.Checkbox(value=True, description="descending", indent=False, layout=w.Layout(width="110px"))
     pick = w.SelectMultiple(options=[r.name for r in table], rows=min(6, max(2, len(table))), description="runs",
                             layout=w.Layout(width="520px"))  # fmt: skip
