@@ -449,6 +449,8 @@ class Run(RunWatching):
                 lines.append(f"  rank {bad} failed first; its last lines:")
                 lines += ["    " + ln for ln in self.logs(bad, tail=12).splitlines()]
             if self.status == TIMED_OUT:
+        if self.mesh:
+            lines.insert(1, f"  {self.mesh}")
                 lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
             if self.status == HUNG:
                 d = self._meta.get("diagnosis") or {}

@@ -21,7 +21,7 @@ from .units import close_match_hint
 
 __all__ = [
     "CandidateName", "LaunchChoice", "MODEL_PARALLEL_DIMS", "RUNNABLE", "composable_strategies", "parse_candidate",
-    "resolve_launch", "runnable_problem",
+    "replicates", "resolve_launch", "runnable_problem",
 ]  # fmt: skip
 
 MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
@@ -197,11 +197,19 @@ class LaunchChoice:
         return self.candidate.strategy
 
     def mesh(self) -> str:
-        """``"mesh: dp_shard=2 x tp=2 (4 processes), sequence parallel on"``."""
+        """``"mesh: dp_shard=2 x tp=2 (4 processes), sequence parallel on"``.
+
+        A strategy that shards nothing (DDP, FSDP ``NO_SHARD``, ``none``) replicates: its data-parallel ranks are
+        ``dp_replicate`` (``"mesh: dp_replicate=2 (2 processes)"``).
+        """
         d = self.dims
-        axes = [("pp", d.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", d.dp // self.dp_replicate),
-                ("cp", d.cp), ("tp", d.tp)]  # fmt: skip
-        shown = [f"{n}={v}" for n, v in axes if v > 1 or n == "dp_shard"]
+        if replicates(self.strategy) and self.dp_replicate == 1:
+            axes = [("pp", d.pp), ("dp_replicate", d.dp), ("cp", d.cp), ("tp", d.tp)]
+            shown = [f"{n}={v}" for n, v in axes if v > 1 or n == "dp_replicate"]
+        else:
+            axes = [("pp", d.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", d.dp // self.dp_replicate),
+                    ("cp", d.cp), ("tp", d.tp)]  # fmt: skip
+            shown = [f"{n}={v}" for n, v in axes if v > 1 or n == "dp_shard"]
         extra = [f"ep={d.ep} (borrowed from dp x cp)"] if d.ep > 1 else []
         sp = ", sequence parallel on" if d.sp else ""
         return f"mesh: {' x '.join(shown + extra)} ({d.world_size} processes){sp}"
@@ -211,6 +219,14 @@ class LaunchChoice:
         d = self.dims
         return {"strategy": self.strategy, "tp": d.tp, "pp": d.pp, "cp": d.cp, "ep": d.ep, "sp": d.sp,
                 "dp_replicate": self.dp_replicate}  # fmt: skip
+
+
+def replicates(strategy: str) -> bool:
+    """Whether ``strategy`` keeps every model state whole on each data-parallel rank (DDP, FSDP NO_SHARD, none)."""
+    if strategy in ("", "none", "auto"):
+        return strategy == "none"
+    spec = STRATEGIES.get(strategy)
+    return spec is not None and not (spec.shard_optimizer or spec.shard_grads or spec.shard_params)
 
 
 def resolve_launch(

@@ -266,7 +266,7 @@ class Comparison:
         """One line per run: label, status and the mesh."""
         rows = []
         for label, run, color in zip(self.labels, self.runs, (s.color for s in self.model.runs), strict=True):
-            mesh = (run.notes or [""])[0]
+            mesh = mesh_line(run)
             rows.append(f'<div><span style="color:{color}">&#9632;</span> {html.escape(label)}: '
                         f"{html.escape(run.status)}{' - ' + html.escape(mesh) if mesh else ''}</div>")  # fmt: skip
         return f'<div class="jd-compare-header" style="font-size:12px;margin-bottom:4px">{"".join(rows)}</div>'
