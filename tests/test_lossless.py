@@ -178,18 +178,30 @@ def test_the_counting_rule_counts_each_replica_once(dp: int | None, world: int, 
 
 def test_a_batch_round_trips_every_value_and_the_time_between_calls() -> None:
     calls = [(5, 100.0, {"loss": 0.1 + 0.2}), (6, 100.25, {"loss": math.pi, "tokens": 64.0}),
-             (8, 100.75, {"loss": -0.0, "tokens": 64.0})]  # fmt: skip
+             (8, 100.75, {"loss": -0.0, "tokens": 64.0, "big": 1e308 * 10, "tiny": 5e-324})]  # fmt: skip
     rec = {"v": 1, "kind": "steps", "rank": 3, "seq": 9, "t": 101.0, **steps_fields(calls, (99.5, 4))}
     rec = json.loads(json.dumps(rec))
     out = expand_steps(rec)
     assert [r["step"] for r in out] == [5, 6, 8]
     assert [r["loss"] for r in out] == [0.1 + 0.2, math.pi, -0.0]
+    assert math.copysign(1, out[2]["loss"]) == -1 and out[2]["big"] == math.inf and out[2]["tiny"] == 5e-324
+    assert "tokens" not in out[0] and "big" not in out[1] and rec["at"] == {"tokens": [1, 2], "big": [2], "tiny": [2]}
     assert [r["step_time"] for r in out] == pytest.approx([0.5, 0.25, 0.25])
     assert out[1]["tokens_per_s"] == pytest.approx(256.0) and "tokens_per_s" not in out[0]
     assert all(r["rank"] == 3 and r["kind"] == "step" for r in out)
 
 
-@pytest.mark.parametrize("damage", [{"dt": [0.0]}, {"m": {"loss": [1.0]}}, {"step": "x"}, {"t0": None}])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"ts": "AAAA"},
+        {"m": {"loss": "not base64!"}},
+        {"step": 3},
+        {"count": 5},
+        {"enc": "csv"},
+        {"at": {"loss": [0, 7]}},
+    ],
+)
 def test_a_damaged_batch_is_skipped_and_counted(damage: dict[str, Any]) -> None:
     from jupyter_dist.telemetry.reader import RecordSet
 

@@ -49,15 +49,16 @@ def test_every_call_is_kept_with_its_own_value_and_only_the_write_is_batched(tmp
     clock = FakeClock()
     em = emitter(tmp_path, clock)
     first = em.log({"loss": 4.0, "tokens": 512}, step=0)  # the first call writes at once
-    assert first is not None and first["kind"] == "steps" and first["step"] == [0] and first["prev"] is None
+    assert first is not None and first["kind"] == "steps" and first["count"] == 1 and first["prev"] is None
+    assert records.steps_columns(first)[0] == [0]
     for step in range(1, 11):  # ten steps, 0.1 s apart: one write after 1 s, holding all ten
         clock.t += 0.1
         out = em.log({"loss": 4.0 - step * 0.1, "tokens": 512}, step=step)
         assert (out is None) == (step < 10), step
-    assert out is not None and out["step"] == list(range(1, 11)) and out["prev"] == [1000.0, 0]
+    assert out is not None and records.steps_columns(out)[0] == list(range(1, 11)) and out["prev"] == [1000.0, 0]
     em.close()
     raw = raw_records(tmp_path, 0)
-    assert [len(r["step"]) for r in raw if r["kind"] == "steps"] == [1, 10]
+    assert [r["count"] for r in raw if r["kind"] == "steps"] == [1, 10]
     steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(11))
     assert [r["loss"] for r in steps] == [4.0] + [4.0 - s * 0.1 for s in range(1, 11)]  # exactly what was logged
@@ -73,7 +74,7 @@ def test_interval_zero_writes_every_call_and_sparse_metrics_stay_absent(tmp_path
     em.log({"loss": 1.0}, step=0)
     clock.t += 2.0
     rec = em.log({"loss": 0.5, "samples": 40}, step=10)  # jd.log every 10 steps
-    assert rec is not None and rec["step"] == [10]
+    assert rec is not None and records.steps_columns(rec)[0] == [10]
     em.log({"eval_loss": 0.7}, step=10)
     em.close()
     steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
@@ -90,7 +91,10 @@ def test_a_batch_keeps_sparse_metrics_as_null_and_non_finite_values_by_name(tmp_
         em.log(values, step=step)
     em.close()
     raw = [r for r in raw_records(tmp_path, 0) if r["kind"] == "steps"][1]
-    assert raw["m"] == {"loss": ["nan", "inf", 0.25], "eval": [None, 3.0, None]}
+    assert raw["at"] == {"eval": [1]}  # only the calls that logged it
+    cols = records.steps_columns(raw)[2]
+    assert cols["loss"][0] != cols["loss"][0] and cols["loss"][1:] == [float("inf"), 0.25]
+    assert cols["eval"] == [None, 3.0, None]
     steps = [r for r in file_records(tmp_path, 0) if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
     assert steps[1]["loss"] != steps[1]["loss"] and steps[2]["loss"] == float("inf") and steps[3]["loss"] == 0.25
@@ -117,7 +121,7 @@ def test_a_batch_is_written_at_max_batch_calls_even_within_the_interval(tmp_path
         em.log({"loss": float(step)}, step=step)
     assert em.pending == 4
     em.close()
-    sizes = [len(r["step"]) for r in raw_records(tmp_path, 0) if r["kind"] == "steps"]
+    sizes = [r["count"] for r in raw_records(tmp_path, 0) if r["kind"] == "steps"]
     assert sizes == [1, records.MAX_BATCH, 4]
     assert [r["loss"] for r in file_records(tmp_path, 0) if r["kind"] == "step"] == [float(s) for s in range(1029)]
 
@@ -202,7 +206,7 @@ def test_real_tensor_metrics_are_read_once_per_batch_each_value_exact() -> None:
         torch.Tensor.tolist = real_tolist  # type: ignore[method-assign]
     batches = [records.decode(line) for line in sink.lines]
     assert len(batches) == 2 and calls["n"] == 1  # the first call (.item()), then a batch of 39 in one .tolist()
-    logged = [x for b in batches for x in b["m"]["loss"]]  # type: ignore[index]
+    logged = [x for b in batches for x in records.steps_columns(b)[2]["loss"]]  # type: ignore[arg-type]
     assert logged == [v.item() for v in values]  # each bf16 value exactly, not a mean
 
 

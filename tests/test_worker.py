@@ -232,8 +232,9 @@ def test_emitter_writes_one_line_per_record_with_increasing_seq(tmp_path: Path) 
     em.close()
     assert em.emit("step", step=9) is None  # closed: dropped
     recs = read_records(tmp_path, 2)
-    assert [r["kind"] for r in recs] == ["start", "step", "step", "step", "exit"]
+    assert [r["kind"] for r in recs] == ["start", "steps", "steps", "steps", "exit"]  # interval 0: a line per call
     assert [r["seq"] for r in recs] == [0, 1, 2, 3, 4]
+    assert [records.steps_columns(r)[2]["loss"] for r in recs[1:4]] == [[1.0], [0.5], [1.0 / 3]]
     assert recs[0]["pid"] == os.getpid() and recs[0]["host"]
     assert recs[-1] == {**recs[-1], "status": "error", "error_type": "ValueError", "error": "bad", "step": 2}
     assert all(recs[i]["t"] <= recs[i + 1]["t"] for i in range(4))
@@ -313,9 +314,9 @@ def test_runtime_outside_torchrun_logs_and_refuses_distributed_strategies(tmp_pa
     rt.step()
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
     rec = rt.log(3, {"loss": torch.tensor(0.5)})
-    assert rec is not None and rec["step"] == 3 and rec["loss"] == 0.5
+    assert rec is not None and records.steps_columns(rec)[:3:2] == ([3], {"loss": [0.5]})
     rt.emitter.close()
-    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "hb", "mem", "step"]
+    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "hb", "mem", "steps"]
     for strategy in ("ddp", "fsdp2", "zero2"):
         with pytest.raises(WorkerError, match=f"JD_STRATEGY={strategy} needs a process group.*torchrun"):
             Runtime(tiny_env(tmp_path, strategy=strategy)).wrap(model, opt)

@@ -1,5 +1,6 @@
-"""What a run measured (the one measurement of :mod:`jupyter_dist.telemetry.measurement`, with the candidate that
-ran) and the calibration fitted from it.
+"""What a run measured (the one measurement, with the candidate that ran) and the calibration fitted from it.
+
+The measurement itself is :mod:`jupyter_dist.telemetry.measurement`.
 
 Shared by the :class:`~.run.Run` handle (its summary compares a finished run with its plan) and ``%dist_tune``
 (:mod:`.tune`), which measures several candidates. Reads a run's telemetry through ``run.records(kind)``.
@@ -16,6 +17,7 @@ from typing import Any
 from ..telemetry.measurement import WARMUP_STEPS, Measured, measure_records
 
 __all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak"]
+
 
 def measure_run(run: Any, *, warmup: int = WARMUP_STEPS) -> Measured:
     """Step time, tokens/s, MFU and peak memory per rank from a run's telemetry (any finished or running Run).

@@ -312,16 +312,38 @@ class Run(RunWatching):
         return rs.records if kind is None else rs.of_kind(kind)
 
     def metrics(self) -> Any:
-        """``step`` records as a pandas DataFrame (columns: rank, step, t, and every logged metric)."""
+        """Every ``jd.log`` call of every rank as a pandas DataFrame, sorted by step and rank.
+
+        Columns: ``rank``, ``step``, ``t`` (unix time of the call), every logged metric (exactly as logged; NaN where
+        a call did not log it), and ``step_time`` / ``tokens_per_s`` / ``samples_per_s`` derived from the time since
+        the rank's previous call (as in the ``step`` records; a logged metric of the same name is kept instead).
+        """
         try:
+            import numpy as np
             import pandas as pd
         except ImportError:
             raise JupyterDistError('Run.metrics() needs pandas: pip install "jupyter-dist[notebook]"') from None
-        rows = [{k: v for k, v in r.items() if k not in ("v", "kind", "seq")} for r in self.records("step")]
-        frame = pd.DataFrame(rows)
-        if not frame.empty and "step" in frame:
-            frame = frame.sort_values(["step", "rank"]).reset_index(drop=True)
-        return frame
+        from ..telemetry.reader import read_run_columns
+
+        frames = []
+        for rank, cols in sorted(read_run_columns(self._rd.telemetry).steps.items()):
+            data: dict[str, Any] = {"rank": np.full(len(cols), rank, dtype="int64"),
+                                    "step": np.array(cols.step, dtype="int64"), "t": np.array(cols.t, dtype="float64")}
+            data.update({k: np.array(v, dtype="float64") for k, v in cols.metrics.items()})  # None: NaN
+            frame = pd.DataFrame(data)
+            dt = frame["t"].diff().where(~np.array(cols.fresh, dtype=bool))
+            dt = dt.where(dt > 0)
+            dstep = frame["step"].diff()
+            if "step_time" not in frame:
+                frame["step_time"] = (dt / dstep.where(dstep > 0)).astype("float64")
+            for unit in ("tokens", "samples"):
+                if unit in frame and f"{unit}_per_s" not in frame:
+                    frame[f"{unit}_per_s"] = frame[unit] / dt
+            frames.append(frame)
+        if not frames:
+            return pd.DataFrame()
+        frame = pd.concat(frames, ignore_index=True)
+        return frame.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
 
     def log_to(self, sinks: str | Iterable[str], *, secrets: Iterable[str] = (), project: str = "jupyter-dist",
                interval: float = 1.0) -> Any:  # fmt: skip
@@ -427,6 +449,8 @@ class Run(RunWatching):
         """One paragraph: status, ranks, exit codes, the failing rank's last lines."""
         lines = [f"Run {self.name}: {self.status} ({self.world_size} ranks, strategy {self._meta.get('strategy')})",
                  f"  dir: {self.dir}"]  # fmt: skip
+        if self.mesh:
+            lines.insert(1, f"  {self.mesh}")
         if isinstance(self._launcher, RemoteLauncher):
             lines.insert(1, f"  {self._launcher.describe()}")
         if self._meta.get("meta_error"):
@@ -441,6 +465,7 @@ class Run(RunWatching):
         if self.done:
             lines.append(f"  exit codes: {self.exit_codes}")
             try:  # how the plan did: never let a damaged record hide the run's card
+                lines += self._measured_lines()
                 lines += self._plan_lines()
             except Exception as exc:
                 lines.append(f"  (plan vs measured unavailable: {type(exc).__name__}: {exc})")
@@ -449,8 +474,6 @@ class Run(RunWatching):
                 lines.append(f"  rank {bad} failed first; its last lines:")
                 lines += ["    " + ln for ln in self.logs(bad, tail=12).splitlines()]
             if self.status == TIMED_OUT:
-        if self.mesh:
-            lines.insert(1, f"  {self.mesh}")
                 lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
             if self.status == HUNG:
                 d = self._meta.get("diagnosis") or {}
@@ -516,6 +539,23 @@ class Run(RunWatching):
         cal = fit_calibration([trial], source=str(self.dir))
         cal.save()
         return cal
+
+    def _measured_lines(self) -> list[str]:
+        """What the run measured, in the numbers every view shows (the one measurement, ``measure_run``)."""
+        from .measure import measure_run
+
+        check = self.plan_check()
+        m = check["measured"] if check is not None else measure_run(self)
+        parts = []
+        if m.step_time_s is not None:
+            parts.append(f"{m.step_time_s:.4g} s/step")
+        rate, unit = m.throughput
+        if rate is not None and unit != "steps/s":
+            replicas = f" ({m.dp_size} data-parallel replica{'s' if m.dp_size != 1 else ''})" if m.dp_size else ""
+            parts.append(f"{rate:,.0f} {unit}{replicas}")
+        if m.mfu is not None:
+            parts.append(f"MFU {100 * m.mfu:.1f}%")
+        return [f"  measured: {', '.join(parts)}"] if parts else []
 
     def _plan_lines(self) -> list[str]:
         from .measure import planned_peak

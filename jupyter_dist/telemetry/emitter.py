@@ -387,7 +387,7 @@ class Emitter:
             floats = _tensor_values([calls[i][2][k] for i, k in where])
             for (i, k), f in zip(where, floats, strict=True):
                 calls[i][2][k] = f
-        fields = steps_fields(calls, self._ref)  # type: ignore[arg-type]
+        fields = steps_fields(calls, self._ref)
         self._ref = (calls[-1][1], calls[-1][0])
         self._last_flush = now
         return self._emit_locked("steps", fields)

@@ -22,10 +22,12 @@ and then the fields of its kind:
     (``null`` without a process group), ``torch`` (version or ``null``);
 ``steps``
     a batch of ``jd.log`` calls, every call kept with its own values (values are never merged; only the *write*
-    is batched): ``t0`` (unix time of the batch's first call), ``step`` (the logged steps, ints), ``dt`` (each
-    call's time as seconds after ``t0``, microseconds), ``m`` (``{metric: [value per call]}``: a float, ``null``
-    where that call did not log the metric, or the string ``"nan"``, ``"inf"`` or ``"-inf"``) and ``prev``
-    (``[time, step]`` of the call before the batch, ``null`` for the first). A loop writes one batch per rank per
+    is batched), as columns of little-endian 8-byte numbers in base64 (``enc`` = :data:`COLUMN_ENCODING`):
+    ``count`` (calls), ``step`` (int64 per call), ``ts`` (float64 unix time per call), ``m`` (``{metric: float64
+    column}``), ``at`` (only for a metric that not every call logged: ``{metric: [indices of the calls that
+    did]}``, its column holding just their values) and ``prev`` (``[time, step]`` of the call before the batch,
+    ``null`` for a worker's first). Bit-exact values, NaN and infinities included, read at C speed
+    (:func:`steps_columns`). A loop writes one batch per rank per
     ``JD_TELEMETRY_INTERVAL_S`` (default 1 s; 0 writes one per call) or per :data:`MAX_BATCH` calls; the first call,
     a checkpoint and the end of the run write at once. Readers see it as one ``step`` record per call
     (:func:`expand_steps`);
@@ -71,8 +73,12 @@ prefix the line, so readers look for the sentinel anywhere in it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import sys
+from array import array
 from typing import Any
 
 __all__ = [
@@ -85,7 +91,10 @@ __all__ = [
     "step_fields",
     "check_metrics",
     "steps_fields",
+    "steps_columns",
     "expand_steps",
+    "unpack",
+    "COLUMN_ENCODING",
     "MAX_BATCH",
     "encode",
     "decode",
@@ -191,39 +200,90 @@ def check_metrics(step: Any, metrics: dict[str, Any]) -> tuple[int, dict[str, An
     return value, out
 
 
-def _column_value(value: float | None) -> float | str | None:
-    if value is None or math.isfinite(value):
-        return value
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+COLUMN_ENCODING = "le8-b64"
+"""How a ``steps`` record stores its columns: little-endian 8-byte numbers (``int64`` steps, ``float64`` times and
+values), base64 text. The exact bits of every value (NaN and infinities included), and decoded at C speed."""
+
+
+def _pack(code: str, values: list[Any]) -> str:
+    arr = array(code, values)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        arr.byteswap()
+    return base64.b64encode(arr.tobytes()).decode("ascii")
+
+
+def unpack(code: str, text: Any) -> list[Any]:
+    """A column of a ``steps`` record: ``code`` ``"q"`` (int64) or ``"d"`` (float64); raises ``ValueError``."""
+    if not isinstance(text, str):
+        raise ValueError("a column is base64 text")
+    arr = array(code)
+    try:
+        arr.frombytes(base64.b64decode(text, validate=True))
+    except (ValueError, binascii.Error) as e:
+        raise ValueError(f"a damaged column: {e}") from None
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        arr.byteswap()
+    return arr.tolist()
 
 
 def steps_fields(calls: list[tuple[int, float, dict[str, float]]], prev: tuple[float, int] | None) -> dict[str, Any]:
     """The fields of a ``steps`` record from ``(step, time, {metric: float})`` per call, in call order.
 
-    Every value is kept as given (floats, non-finite ones as their names); only the times are rounded, to
-    microseconds after the first call.
+    Every value and time is kept bit for bit. A metric that not every call logged has ``at``: the indices of the
+    calls that did, and its column holds only their values.
     """
-    t0 = calls[0][1]
     names: dict[str, None] = {}
     for _, _, values in calls:
         for name in values:
             names.setdefault(name)
-    columns = {name: [_column_value(values.get(name)) for _, _, values in calls] for name in names}
-    return {
-        "t0": t0,
-        "step": [c[0] for c in calls],
-        "dt": [round(c[1] - t0, 6) for c in calls],
+    columns: dict[str, str] = {}
+    at: dict[str, list[int]] = {}
+    for name in names:
+        if all(name in values for _, _, values in calls):
+            columns[name] = _pack("d", [values[name] for _, _, values in calls])
+        else:
+            idx = [i for i, (_, _, values) in enumerate(calls) if name in values]
+            at[name] = idx
+            columns[name] = _pack("d", [calls[i][2][name] for i in idx])
+    fields: dict[str, Any] = {
+        "enc": COLUMN_ENCODING,
+        "count": len(calls),
+        "step": _pack("q", [c[0] for c in calls]),
+        "ts": _pack("d", [c[1] for c in calls]),
         "m": columns,
         "prev": None if prev is None else [prev[0], prev[1]],
     }
+    if at:
+        fields["at"] = at
+    return fields
 
 
-def _float_of(value: Any) -> float | None:
-    if isinstance(value, str):
-        return _NONFINITE_NAMES.get(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
+def steps_columns(record: dict[str, Any]) -> tuple[list[int], list[float], dict[str, list[float | None]]]:
+    """``(steps, times, {metric: [value or None per call]})`` of a ``steps`` record; ``ValueError`` if damaged."""
+    if record.get("enc") != COLUMN_ENCODING:
+        raise ValueError(f"unknown column encoding {record.get('enc')!r}")
+    steps, ts = unpack("q", record.get("step")), unpack("d", record.get("ts"))
+    cols, at = record.get("m"), record.get("at") or {}
+    n = record.get("count")
+    if len(steps) != n or len(ts) != n or not isinstance(cols, dict) or not isinstance(at, dict):
+        raise ValueError("columns of different lengths")
+    out: dict[str, list[float | None]] = {}
+    for name, text in cols.items():
+        values = unpack("d", text)
+        where = at.get(name)
+        if where is None:
+            if len(values) != n:
+                raise ValueError(f"column {name!r} has {len(values)} values for {n} calls")
+            out[name] = values
+            continue
+        if not isinstance(where, list) or len(where) != len(values) or not all(
+                isinstance(i, int) and 0 <= i < n for i in where):  # fmt: skip
+            raise ValueError(f"column {name!r}: bad indices")
+        full: list[float | None] = [None] * n
+        for i, v in zip(where, values, strict=True):
+            full[i] = v
+        out[name] = full
+    return steps, ts, out
 
 
 def expand_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -233,11 +293,9 @@ def expand_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
     call's own time as ``t``, its step and logged values, and ``step_time`` / ``tokens_per_s`` /
     ``samples_per_s`` derived from the time since the previous call (unless the call logged those names itself).
     """
-    steps, dts, cols = record.get("step"), record.get("dt"), record.get("m")
-    t0 = record.get("t0")
-    if not (isinstance(steps, list) and isinstance(dts, list) and isinstance(cols, dict)) or len(steps) != len(dts):
-        return []
-    if not isinstance(t0, (int, float)) or any(not isinstance(c, list) or len(c) != len(steps) for c in cols.values()):
+    try:
+        steps, ts, cols = steps_columns(record)
+    except ValueError:
         return []
     prev = record.get("prev")
     last: tuple[float, int] | None = None
@@ -246,12 +304,10 @@ def expand_steps(record: dict[str, Any]) -> list[dict[str, Any]]:
     base = {"v": record.get("v"), "kind": "step", "rank": record.get("rank"), "seq": record.get("seq")}
     out: list[dict[str, Any]] = []
     for i, step in enumerate(steps):
-        if not isinstance(step, int) or not isinstance(dts[i], (int, float)):
-            return []
-        t = float(t0) + float(dts[i])
+        t = ts[i]
         rec: dict[str, Any] = {**base, "t": t, "step": step}
         for name, col in cols.items():
-            value = _float_of(col[i])
+            value = col[i]
             if value is not None:
                 rec[name] = value
         if last is not None and t > last[0]:

@@ -4,8 +4,9 @@
 it of each logged step's value: every ``jd.log`` call is kept, so with one rank, or ranks that log the same value,
 the last loss is the last value logged), and from the one measurement (:mod:`.measurement`) the throughput
 (tokens/s, else samples/s, else steps/s; each data-parallel replica counted once) and each rank's peak memory in
-bytes; the time span, and restarts (the most ``start`` records of one rank, minus one). :func:`write_summary` puts it in ``<run dir>/summary.json`` when a run ends, so a table over hundreds
-of runs reads one small file per run instead of every telemetry line.
+bytes; the time span, and restarts (the most ``start`` records of one rank, minus one). :func:`write_summary` puts
+it in ``<run dir>/summary.json`` when a run ends, so a table over hundreds of runs reads one small file per run
+instead of every telemetry line.
 """
 
 from __future__ import annotations

@@ -151,9 +151,23 @@ class Dashboard:
         self._display: Any = None
         self.finished = threading.Event()
         self._status_html = ""
+        self._load_history()
         self.update()
         if widget:
             self._build_widget()
+
+    def _load_history(self) -> None:
+        """What the run wrote before the panels opened, read as columns; the reader then follows new lines only.
+
+        A long run's history opens in about a second (``benchmarks/lossless_telemetry.py``).
+        """
+        from ..telemetry.reader import read_run_columns
+
+        if self.reader.follower is None:
+            return
+        columns = read_run_columns(self.reader.follower.folder, follower=self.reader.follower)
+        self.reader.records.bad_lines += columns.bad_lines
+        self.model.load(columns)
 
     # ---- widget ---------------------------------------------------------------------------------------------
     def _build_widget(self) -> None:

@@ -256,12 +256,31 @@ class DashboardModel:
         }  # fmt: skip
 
     # ---- input ----------------------------------------------------------------------------------------------
-    def ingest(self, records: Iterable[dict[str, Any]]) -> int:
+    def load(self, columns: Any) -> int:
+        """A run's history at once (a :class:`~jupyter_dist.telemetry.reader.RunColumns`): opening a finished run.
+
+        Every call is measured (the status line's throughput is the summary's); the line panels are drawn from
+        about ``max_points`` calls per rank (the smallest and largest value of the metric per bucket of calls, so a
+        spike stays), which is what the traces would keep after decimating anyway. Returns the records used.
+        """
+        self.measure.add_columns(columns.steps.values())
+        self.measure.add(columns.records)
+        metric = self.metric
+        if metric is None:
+            names = {n for c in columns.steps.values() for n in c.metrics}
+            metric = "loss" if "loss" in names else next(iter(sorted(names)), None)
+        drawn: list[dict[str, Any]] = []
+        for cols in columns.steps.values():
+            drawn += cols.records(cols.thin(metric, self.max_points // 2))  # traces decimate to half past the cap
+        return self.ingest(drawn + columns.records, measure=False)
+
+    def ingest(self, records: Iterable[dict[str, Any]], *, measure: bool = True) -> int:
         """Take records (any kinds, any rank order; a batch is taken in time order); returns how many were used."""
         used = 0
         batch = sorted(records, key=_time_of)
         self.health.ingest(batch)
-        self.measure.add(batch)
+        if measure:
+            self.measure.add(batch)
         for rec in batch:
             kind = rec.get("kind")
             try:
@@ -592,7 +611,8 @@ class DashboardModel:
             parts.append(f"step {st['step']}")
         if st["throughput"] is not None:
             rate = st["throughput"]
-            parts.append(f"{rate:,.0f} {st['throughput_unit']}" if rate >= 100 else f"{rate:.3g} {st['throughput_unit']}")
+            unit = st["throughput_unit"]
+            parts.append(f"{rate:,.0f} {unit}" if rate >= 100 else f"{rate:.3g} {unit}")
         if st["world_size"]:
             parts.append(f"{st['ranks_alive']}/{st['world_size']} ranks alive")
         if st["restarts"]:
