@@ -73,11 +73,14 @@ def explain(proc: subprocess.CompletedProcess[str], run_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def read_records(run_dir: Path, rank: int) -> list[dict]:
+def read_records(run_dir: Path, rank: int, *, raw: bool = False) -> list[dict]:
+    """A rank's records as readers see them (a ``steps`` batch as one ``step`` record per call), or as written."""
     lines = Path(telemetry_path(run_dir, rank)).read_text().splitlines()
     recs = [records.decode(line) for line in lines]
     assert all(r is not None for r in recs), lines
-    return recs  # type: ignore[return-value]
+    if raw:
+        return recs  # type: ignore[return-value]
+    return [x for r in recs for x in (records.expand_steps(r) if r["kind"] == "steps" else [r])]  # type: ignore[index]
 
 
 def check_telemetry(run_dir: Path, rank: int, steps: list[int]) -> list[dict]:
@@ -231,7 +234,7 @@ def test_emitter_writes_one_line_per_record_with_increasing_seq(tmp_path: Path) 
     em.exit_record("error", ValueError("bad"))
     em.close()
     assert em.emit("step", step=9) is None  # closed: dropped
-    recs = read_records(tmp_path, 2)
+    recs = read_records(tmp_path, 2, raw=True)
     assert [r["kind"] for r in recs] == ["start", "steps", "steps", "steps", "exit"]  # interval 0: a line per call
     assert [r["seq"] for r in recs] == [0, 1, 2, 3, 4]
     assert [records.steps_columns(r)[2]["loss"] for r in recs[1:4]] == [[1.0], [0.5], [1.0 / 3]]
@@ -286,7 +289,7 @@ def test_emitter_heartbeat_thread_and_stream_sink(tmp_path: Path) -> None:
     os.close(write_fd)
     with os.fdopen(read_fd) as f:
         streamed = f.read().splitlines()
-    recs = read_records(tmp_path, 1)
+    recs = read_records(tmp_path, 1, raw=True)
     beats = [r for r in recs if r["kind"] == "hb"]
     assert len(beats) >= 2 and beats[0]["step"] == 41 and beats[0]["phase"] == "init" and beats[0]["phase_s"] >= 0
     mems = [r for r in recs if r["kind"] == "mem"]
@@ -316,7 +319,7 @@ def test_runtime_outside_torchrun_logs_and_refuses_distributed_strategies(tmp_pa
     rec = rt.log(3, {"loss": torch.tensor(0.5)})
     assert rec is not None and records.steps_columns(rec)[:3:2] == ([3], {"loss": [0.5]})
     rt.emitter.close()
-    assert [r["kind"] for r in read_records(tmp_path, 0)] == ["start", "hb", "mem", "steps"]
+    assert [r["kind"] for r in read_records(tmp_path, 0, raw=True)] == ["start", "hb", "mem", "steps"]
     for strategy in ("ddp", "fsdp2", "zero2"):
         with pytest.raises(WorkerError, match=f"JD_STRATEGY={strategy} needs a process group.*torchrun"):
             Runtime(tiny_env(tmp_path, strategy=strategy)).wrap(model, opt)

@@ -328,18 +328,11 @@ class Run(RunWatching):
         frames = []
         for rank, cols in sorted(read_run_columns(self._rd.telemetry).steps.items()):
             data: dict[str, Any] = {"rank": np.full(len(cols), rank, dtype="int64"),
-                                    "step": np.array(cols.step, dtype="int64"), "t": np.array(cols.t, dtype="float64")}
-            data.update({k: np.array(v, dtype="float64") for k, v in cols.metrics.items()})  # None: NaN
-            frame = pd.DataFrame(data)
-            dt = frame["t"].diff().where(~np.array(cols.fresh, dtype=bool))
-            dt = dt.where(dt > 0)
-            dstep = frame["step"].diff()
-            if "step_time" not in frame:
-                frame["step_time"] = (dt / dstep.where(dstep > 0)).astype("float64")
-            for unit in ("tokens", "samples"):
-                if unit in frame and f"{unit}_per_s" not in frame:
-                    frame[f"{unit}_per_s"] = frame[unit] / dt
-            frames.append(frame)
+                                    "step": np.frombuffer(cols.step, dtype=np.int64),
+                                    "t": np.frombuffer(cols.t, dtype=np.float64)}  # fmt: skip
+            data.update({k: cols.column(k) for k in cols.metrics})  # NaN where a call did not log it
+            data.update(cols.derived())  # the step records' step_time / tokens_per_s, from the same function
+            frames.append(pd.DataFrame(data))
         if not frames:
             return pd.DataFrame()
         frame = pd.concat(frames, ignore_index=True)

@@ -173,15 +173,25 @@ class MeasureBuilder:
                 continue
             top = max(cols.step)
             self.max_step = top if self.max_step is None else max(self.max_step, top)
-            derived = {**cols.derived(), **{k: v for k, v in cols.metrics.items()
-                                            if k in ("step_time", "tokens_per_s", "samples_per_s")}}  # fmt: skip
+            derived = dict(cols.derived())
+            for k in ("step_time", "tokens_per_s", "samples_per_s"):
+                if k in cols.metrics:  # logged by the rank itself
+                    derived[k] = cols.metrics[k]
             warm = [s >= self.warmup for s in cols.step]
             for key in ("tokens_per_s", "samples_per_s", "step_time"):
                 col = derived.get(key)
                 if col is None:
                     continue
-                vals = [v for v, w in zip(col, warm, strict=True) if w and v is not None and isfinite(v)
-                        and (key != "step_time" or v > 0)]  # fmt: skip
+                if hasattr(col, "dtype"):  # numpy: one mask, no Python object per call
+                    import numpy as np
+
+                    mask = np.asarray(warm, dtype=bool) & np.isfinite(col)
+                    if key == "step_time":
+                        mask &= col > 0
+                    vals = col[mask].tolist()
+                else:
+                    vals = [float(v) for v, w in zip(col, warm, strict=True) if w and v is not None and isfinite(v)
+                            and (key != "step_time" or v > 0)]  # fmt: skip
                 if not vals:
                     continue
                 if key == "step_time":

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -304,45 +305,91 @@ class TelemetryReader:
         return self._thread is not None and self._thread.is_alive()
 
 
+def _numpy() -> Any:
+    """numpy when importable (``pandas`` and ``torch`` bring it): the columns' fast paths; else ``None``."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with pandas and torch
+        return None
+    return numpy
+
+
 @dataclass
 class StepColumns:
     """Every ``jd.log`` call of one rank as columns (in the order the rank made them): the fast way to a table.
 
-    ``metrics[name][i]`` is the value call ``i`` logged for ``name``, ``None`` when that call did not log it.
-    ``fresh[i]`` is true for the first call after a (re)start, whose time since a previous call is unknown.
+    ``step`` (int64) and ``t`` (float64, unix time) are arrays; ``metrics[name]`` is an ``array("d")`` when every
+    call logged ``name``, else a list with ``None`` for the calls that did not. ``starts`` holds the indices of the
+    first call after each (re)start of the rank, whose time since a previous call is unknown.
     """
 
     rank: int
-    step: list[int] = field(default_factory=list)
-    t: list[float] = field(default_factory=list)
-    metrics: dict[str, list[float | None]] = field(default_factory=dict)
-    fresh: list[bool] = field(default_factory=list)
-    _derived: tuple[int, dict[str, list[float | None]]] | None = field(default=None, repr=False)
+    step: array[int] = field(default_factory=lambda: array("q"))
+    t: array[float] = field(default_factory=lambda: array("d"))
+    metrics: dict[str, Any] = field(default_factory=dict)
+    starts: list[int] = field(default_factory=list)
+    _derived: tuple[int, dict[str, Any]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.step)
 
-    def derived(self) -> dict[str, list[float | None]]:
+    @property
+    def fresh(self) -> list[bool]:
+        """Per call: whether it is the first after a (re)start."""
+        out = [False] * len(self.step)
+        for i in self.starts:
+            out[i] = True
+        return out
+
+    def column(self, name: str) -> Any:
+        """A metric as a float64 numpy array (NaN where not logged); needs numpy."""
+        np = _numpy()
+        col = self.metrics[name]
+        if isinstance(col, array):
+            return np.frombuffer(col, dtype=np.float64)
+        return np.array(col, dtype=np.float64)  # None -> NaN
+
+    def derived(self) -> dict[str, Any]:
         """``step_time`` and ``tokens_per_s`` / ``samples_per_s`` per call, as :func:`~.records.expand_steps` does.
 
-        From the time since the previous call; ``None`` for a call after a (re)start, and no column for a name the
-        rank logged itself.
+        From the time since the previous call (undefined for a call after a (re)start); no column for a name the
+        rank logged itself. float64 numpy arrays with NaN where undefined (lists with ``None`` without numpy).
         """
         key = len(self.step)
         if self._derived is not None and self._derived[0] == key:
             return self._derived[1]
-        t, steps = self.t, self.step
-        spans: list[float | None] = [None]
-        spans += [b - a if not f and b > a else None for a, b, f in zip(t, t[1:], self.fresh[1:], strict=False)]
-        out: dict[str, list[float | None]] = {}
-        if "step_time" not in self.metrics:
-            ds = [0] + [b - a for a, b in zip(steps, steps[1:], strict=False)]
-            out["step_time"] = [sp / d if sp is not None and d > 0 else None for sp, d in zip(spans, ds, strict=True)]
-        for unit in ("tokens", "samples"):
-            units = self.metrics.get(unit)
-            if units is not None and f"{unit}_per_s" not in self.metrics:
-                out[f"{unit}_per_s"] = [u / sp if sp is not None and u is not None and math.isfinite(u) else None
-                                        for u, sp in zip(units, spans, strict=True)]  # fmt: skip
+        np = _numpy()
+        out: dict[str, Any] = {}
+        if np is not None and key:
+            t = np.frombuffer(self.t, dtype=np.float64)
+            steps = np.frombuffer(self.step, dtype=np.int64)
+            spans = np.full(key, np.nan)
+            spans[1:] = np.diff(t)
+            spans[self.starts] = np.nan
+            spans[~(spans > 0)] = np.nan
+            with np.errstate(divide="ignore", invalid="ignore"):
+                if "step_time" not in self.metrics:
+                    ds = np.zeros(key)
+                    ds[1:] = np.diff(steps)
+                    out["step_time"] = np.where(ds > 0, spans / np.where(ds > 0, ds, 1), np.nan)
+                for unit in ("tokens", "samples"):
+                    if unit in self.metrics and f"{unit}_per_s" not in self.metrics:
+                        units = self.column(unit)
+                        out[f"{unit}_per_s"] = np.where(np.isfinite(units), units / spans, np.nan)
+        elif key:
+            fresh = self.fresh
+            t, steps = self.t, self.step
+            spans_l: list[float | None] = [None]
+            spans_l += [b - a if not f and b > a else None for a, b, f in zip(t, t[1:], fresh[1:], strict=False)]
+            if "step_time" not in self.metrics:
+                ds_l = [0] + [b - a for a, b in zip(steps, steps[1:], strict=False)]
+                out["step_time"] = [sp / d if sp is not None and d > 0 else None
+                                    for sp, d in zip(spans_l, ds_l, strict=True)]  # fmt: skip
+            for unit in ("tokens", "samples"):
+                units_l = self.metrics.get(unit)
+                if units_l is not None and f"{unit}_per_s" not in self.metrics:
+                    out[f"{unit}_per_s"] = [u / sp if sp is not None and u is not None and math.isfinite(u) else None
+                                            for u, sp in zip(units_l, spans_l, strict=True)]  # fmt: skip
         self._derived = (key, out)
         return out
 
@@ -354,22 +401,33 @@ class StepColumns:
         n = len(self.step)
         if n <= target or target < 4:
             return list(range(n))
-        col = self.metrics.get(metric) if metric else None
-        keep = {0, n - 1}
         buckets = max(1, (target - 2) // 2)
+        keep = {0, n - 1}
+        np = _numpy()
+        if metric is None or metric not in self.metrics:
+            keep.update(b * n // buckets for b in range(buckets))
+            return sorted(keep)
+        if np is not None:
+            col = self.column(metric)
+            width = -(-n // buckets)
+            padded = np.full(width * buckets, np.nan)
+            padded[:n] = col
+            grid = padded.reshape(buckets, width)
+            base = np.arange(buckets) * width
+            finite = np.isfinite(grid)
+            lo = np.argmin(np.where(finite, grid, np.inf), axis=1) + base
+            hi = np.argmax(np.where(finite, grid, -np.inf), axis=1) + base
+            keep.update(int(i) for i in np.concatenate([lo, hi]) if i < n)
+            return sorted(keep)
+        col_l = self.metrics[metric]
         for b in range(buckets):
-            lo, hi = b * n // buckets, (b + 1) * n // buckets
-            if lo >= hi:
-                continue
-            if col is None:
-                keep.add(lo)
-                continue
-            finite = [i for i in range(lo, hi) if col[i] is not None and col[i] == col[i]]
-            if finite:
-                keep.add(min(finite, key=col.__getitem__))  # type: ignore[arg-type]
-                keep.add(max(finite, key=col.__getitem__))  # type: ignore[arg-type]
-            else:
-                keep.add(lo)
+            lo_i, hi_i = b * n // buckets, (b + 1) * n // buckets
+            finite_i = [i for i in range(lo_i, hi_i) if col_l[i] is not None and math.isfinite(col_l[i])]
+            if finite_i:
+                keep.add(min(finite_i, key=col_l.__getitem__))
+                keep.add(max(finite_i, key=col_l.__getitem__))
+            elif lo_i < hi_i:
+                keep.add(lo_i)
         return sorted(keep)
 
     def records(self, indices: Iterable[int]) -> list[dict[str, Any]]:
@@ -383,20 +441,31 @@ class StepColumns:
                 if col[i] is not None:
                     rec[name] = col[i]
             for name, col in derived.items():
-                if col[i] is not None:
-                    rec[name] = col[i]
+                v = col[i]
+                if v is not None and v == v:
+                    rec[name] = float(v)
             out.append(rec)
         return out
 
-    def _extend(self, steps: list[int], ts: list[float], cols: dict[str, list[float | None]], fresh: bool) -> None:
+    def _extend(self, steps: Any, ts: Any, cols: dict[str, Any], fresh: bool) -> None:
         n0, n = len(self.step), len(steps)
-        self.step.extend(steps)
-        self.t.extend(ts)
-        self.fresh.extend([fresh] + [False] * (n - 1))
+        if fresh:
+            self.starts.append(n0)
+        self.step.extend(steps if isinstance(steps, array) else array("q", steps))
+        self.t.extend(ts if isinstance(ts, array) else array("d", ts))
         for name in cols.keys() - self.metrics.keys():
-            self.metrics[name] = [None] * n0
-        for name, col in self.metrics.items():
-            col.extend(cols.get(name, [None] * n))
+            self.metrics[name] = [None] * n0 if n0 else (array("d") if isinstance(cols[name], array) else [])
+        for name, col in list(self.metrics.items()):
+            new = cols.get(name)
+            if isinstance(col, array) and isinstance(new, array):
+                col.extend(new)
+                continue
+            if isinstance(col, array):  # no longer logged by every call: a list with None
+                col = self.metrics[name] = col.tolist()
+            if new is None:
+                col.extend([None] * n)
+            else:
+                col.extend(new.tolist() if isinstance(new, array) else new)
 
 
 @dataclass
@@ -417,7 +486,7 @@ def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFol
     about a second and most of a minute (``benchmarks/lossless_telemetry.py``). With ``follower`` (a live
     reader's), reading starts where it stands and leaves it at the end, so the reader goes on with new lines only.
     """
-    from .records import ENVELOPE, steps_columns
+    from .records import ENVELOPE, steps_arrays
 
     out = RunColumns()
     dedup = Dedup()
@@ -442,7 +511,7 @@ def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFol
         kind = rec.get("kind")
         if kind == "steps":
             try:
-                steps, ts, cols = steps_columns(rec)
+                steps, ts, cols = steps_arrays(rec)
             except ValueError:
                 out.bad_lines += 1
                 continue

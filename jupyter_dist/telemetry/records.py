@@ -94,6 +94,8 @@ __all__ = [
     "steps_columns",
     "expand_steps",
     "unpack",
+    "unpack_array",
+    "steps_arrays",
     "COLUMN_ENCODING",
     "MAX_BATCH",
     "encode",
@@ -214,6 +216,11 @@ def _pack(code: str, values: list[Any]) -> str:
 
 def unpack(code: str, text: Any) -> list[Any]:
     """A column of a ``steps`` record: ``code`` ``"q"`` (int64) or ``"d"`` (float64); raises ``ValueError``."""
+    return unpack_array(code, text).tolist()
+
+
+def unpack_array(code: str, text: Any) -> array[Any]:
+    """:func:`unpack` as an :class:`array.array` (no Python object per value)."""
     if not isinstance(text, str):
         raise ValueError("a column is base64 text")
     arr = array(code)
@@ -223,7 +230,7 @@ def unpack(code: str, text: Any) -> list[Any]:
         raise ValueError(f"a damaged column: {e}") from None
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         arr.byteswap()
-    return arr.tolist()
+    return arr
 
 
 def steps_fields(calls: list[tuple[int, float, dict[str, float]]], prev: tuple[float, int] | None) -> dict[str, Any]:
@@ -260,16 +267,22 @@ def steps_fields(calls: list[tuple[int, float, dict[str, float]]], prev: tuple[f
 
 def steps_columns(record: dict[str, Any]) -> tuple[list[int], list[float], dict[str, list[float | None]]]:
     """``(steps, times, {metric: [value or None per call]})`` of a ``steps`` record; ``ValueError`` if damaged."""
+    steps, ts, cols = steps_arrays(record)
+    return steps.tolist(), ts.tolist(), {k: v if isinstance(v, list) else v.tolist() for k, v in cols.items()}
+
+
+def steps_arrays(record: dict[str, Any]) -> tuple[array[int], array[float], dict[str, Any]]:
+    """:func:`steps_columns` with arrays: a metric every call logged is an ``array("d")``, a sparse one a list."""
     if record.get("enc") != COLUMN_ENCODING:
         raise ValueError(f"unknown column encoding {record.get('enc')!r}")
-    steps, ts = unpack("q", record.get("step")), unpack("d", record.get("ts"))
+    steps, ts = unpack_array("q", record.get("step")), unpack_array("d", record.get("ts"))
     cols, at = record.get("m"), record.get("at") or {}
     n = record.get("count")
     if len(steps) != n or len(ts) != n or not isinstance(cols, dict) or not isinstance(at, dict):
         raise ValueError("columns of different lengths")
-    out: dict[str, list[float | None]] = {}
+    out: dict[str, Any] = {}
     for name, text in cols.items():
-        values = unpack("d", text)
+        values = unpack_array("d", text)
         where = at.get(name)
         if where is None:
             if len(values) != n:
@@ -280,7 +293,7 @@ def steps_columns(record: dict[str, Any]) -> tuple[list[int], list[float], dict[
                 isinstance(i, int) and 0 <= i < n for i in where):  # fmt: skip
             raise ValueError(f"column {name!r}: bad indices")
         full: list[float | None] = [None] * n
-        for i, v in zip(where, values, strict=True):
+        for i, v in zip(where, values.tolist(), strict=True):
             full[i] = v
         out[name] = full
     return steps, ts, out
