@@ -99,7 +99,7 @@ def _train_parser() -> MagicArgumentParser:
         "--telemetry-interval",
         type=float_arg(0.0, 3600.0),
         metavar="S",
-        help="seconds between the ranks' writes of their jd.log calls (default 1; 0: each call at once); every call kept",
+        help="seconds between the ranks' writes of their jd.log calls (default 1; 0: each call); every call is kept",
     )
     p.add_argument(
         "--heartbeat", type=float_arg(0.0, 3600.0), metavar="S", help="seconds between heartbeats (default 2; 0: off)"

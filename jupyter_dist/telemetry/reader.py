@@ -306,7 +306,7 @@ class TelemetryReader:
 
 
 def _numpy() -> Any:
-    """numpy when importable (``pandas`` and ``torch`` bring it): the columns' fast paths; else ``None``."""
+    """The numpy module when importable (pandas and torch bring it): the columns' fast paths; else ``None``."""
     try:
         import numpy
     except ImportError:  # pragma: no cover - numpy comes with pandas and torch
