@@ -127,6 +127,7 @@ def test_deepspeed_zero2_restarts_and_ends_where_an_uninterrupted_run_ends(ip: A
     assert same(final_params(run), final_params(ref))
 
 
+@pytest.mark.slow  # the fast tier (-m 'not slow') stays under 5 minutes
 @pytest.mark.deepspeed
 def test_deepspeed_cpu_adam_resumes_bit_exactly_after_the_step_products_are_replayed(tmp_path: Path) -> None:
     """The cause of issue 16 in one process: DeepSpeed's CPU Adam handed a checkpointed state drifts from the

@@ -345,6 +345,7 @@ def measured_states() -> dict[str, dict[str, Any]]:
     return {f"{r['strategy']}:{r['precision']}": r for r in json.loads(lines[-1][len("RESULT ") :])}
 
 
+@pytest.mark.slow  # the fast tier (-m 'not slow') stays under 5 minutes
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", STATE_CASES)
 def test_strategy_state_bytes_equal_measured(measured_states: dict[str, dict[str, Any]], case: str) -> None:

@@ -558,6 +558,7 @@ def big_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any
     return {key: (b, findings.get(key, [])) for key, b in bundles.items()}
 
 
+@pytest.mark.slow  # the fast tier (-m 'not slow') stays under 5 minutes
 def test_every_candidate_of_the_planners_big_plans_gets_a_train_py_that_compiles_and_passes_ruff(
     big_bundles: dict[str, tuple[Any, dict[str, list[str]]]],
 ) -> None:
