@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
-from .backends.local import LaunchError, LocalLauncher, check_launcher
+from .backends.local import LaunchError, LocalLauncher, check_capacity, check_launcher, check_user_env
 from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
 from .record import RunRecord, launch_record
 from .run import RUNNING, Run
@@ -53,7 +53,7 @@ def start_run(
     cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
     sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
     secrets: Iterable[str] = (), script: str | None = None, script_args: tuple[str, ...] = (),
-    output: str | Iterable[int] | None = "0",
+    output: str | Iterable[int] | None = "0", oversubscribe: bool = False,
 ) -> Run | DryRun:  # fmt: skip
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
@@ -66,6 +66,8 @@ def start_run(
     environment variables they need (:meth:`Run.log_to`); both are checked before anything is launched.
     ``output`` chooses whose prints are shown while the run goes (``"0"``: rank 0, the default; ``"all"``,
     ``"none"``, ``"0,2"``), under the cell in a notebook, else on stdout (:meth:`Run.show_output`).
+    A local run refuses more ranks than the machine holds (:func:`~.backends.local.check_capacity`) unless
+    ``oversubscribe``.
     """
     from ..telemetry.sinks import check_sinks, parse_log_to
     from .output import parse_output
@@ -80,7 +82,7 @@ def start_run(
         code, nproc=nproc, nodes=nodes, strategy=strategy, plan=plan, launcher=launcher, name=name, ship=ship,
         max_restarts=max_restarts, timeout=timeout, env=env, runs_dir=runs_dir, port=port, dry_run=dry_run,
         hang_timeout=hang_timeout, backend=backend, cluster=cluster, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, worker=worker,
-        script=script, script_args=tuple(script_args),
+        script=script, script_args=tuple(script_args), oversubscribe=oversubscribe,
     )  # fmt: skip
     if sinks and isinstance(result, DryRun):
         result.notes.append(f"metrics forwarded from this kernel to: {', '.join(sinks)}")
@@ -96,9 +98,10 @@ def _start_run(
     ship: dict[str, Any] | None, max_restarts: int, timeout: float | None, env: dict[str, str] | None,
     runs_dir: str | os.PathLike[str], port: int | None, dry_run: bool, hang_timeout: float | None, backend: str,
     cluster: Any, tp: int | None, pp: int | None, cp: int | None, ep: int | None, sp: bool | None,
-    worker: dict[str, Any] | None, script: str | None, script_args: tuple[str, ...],
+    worker: dict[str, Any] | None, script: str | None, script_args: tuple[str, ...], oversubscribe: bool = False,
 ) -> Run | DryRun:  # fmt: skip
     degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
+    check_user_env(dict(env or {}))  # RANK, MASTER_PORT, ...: the launcher would silently override them
     if script is not None:  # an existing script instead of a cell (project.script_runner is the job's script.py)
         path = Path(script).expanduser()
         if not path.is_file():
@@ -118,8 +121,16 @@ def _start_run(
         )  # fmt: skip
         return result
     check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
+    gpus = local_gpu_count()
     if nproc is None:
-        nproc = local_gpu_count() or 2
+        nproc = gpus or 2
+    capacity_note = ""
+    try:
+        check_capacity(nproc, nodes, gpus=gpus, oversubscribe=oversubscribe)
+    except LaunchError as exc:
+        if not dry_run:  # a dry run starts nothing: it says what a real run would refuse
+            raise
+        capacity_note = f"a real run here refuses this: {exc}"
     if timeout is not None and timeout <= 0:
         raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
     if hang_timeout is not None and hang_timeout <= 0:
@@ -139,8 +150,8 @@ def _start_run(
         ds_plan = plan if plan is not None else _local_plan(strat, nproc, nodes)
         files["ds_config.json"] = render_deepspeed_json(ds_plan, RenderOptions(candidate=strat))
         contract = replace(contract, ds_config="ds_config.json")
-    notes = [choice.mesh(), *([choice.note] if choice.note else [])]
-    if launcher != "torchrun" and local_gpu_count() == 0:
+    notes = [choice.mesh(), *([choice.note] if choice.note else []), *([capacity_note] if capacity_note else [])]
+    if launcher != "torchrun" and gpus == 0:
         # deepspeed's runner asks DeepSpeed's accelerator how many devices exist; accelerate's `Accelerator()` in a
         # rank started with --multi_gpu is MULTI_CPU (gloo) only with ACCELERATE_USE_CPU, else each rank runs alone
         extra_env = {**{"deepspeed": {"DS_ACCELERATOR": "cpu"}, "accelerate": {"ACCELERATE_USE_CPU": "true"}}[launcher],

@@ -85,8 +85,12 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument(
         "--timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), help="stop the run after this many seconds"
     )
-    p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the workers")
-    p.add_argument("--port", type=int_arg(1024, 65535), help="rendezvous / master port (default: a free one)")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="environment for the workers (not RANK, WORLD_SIZE, MASTER_PORT, ...: the launcher's)")
+    p.add_argument("--port", type=int_arg(1024, 65535),
+                   help="rendezvous / master port, also on one node (default: a free one)")  # fmt: skip
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start more local ranks than the machine holds (one per GPU, else 4 per CPU core)")  # fmt: skip
     p.add_argument("--runs-dir", help="where run directories go (default: the DistMagics.runs_dir setting)")
     p.add_argument("--wait", action="store_true", help="block until the run ends, then show its summary")
     p.add_argument("--dry-run", action="store_true", help="show script, configs and commands; run nothing")
@@ -407,6 +411,7 @@ class DistMagics(Magics):
                 hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
                 ep=args.ep, sp=args.sp, worker=worker, log_to=args.log_to,
                 secrets=tuple(args.secret) if args.log_to else (), output="none",  # shown below the panels
+                oversubscribe=args.oversubscribe,
             )  # fmt: skip
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None

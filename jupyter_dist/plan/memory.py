@@ -487,20 +487,46 @@ def _rank_peak(
     ``min(m, pp - s)`` micro-batches on stage ``s``, GPipe all ``m`` on every stage, and interleaved 1F1B its
     warm-up forwards plus one (spread over the rank's stages).
     """
-    from .pipeline import schedule_actions
+    from .pipeline import Run, schedule_runs
 
     virtual = len(held) // pp
     now, count, peak, peak_count = 0.0, 0, 0.0, 0
-    for kind, stage in schedule_actions(training.pp_schedule, pp=pp, microbatches=grad_accum, rank=rank,
-                                        virtual=virtual):  # fmt: skip
+
+    def act(kind: str, stage: int) -> None:
+        nonlocal now, count, peak, peak_count
         if kind == "F":
             now, count = now + held[stage], count + 1
             if now > peak:
                 peak, peak_count = now, count
-            continue
+            return
         if now - held[stage] + during_backward[stage] > peak:
             peak, peak_count = now - held[stage] + during_backward[stage], count
         now, count = now - held[stage], count - 1
+
+    def drift(pattern: tuple[Any, ...]) -> tuple[float, int]:
+        if isinstance(pattern[0][0], str):
+            return (sum(held[s] if k == "F" else -held[s] for k, s in pattern),
+                    sum(1 if k == "F" else -1 for k, _ in pattern))  # fmt: skip
+        parts = [drift(p) for p, _ in pattern]
+        return sum(d * r for (d, _), (_, r) in zip(parts, pattern, strict=True)), sum(
+            c * r for (_, c), (_, r) in zip(parts, pattern, strict=True))
+
+    def follow(runs: list[Run] | tuple[Any, ...]) -> None:
+        # a repeated pattern's values grow by the same amount each time, so the peak is in its first or last
+        # repetition: a run of billions of micro-batches costs two repetitions (short runs are followed one by one)
+        nonlocal now, count
+        for pattern, repeat in runs:
+            for i in range(repeat) if repeat <= 64 else (0, repeat - 1):
+                if repeat > 64 and i == repeat - 1:
+                    d_now, d_count = drift(pattern)
+                    now, count = now + (repeat - 2) * d_now, count + (repeat - 2) * d_count
+                if isinstance(pattern[0][0], str):
+                    for kind, stage in pattern:
+                        act(kind, stage)
+                else:
+                    follow(pattern)
+
+    follow(schedule_runs(training.pp_schedule, pp=pp, microbatches=grad_accum, rank=rank, virtual=virtual))
     return peak, peak_count
 
 

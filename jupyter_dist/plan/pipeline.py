@@ -11,9 +11,16 @@ Also the order in which each schedule runs a rank's forwards and backwards (:fun
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..errors import ParallelismError
 
-__all__ = ["PP_SCHEDULES", "schedule_actions", "stage_bounds", "stage_costs", "stages_per_rank"]
+__all__ = ["MAX_PIPELINE_STAGES", "PP_SCHEDULES", "Run", "expand_runs", "schedule_actions", "schedule_runs",
+           "stage_bounds", "stage_costs", "stages_per_rank"]  # fmt: skip
+
+MAX_PIPELINE_STAGES = 4096
+"""Most pipeline stages (pp x stages per rank) the planner models (real pipelines use tens)."""
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Pipeline schedules (``JD_PP_SCHEDULE``): GPipe (all forwards, then all backwards), 1F1B and interleaved 1F1B."""
@@ -41,22 +48,80 @@ def stage_bounds(
 
     if n_stages == 1:
         return [(0, n_layers)]
-    extra = [first_extra] + [0.0] * (n_stages - 2) + [last_extra]
+    # O(log^2 L) whatever the size (an O(L^2) table of limits took a minute at a million layers): every middle stage
+    # has the same extra (0), so a stage is one of three kinds (first, middle, last) and each count is a product.
+    mids = n_stages - 2
+    kinds = [(first_extra, 1), (0.0, mids), (last_extra, 1)]  # (extra, how many stages), in stage order
 
-    def capacities(limit: float) -> list[int] | None:
-        caps = [int(limit - e + 1e-9) for e in extra]  # the most blocks each stage can take under the limit
-        return caps if min(caps) >= 1 and sum(caps) >= n_layers else None
+    def capacities(limit: float) -> tuple[int, int, int] | None:
+        # the most blocks each stage can take under the limit
+        caps = (int(limit - first_extra + 1e-9), int(limit - 0.0 + 1e-9), int(limit - last_extra + 1e-9))
+        if min(c for c, (_, k) in zip(caps, kinds, strict=True) if k) < 1:
+            return None
+        return caps if sum(c * k for c, (_, k) in zip(caps, kinds, strict=True)) >= n_layers else None
 
-    # the smallest feasible largest cost is a block count plus an edge's extra (or a plain block count)
-    limits = sorted({k + e for k in range(1, n_layers + 1) for e in (0.0, first_extra, last_extra)})
-    caps = next(c for c in (capacities(m) for m in limits) if c is not None)
+    def first_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+        """The smallest integer in ``[lo, hi]`` where the monotone ``ok`` holds (None if it never does)."""
+        if lo > hi or not ok(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+
+    # the smallest feasible largest cost is a block count plus an edge's extra (or a plain block count); feasibility
+    # grows with the limit, so a binary search per kind of limit finds it
+    found = []
+    for e in (0.0, first_extra, last_extra):
+
+        def feasible(k: int, e: float = e) -> bool:
+            return capacities(k + e) is not None
+
+        if (k := first_true(1, n_layers, feasible)) is not None:
+            found.append(k + e)
+    caps = capacities(min(found)) or (n_layers, n_layers, n_layers)  # (never None: the least feasible limit)
     # then take blocks away from the costliest stages (ties: the later one) until the layers are exactly covered;
-    # for a separable convex objective this greedy gives the most even split (smallest sum of squared costs)
-    for _ in range(sum(caps) - n_layers):
-        i = max((k for k in range(n_stages) if caps[k] > 1), key=lambda k: (caps[k] + extra[k], k))
-        caps[i] -= 1
+    # for a separable convex objective this greedy gives the most even split (smallest sum of squared costs). Taking
+    # one block at a time takes the `excess` costliest removals of all (a stage at c blocks offers removals costing
+    # j + extra, j = c..2), so find the cost of the last one taken and count.
+    excess = sum(c * k for c, (_, k) in zip(caps, kinds, strict=True)) - n_layers
+
+    def at_least(c: int, e: float, t: float, strict: bool = False) -> int:
+        """How many of one stage's removals (costs j + e, j = 2..c) cost at least (more than, if strict) ``t``."""
+        j = first_true(2, c, lambda j: j + e > t if strict else j + e >= t)
+        return 0 if j is None else c - j + 1
+
+    def removals(t: float, strict: bool = False) -> int:
+        return sum(k * at_least(c, e, t, strict) for c, (e, k) in zip(caps, kinds, strict=True))
+
+    taken = [0, 0, 0]  # removals per stage of each kind
+    ties = [0, 0, 0]
+    if excess:
+        tops = []
+        for c, (e, k) in zip(caps, kinds, strict=True):
+            if k and c >= 2:
+                # removals(j + e) falls as j grows: the largest j where it still reaches `excess`
+
+                def past(j: int, e: float = e) -> bool:
+                    return removals(j + e) < excess
+
+                j = first_true(2, c, past)
+                j = c if j is None else j - 1
+                if j >= 2:
+                    tops.append(j + e)
+        cut = max(tops)
+        taken = [at_least(c, e, cut, strict=True) for c, (e, _) in zip(caps, kinds, strict=True)]
+        left = excess - sum(t * k for t, (_, k) in zip(taken, kinds, strict=True))
+        for i in (2, 1, 0):  # the removals that cost exactly `cut`, later stages first
+            c, (e, k) = caps[i], kinds[i]
+            if k and left and at_least(c, e, cut) > taken[i]:
+                ties[i] = min(left, k)
+                left -= ties[i]
+    first = caps[0] - taken[0] - ties[0]
+    middle = [caps[1] - taken[1]] * (mids - ties[1]) + [caps[1] - taken[1] - 1] * ties[1]
+    last = caps[2] - taken[2] - ties[2]
     bounds, start = [], 0
-    for c in caps:
+    for c in [first, *middle, last]:
         bounds.append((start, start + c))
         start += c
     return bounds
@@ -131,3 +196,67 @@ def schedule_actions(
     for op in range(warmup, total):
         out += [("F", forward_stage(op)), ("B", backward_stage(op))]
     return out + [("B", backward_stage(op)) for op in range(total, total + warmup)]
+
+
+Run = tuple[tuple[Any, ...], int]
+"""``(pattern, repeat)``: ``pattern``, a tuple of actions (``("F", stage)``) or of nested runs, run ``repeat`` times."""
+
+
+def schedule_runs(schedule: str, *, pp: int, microbatches: int, rank: int, virtual: int = 1) -> list[Run]:
+    """:func:`schedule_actions` run-length encoded, in ``O(virtual)`` runs whatever the number of micro-batches.
+
+    A run repeats one pattern: a forward, a backward, a (backward, forward) pair of 1F1B's steady state, or an
+    interleaved steady-state period (``virtual`` rounds of ``m / max(1, m // pp)`` pairs, itself made of runs), so a
+    planner can follow a schedule of billions of actions in a few steps (:func:`expand_runs` gives the actions back).
+    """
+    m, v = microbatches, virtual
+    schedule_actions(schedule, pp=pp, microbatches=min(m, pp), rank=rank, virtual=v)  # validates the shape
+    if schedule == "gpipe":
+        return [((("F", rank),), m), ((("B", rank),), m)]
+    if schedule == "1f1b":
+        warmup = min(m, pp - rank)
+        return [((("F", rank),), warmup), ((("B", rank), ("F", rank)), m - warmup), ((("B", rank),), warmup)]
+    rounds = max(1, m // pp)
+    if m % rounds:
+        schedule_actions(schedule, pp=pp, microbatches=m, rank=rank, virtual=v)  # raises the one-line error
+    per_round = m // rounds
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+
+    def fwd(op: int) -> int:
+        return ((op // per_round) % v) * pp + rank
+
+    def bwd(op: int) -> int:
+        return (v - 1 - ((op - warmup) // per_round) % v) * pp + rank
+
+    def segments(lo: int, hi: int, step: Callable[[int], tuple[tuple[str, int], ...]], *marks: int) -> list[Run]:
+        """Ops ``lo..hi-1`` cut where a stage can change (multiples of per_round past each mark)."""
+        out: list[Run] = []
+        op = lo
+        while op < hi:
+            nxt = min([hi] + [mark + ((op - mark) // per_round + 1) * per_round for mark in marks])
+            out.append((step(op), nxt - op))
+            op = nxt
+        return out
+
+    def pair(op: int) -> tuple[tuple[str, int], ...]:
+        return (("F", fwd(op)), ("B", bwd(op)))
+
+    runs = segments(0, warmup, lambda op: (("F", fwd(op)),), 0)
+    period = v * per_round  # both stages repeat after it
+    whole = (total - warmup) // period
+    if whole > 1:
+        runs.append((tuple(segments(warmup, warmup + period, pair, 0, warmup)), whole))
+        runs += segments(warmup + whole * period, total, pair, 0, warmup)
+    else:
+        runs += segments(warmup, total, pair, 0, warmup)
+    return runs + segments(total, total + warmup, lambda op: (("B", bwd(op)),), warmup)
+
+
+def expand_runs(runs: list[Run] | tuple[Any, ...]) -> list[tuple[str, int]]:
+    """The actions a list of :data:`Run` stands for, in order (for tests and small schedules)."""
+    out: list[tuple[str, int]] = []
+    for pattern, repeat in runs:
+        one = list(pattern) if isinstance(pattern[0][0], str) else expand_runs(pattern)
+        out += one * repeat
+    return out

@@ -14,6 +14,7 @@ from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per
 from .model import ModelSpec, get_preset
 from .parallel import ParallelDims
 from .perf import estimate_time, matmul_efficiency
+from .pipeline import MAX_PIPELINE_STAGES
 from .plan import Candidate, Plan
 from .strategies import STRATEGIES, StrategySpec, get_strategy
 from .training import Checkpointing, Precision, TrainingShape
@@ -62,6 +63,9 @@ def _dims_problem(model: ModelSpec, training: TrainingShape, dims: ParallelDims)
     if dims.pp > model.layers:
         return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers})"
     virtual = training.pp_stages_per_rank
+    if dims.pp > 1 and dims.pp * virtual > MAX_PIPELINE_STAGES:
+        return (f"pp ({dims.pp}) x {virtual} stages per rank = {dims.pp * virtual:,} pipeline stages; the planner "
+                f"models at most {MAX_PIPELINE_STAGES:,}")  # fmt: skip
     if dims.pp > 1 and dims.pp * virtual > model.layers:
         return (f"pp ({dims.pp}) x {virtual} stages per rank ({training.pp_schedule}) cannot exceed the number of "
                 f"layers ({model.layers})")  # fmt: skip

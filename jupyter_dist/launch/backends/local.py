@@ -35,12 +35,18 @@ from ..base import Launcher
 from ..rundir import RunDir
 
 __all__ = [
+    "CPU_OVERSUBSCRIPTION",
     "LAUNCHERS",
+    "MAX_LOCAL_RANKS",
     "LocalLauncher",
     "LaunchError",
+    "LAUNCHER_OWNED_ENV",
+    "check_capacity",
     "check_launcher",
+    "check_user_env",
     "find_launcher",
     "find_torchrun",
+    "local_cores",
     "port_is_free",
 ]
 
@@ -95,6 +101,61 @@ def check_launcher(launcher: str, *, nodes: int = 1, max_restarts: int = 0) -> N
         raise LaunchError("--max-restarts needs --launcher torchrun or accelerate: DeepSpeed's launcher never restarts")
 
 
+MAX_LOCAL_RANKS = 512
+"""Most ranks one local run starts, ``--oversubscribe`` or not (``--nproc``'s own cap, over all simulated nodes)."""
+CPU_OVERSUBSCRIPTION = 4
+"""Local CPU ranks per core allowed without ``--oversubscribe`` (gloo ranks mostly wait; at least 8 ranks always)."""
+
+
+def local_cores() -> int:
+    """CPU cores this process may run on (its affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_capacity(nproc: int, nodes: int, *, gpus: int, cores: int | None = None,
+                   oversubscribe: bool = False) -> None:  # fmt: skip
+    """Refuse, in one line, more local ranks than this machine holds.
+
+    One rank per GPU when it has GPUs (the ranks use CUDA), else :data:`CPU_OVERSUBSCRIPTION` per core (at least 8).
+    ``oversubscribe`` lifts that limit, never the hard cap of :data:`MAX_LOCAL_RANKS` ranks on one machine.
+    """
+    world = nproc * nodes
+    what = f"--nproc {nproc}" if nodes == 1 else f"--nodes {nodes} x --nproc {nproc}"
+    if world > MAX_LOCAL_RANKS:
+        raise LaunchError(f"{what} starts {world:,} processes on this machine; a local run starts at most "
+                          f"{MAX_LOCAL_RANKS}, even with --oversubscribe")  # fmt: skip
+    if oversubscribe:
+        return
+    cores = local_cores() if cores is None else cores
+    if gpus and world > gpus:
+        raise LaunchError(f"{what} starts {world} processes on this machine, which has {gpus} GPU"
+                          f"{'s' * (gpus != 1)} (one rank per GPU) and {cores} CPU cores; pass --oversubscribe to "
+                          "start them anyway")  # fmt: skip
+    limit = max(8, CPU_OVERSUBSCRIPTION * cores)
+    if not gpus and world > limit:
+        raise LaunchError(f"{what} starts {world} processes on this machine, which has {cores} CPU core"
+                          f"{'s' * (cores != 1)} (at most {limit} ranks, {CPU_OVERSUBSCRIPTION} per core); pass "
+                          "--oversubscribe to start them anyway")  # fmt: skip
+
+
+LAUNCHER_OWNED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "JD_RUN_DIR")  # fmt: skip
+"""Variables the launcher sets for each rank; ``--env`` may not give them (the launcher would override them)."""
+
+
+def check_user_env(env: dict[str, str]) -> None:
+    """One line naming every ``--env`` variable the launcher owns (it sets them per rank and would drop the user's)."""
+    owned = [k for k in env if k in LAUNCHER_OWNED_ENV]
+    if owned:
+        raise LaunchError(f"--env {', '.join(owned)}: set by the launcher for each rank, not by --env (use --nproc, "
+                          "--nodes and --port)")  # fmt: skip
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether ``host:port`` can be bound now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -130,7 +191,8 @@ class LocalLauncher(Launcher):
     max_restarts: int = 0
     """torchrun ``--max-restarts`` (also passed by accelerate; DeepSpeed's launcher has none)."""
     port: int | None = None
-    """Rendezvous port for ``nodes > 1``, master port for deepspeed / accelerate (default: a free one)."""
+    """Rendezvous port (torchrun: one node with a port given runs a c10d rendezvous on it instead of
+    ``--standalone``), master port for deepspeed / accelerate (default: a free one)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Environment added to the workers (JD_* and user ``--env``)."""
     torchrun: str | None = None
@@ -175,8 +237,9 @@ class LocalLauncher(Launcher):
         exe = self.torchrun or "torchrun"
         common = ["--nproc-per-node", str(self.nproc), "--max-restarts", str(self.max_restarts)]
         program = ["-m", "jupyter_dist.launch.bootstrap", str(self.run_dir.script)]
-        if self.nodes == 1:
+        if self.nodes == 1 and self.port is None:
             return [[exe, "--standalone", *common, *program]]
+        # a given --port on one node: the c10d rendezvous on it (--standalone would pick its own port and drop it)
         endpoint = f"127.0.0.1:{self.port or 0}"
         return [
             [exe, "--nnodes", str(self.nodes), "--node-rank", str(i), "--rdzv-backend", "c10d",
@@ -202,7 +265,7 @@ class LocalLauncher(Launcher):
             if self.executable is None:
                 self.executable = find_launcher(self.launcher)
             exe = self.executable
-        if self.nodes > 1 or self.launcher != "torchrun":
+        if self.nodes > 1 or self.launcher != "torchrun" or self.port is not None:
             if self.port is None:
                 self.port = _free_port()
             elif not port_is_free(self.port):
