@@ -133,6 +133,25 @@ def _check_versions() -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _enter_project() -> None:
+    """Start where the notebook is, with its modules importable.
+
+    ``JD_CWD`` (a cluster job's ranks; local ranks are started there) becomes the working directory and first on
+    ``sys.path``; the kernel's project folders (``JD_PATH``) follow it.
+    """
+    cwd = os.environ.get("JD_CWD")
+    if cwd:
+        try:
+            os.chdir(cwd)
+            sys.path.insert(0, cwd)
+        except OSError as exc:  # the notebook's folder is not on this node: say so once, stay where the job started
+            print(f"jupyter-dist: the notebook's folder {cwd} is not reachable on this node ({exc.strerror}); "
+                  f"running in {os.getcwd()} (give --workdir to copy the project)", file=sys.stderr, flush=True)
+    for entry in reversed([p for p in os.environ.get("JD_PATH", "").split(os.pathsep) if p]):
+        if entry not in sys.path:
+            sys.path.insert(1, entry)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``argv[0]`` as this rank's script; return its exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     _record_os_exit(run_dir, rank, args[0])
     _check_versions()
+    _enter_project()
     code, error = 0, None
     try:
         init = _shipped(run_dir)

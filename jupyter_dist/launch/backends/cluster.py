@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._atomic import write_atomic
 from ...errors import JupyterDistError
 from ..rundir import RunDir, new_run_dir, scrub_env
 
@@ -283,6 +284,12 @@ def start_cluster_run(
     if cluster.workdir is not None and backend == "slurm":  # a shared filesystem: import from the folder itself
         path = str(Path(cluster.workdir).expanduser().resolve())
         extras["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH", "")]))
+    if backend == "slurm":  # the ranks start in the notebook's folder (or --workdir), as local ranks do
+        from .local import project_paths
+
+        extras["JD_CWD"] = str(Path(cluster.workdir).expanduser().resolve()) if cluster.workdir else os.getcwd()
+        if project_paths():
+            extras["JD_PATH"] = os.pathsep.join(project_paths())
     jd_env = {**contract.to_environ(), **extras}
     script = PRELUDE + code
     script_copy = None
@@ -351,13 +358,13 @@ def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: An
     if dry_run:
         notes = renv.notes() if renv is not None else ["the nodes share this kernel's environment (no --ship-env)"]
         return dry_cls(script=script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **files}, notes=notes)
-    rd.script.write_text(script, encoding="utf-8")
+    write_atomic(rd.script, script)
     if renv is not None:
         from ..remote_env import stage_files
 
         stage_files(renv, rd.path, cluster.requirements)
     for fname, text in files.items():
-        (rd.path / fname).write_text(text, encoding="utf-8")
+        write_atomic(rd.path / fname, text)
     if ship:
         ship_fn(rd, ship)
     from ..record import launch_record

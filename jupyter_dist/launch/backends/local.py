@@ -174,6 +174,25 @@ def _free_port() -> int:
         return port
 
 
+def project_paths() -> list[str]:
+    """The user's folders on this process's ``sys.path`` (not the interpreter's, not installed packages).
+
+    The ranks put them on theirs (``JD_PATH``), so a module the kernel imports from them imports there too.
+    """
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out = []
+    for entry in sys.path:
+        if not entry or not os.path.isdir(entry):
+            continue
+        real = os.path.realpath(entry)
+        if any(real == r or real.startswith(r + os.sep) for r in roots) or "site-packages" in real.split(os.sep):
+            continue
+        if "dist-packages" in real.split(os.sep) or real in out:
+            continue
+        out.append(real)
+    return out
+
+
 @dataclass(kw_only=True)
 class LocalLauncher(Launcher):
     """torchrun agents (or one ``deepspeed`` / ``accelerate launch``) on this machine for one run directory."""
@@ -203,6 +222,9 @@ class LocalLauncher(Launcher):
     """``before`` -> ``running`` -> ``after``."""
     pids: list[int] = field(default_factory=list)
     """PIDs of the launcher processes (torchrun agents, the deepspeed runner, accelerate) once started."""
+    cwd: str | None = None
+    """Working directory of the ranks (default: this process's when started, the notebook's folder, as torchrun
+    keeps the shell's): relative paths and sibling modules resolve as in the kernel; jd's files go to the run dir."""
 
     def __post_init__(self) -> None:
         check_launcher(self.launcher, nodes=self.nodes, max_restarts=self.max_restarts)
@@ -250,6 +272,9 @@ class LocalLauncher(Launcher):
     def env(self) -> dict[str, str]:
         """Variables added to the environment of every agent."""
         env = {"JD_RUN_DIR": str(self.run_dir.path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        project = project_paths()
+        if project:
+            env["JD_PATH"] = os.pathsep.join(project)
         env.update(self.extra_env)
         return env
 
@@ -273,6 +298,10 @@ class LocalLauncher(Launcher):
                     f"port {self.port} on 127.0.0.1 is already in use; pick another --port or leave it out to get "
                     "a free one"
                 )
+        if self.cwd is None:
+            self.cwd = os.getcwd()
+        if not os.path.isdir(self.cwd):
+            raise LaunchError(f"the ranks' working directory {self.cwd} is not a folder; cd to the project first")
         env = {**os.environ, **self.env()}
         log = open(self.run_dir.logs / "launcher.log", "ab")  # noqa: SIM115 - owned by the child processes
         procs = []
@@ -280,7 +309,7 @@ class LocalLauncher(Launcher):
             for argv in self.args():
                 procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True,
-                                              cwd=self.run_dir.path))  # fmt: skip
+                                              cwd=self.cwd))  # fmt: skip
         except OSError as exc:
             for p in procs:
                 p.kill()
@@ -297,7 +326,7 @@ class LocalLauncher(Launcher):
             "kind": "local", "launcher": self.launcher, "run_dir": str(self.run_dir.path), "nproc": self.nproc,
             "nodes": self.nodes, "max_restarts": self.max_restarts, "port": self.port, "torchrun": self.torchrun,
             "executable": self.executable, "precision": self.extra_env.get(_precision_var()), "state": self.state,
-            "pids": list(self.pids), "args": self.args(),
+            "pids": list(self.pids), "args": self.args(), "cwd": self.cwd,
         }  # fmt: skip
 
     @classmethod
@@ -309,5 +338,5 @@ class LocalLauncher(Launcher):
             launcher=str(data.get("launcher", "torchrun")), max_restarts=int(data["max_restarts"]),
             port=data.get("port"), torchrun=data.get("torchrun"), executable=data.get("executable"),
             state=str(data.get("state", "after")), pids=list(data.get("pids", [])),
-            extra_env={_precision_var(): str(precision)} if precision else {},
+            extra_env={_precision_var(): str(precision)} if precision else {}, cwd=data.get("cwd"),
         )  # fmt: skip
