@@ -93,3 +93,52 @@ def test_the_same_cell_on_the_slurm_cluster_needs_no_flag(project: Path, ip: Any
     for rank in (0, 1):
         seen = json.loads((run.dir / f"seen-{rank}.json").read_text())
         assert (seen["cwd"], seen["rows"], seen["width"], seen["twice"]) == (str(project.resolve()), 3, 64, 42)
+
+
+AUTO_CELL = """
+import json, os
+try:
+    BIG
+    big = "shipped"
+except NameError:
+    big = "not shipped"
+out = {"scaled": scale(3), "cfg": CONFIG["lr"], "obj": Point(1, 2).total(), "big": big}
+with open(os.path.join(os.environ["JD_RUN_DIR"], f"auto-{jd.rank}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_the_kernels_functions_classes_and_small_values_ship_and_a_big_one_gets_a_hint(
+    ip: Any, runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --ship: a function, a class and a small dict the cell uses are sent; a 16 MiB array is not, and the cell's
+    first line says how (the rank sees a NameError, which the cell catches here)."""
+    import numpy as np
+
+    ip.run_cell("def scale(x):\n    return 10 * x\n\nclass Point:\n    def __init__(self, x, y):\n"
+                "        self.x, self.y = x, y\n    def total(self):\n        return self.x + self.y\n")  # fmt: skip
+    ip.user_ns["CONFIG"] = {"lr": 3e-4}
+    ip.user_ns["BIG"] = np.zeros((2048, 1024))
+    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --name auto_run --output none --no-dashboard",
+                            AUTO_CELL)  # fmt: skip
+    line = capsys.readouterr().out
+    assert "shipped from the kernel: scale, CONFIG, Point" in line
+    assert "BIG is defined in the kernel (16.0 MiB pickled); add --ship BIG to send it" in line
+    assert run.wait(120) == "succeeded", run.logs()
+    for rank in (0, 1):
+        got = json.loads((run.dir / f"auto-{rank}.json").read_text())
+        assert got == {"scaled": 30, "cfg": 3e-4, "obj": 3, "big": "not shipped"}
+    run2 = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --name auto_run2 --output none --no-dashboard "
+                             "--ship BIG", AUTO_CELL)  # fmt: skip
+    assert run2.wait(120) == "succeeded", run2.logs()
+    assert json.loads((run2.dir / "auto-0.json").read_text())["big"] == "shipped"
+
+
+def test_free_names_are_what_the_cell_reads_and_never_binds() -> None:
+    from jupyter_dist.launch.autoship import free_names
+
+    code = ("import torch as T\nfrom x import y\ndef f(a, *b, c=1, **d):\n    return a + g + T.x + y\n"
+            "class K(Base):\n    z = w\nfor i in range(n):\n    q = [j for j in items]\n"
+            "print(jd.rank, lam(lambda u: u))")
+    assert free_names(code) == ["g", "Base", "w", "n", "items", "lam"]
+    assert free_names("def (") == []

@@ -81,6 +81,9 @@ def _train_parser() -> MagicArgumentParser:
     p.add_argument("--launcher", default="torchrun", help="torchrun (default), deepspeed or accelerate")
     p.add_argument("--name", metavar="NAME", help="bind the Run to this notebook variable (and name the run dir)")
     p.add_argument("--ship", metavar="VAR[,VAR...]", help="send notebook objects to the workers (cloudpickle)")
+    p.add_argument("--no-auto-ship", action="store_true",
+                   help="send only --ship names (default: also the kernel's functions, classes and small values the "
+                        "cell uses)")  # fmt: skip
     p.add_argument("--max-restarts", type=int_arg(0, 1000), default=0, help="torchrun --max-restarts (default 0)")
     p.add_argument(
         "--timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), help="stop the run after this many seconds"
@@ -349,6 +352,13 @@ class DistMagics(Magics):
             if name not in ns:
                 raise UsageError(f"--ship {name}: no variable of that name in the notebook")
             ship[name] = ns[name]
+        if cell and cell.strip() and not getattr(args, "no_auto_ship", False):
+            from ..launch.autoship import auto_ship
+
+            shipping = auto_ship(cell, ns, shipped=set(ship))
+            ship.update(shipping.objects)
+            if shipping.line():
+                print(shipping.line())
         env: dict[str, str] = {}
         for item in args.env:
             key, sep, value = item.partition("=")
