@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._atomic import write_atomic
 from .errors import JupyterDistError, MissingDependencyError
 from .launch.examples import DEMO_CELL, MODEL_SOURCE
 
@@ -121,6 +122,14 @@ def quickstart_notebook(*, steps: int = 200, nproc: int = 2, strategy: str = "au
     return nb
 
 
+def _write_notebook(nb: Any, path: Path) -> None:
+    """``nbformat.write``, atomically (a full disk leaves the old notebook, not half of the new one)."""
+    import nbformat
+
+    text = nbformat.writes(nb)
+    write_atomic(path, text if text.endswith("\n") else text + "\n")
+
+
 def _follow(dash: Any, shown: int, t0: float, out: TextIO) -> int:
     """Print rank 0's step records newer than ``shown``; return the last seq printed."""
     dash.update()
@@ -140,7 +149,7 @@ def run_quickstart(*, nproc: int = 2, strategy: str = "auto", steps: int = 200, 
     the panels as static SVG) and ``dashboard.html`` (the run's panels) there. Returns the Run and the folder.
     """
     try:
-        import nbformat
+        import nbformat  # noqa: F401 - checked here, used by _write_notebook
         from nbclient import NotebookClient
         from nbclient.exceptions import CellExecutionError
     except ImportError:
@@ -157,7 +166,7 @@ def run_quickstart(*, nproc: int = 2, strategy: str = "auto", steps: int = 200, 
         folder = folder.with_name(f"{folder.name.split('_')[0]}_{n}")
     folder.mkdir(parents=True)
     nb = quickstart_notebook(steps=steps, nproc=nproc, strategy=strategy)
-    nbformat.write(nb, folder / "quickstart.ipynb")
+    _write_notebook(nb, folder / "quickstart.ipynb")
     print(f"executing {folder / 'quickstart.ipynb'} on a {nproc}-process run (kernel: python3)", file=out, flush=True)
     client = NotebookClient(nb, kernel_name="python3", timeout=timeout, store_widget_state=True,
                             resources={"metadata": {"path": str(folder)}},
@@ -184,7 +193,7 @@ def run_quickstart(*, nproc: int = 2, strategy: str = "auto", steps: int = 200, 
                 dash = Dashboard(run, widget=False, interval=0.5)
         if dash is not None:
             shown = _follow(dash, shown, t0, out)
-    nbformat.write(nb, folder / "quickstart.ipynb")
+    _write_notebook(nb, folder / "quickstart.ipynb")
     if failure:
         exc = failure[0]
         if isinstance(exc, CellExecutionError):
@@ -197,8 +206,8 @@ def run_quickstart(*, nproc: int = 2, strategy: str = "auto", steps: int = 200, 
     dash = Dashboard(run, widget=False, interval=0.5)
     _follow(dash, shown, t0, out)
     page = folder / "dashboard.html"
-    page.write_text(_html_page(f"jupyter-dist demo: {run.name}", dash.static_html()), encoding="utf-8")
-    (folder / "quickstart.html").write_text(offline_html(nb), encoding="utf-8")
+    write_atomic(page, _html_page(f"jupyter-dist demo: {run.name}", dash.static_html()))
+    write_atomic(folder / "quickstart.html", offline_html(nb))
     print(run.summary(), file=out)
     print(f"notebook: {folder / 'quickstart.ipynb'}\nreport: {folder / 'quickstart.html'}\npanels: {page}", file=out)
     return run, folder
@@ -245,7 +254,7 @@ def run_demo(*, nproc: int = 2, strategy: str = "auto", steps: int = 300, runs_d
             break
         time.sleep(0.5)
     page = Path(run.dir) / "dashboard.html"
-    page.write_text(_html_page(f"jupyter-dist demo: {run.name}", dash.static_html()), encoding="utf-8")
+    write_atomic(page, _html_page(f"jupyter-dist demo: {run.name}", dash.static_html()))
     print(run.summary(), file=out)
     print(f"panels: {page}", file=out)
     return run

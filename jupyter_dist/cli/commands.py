@@ -60,7 +60,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
         try:
             paths = bundle.write_to(args.out)
         except OSError as exc:
-            raise JupyterDistError(f"cannot write to {args.out}: {exc.strerror}") from None
+            from .._atomic import describe_write_error
+
+            hint = "free space or choose another --out"
+            raise JupyterDistError(describe_write_error(exc, args.out, hint=hint)) from None
         print(f"wrote {len(paths)} files to {args.out}")
     else:
         print("(--out DIR writes them; --show FILE prints one)")

@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._atomic import write_atomic
 from ..errors import JupyterDistError
 from ..plan.candidates import LaunchChoice, resolve_launch
 from ..plan.strategies import strategy_names
@@ -114,4 +115,4 @@ def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         names = ", ".join(objects)
         raise JupyterDistError(f"--ship {names}: cannot be pickled for the workers ({exc})") from None
-    (rd.path / "shipped.pkl").write_bytes(payload)
+    write_atomic(rd.path / "shipped.pkl", payload)

@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomic
 from ..errors import JupyterDistError
 
 __all__ = [
@@ -419,19 +419,7 @@ def launch_record(*, name: str, backend: str, strategy: str, choice: Any, nproc:
 # ---- files --------------------------------------------------------------------------------------------------------
 def _atomic_write(path: Path, text: str) -> None:
     """``text`` into ``path`` through a unique temporary file in the same folder, then ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, text)
 
 
 def write_record(folder: str | os.PathLike[str], record: RunRecord | Mapping[str, Any]) -> RunRecord:

@@ -9,11 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._atomic import describe_write_error, write_atomic
 from ..errors import JupyterDistError
 from ..render.common import SECRET_NAMES
 from .record import RunRecord, read_record, write_record
@@ -89,9 +93,7 @@ class RunDir:
 
     def write_annotations(self, data: dict[str, Any]) -> None:
         """Atomically replace ``annotations.json``."""
-        tmp = self.annotations.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, self.annotations)
+        write_atomic(self.annotations, json.dumps(data, indent=1))
 
     def rank_log(self, rank: int) -> Path:
         """Log of one rank."""
@@ -130,6 +132,23 @@ class RunDir:
         return out
 
 
+RUNS_DIR_HINT = "free space or choose --runs-dir elsewhere"
+"""What a run that cannot write its folder tells the user to do."""
+
+
+@contextmanager
+def removed_on_write_error(rd: RunDir) -> Iterator[RunDir]:
+    """Turn a failed write inside into one line and remove the half-made run folder.
+
+    ``no space left on device writing <path>: free space or choose --runs-dir elsewhere``, not a traceback.
+    """
+    try:
+        yield rd
+    except OSError as exc:
+        shutil.rmtree(rd.path, ignore_errors=True)
+        raise JupyterDistError(describe_write_error(exc, rd.path, hint=RUNS_DIR_HINT)) from None
+
+
 def new_run_dir(root: str | os.PathLike[str], name: str) -> RunDir:
     """A fresh ``<root>/<name>-<YYYYmmdd-HHMMSS>[-n]`` directory, never one another run (or kernel) has.
 
@@ -155,7 +174,5 @@ def new_run_dir(root: str | os.PathLike[str], name: str) -> RunDir:
             path = base.with_name(f"{base.name}-{n}")
         except OSError as exc:
             raise JupyterDistError(f"cannot create a run directory in {base.parent}: {exc.strerror or exc}") from None
-    try:
-        return RunDir(path).create()
-    except OSError as exc:
-        raise JupyterDistError(f"cannot create a run directory in {base.parent}: {exc.strerror or exc}") from None
+    with removed_on_write_error(RunDir(path)) as rd:
+        return rd.create()

@@ -14,12 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomic
 from ..errors import JupyterDistError
 from .backends.local import LaunchError, LocalLauncher, check_capacity, check_launcher, check_user_env
 from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
 from .record import RunRecord, launch_record
 from .run import RUNNING, Run
-from .rundir import RunDir, new_run_dir, scrub_env
+from .rundir import RunDir, new_run_dir, removed_on_write_error, scrub_env
 
 __all__ = ["STRATEGY_CHOICES", "DryRun", "launch_contract", "local_gpu_count", "resolve_strategy", "start_run"]
 
@@ -34,6 +35,20 @@ def local_gpu_count() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _not_a_script(path: Path) -> str:
+    """Why ``path`` (not a regular file) cannot be run: what it is, or that it is missing."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return "no such file" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc.strerror or exc})"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
+    what = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"is {what}, not a script file"
 
 
 def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
@@ -105,7 +120,7 @@ def _start_run(
     if script is not None:  # an existing script instead of a cell (project.script_runner is the job's script.py)
         path = Path(script).expanduser()
         if not path.is_file():
-            raise JupyterDistError(f"--script {script}: no such file")
+            raise JupyterDistError(f"--script {script}: {_not_a_script(path)}")
         if code.strip():
             raise JupyterDistError("give either the cell's code or --script, not both")
     if backend != "local":
@@ -170,19 +185,20 @@ def _start_run(
         return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files, notes=notes)
 
     rd = new_run_dir(runs_dir, name)
-    rd.script.write_text(script, encoding="utf-8")
-    for fname, text in files.items():
-        (rd.path / fname).write_text(text, encoding="utf-8")
-    if files.get("ds_config.json"):
-        jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
-    if ship:
-        _ship(rd, ship)
-    lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
-                        port=port, extra_env=jd_env)  # fmt: skip
-    record = launch_record(name=name, backend="local", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
-                           timeout=timeout, hang_timeout=hang_timeout, env=scrub_env(lau.env()), plan=plan,
-                           ship=ship)  # fmt: skip
-    meta, procs = start_recorded(rd, record, lau)
+    with removed_on_write_error(rd):  # a full disk: one line, and no half-made run folder left
+        write_atomic(rd.script, script)
+        for fname, text in files.items():
+            write_atomic(rd.path / fname, text)
+        if files.get("ds_config.json"):
+            jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
+        if ship:
+            _ship(rd, ship)
+        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
+                            port=port, extra_env=jd_env)  # fmt: skip
+        record = launch_record(name=name, backend="local", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
+                               timeout=timeout, hang_timeout=hang_timeout, env=scrub_env(lau.env()), plan=plan,
+                               ship=ship)  # fmt: skip
+        meta, procs = start_recorded(rd, record, lau)
     return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
 
 
@@ -199,4 +215,20 @@ def start_recorded(rd: RunDir, record: RunRecord,
         rd.write_meta(replace(record, status="failed", error="launch failed"))
         raise
     record = replace(record, status=RUNNING, started=time.time(), pids=tuple(lau.pids), launcher=lau.to_dict())
-    return rd.write_meta(record).to_dict(), procs
+    try:
+        return rd.write_meta(record).to_dict(), procs
+    except OSError:  # started, but its record cannot say so (a full disk): end what started, leave nothing behind
+        import psutil
+
+        for p in procs:
+            try:
+                tree = [*psutil.Process(p.pid).children(recursive=True), psutil.Process(p.pid)]
+            except psutil.Error:
+                tree = []
+            for proc in tree:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            p.wait()
+        raise

@@ -101,10 +101,9 @@ class Calibration:
         """Write it to :meth:`path` (atomically); returns the path."""
         path = self.path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, path)
-        return path
+        from .._atomic import write_atomic
+
+        return write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""

@@ -41,6 +41,7 @@ from typing import Any
 
 import psutil
 
+from .._atomic import write_atomic
 from ..launch.backends.local import LocalLauncher
 from ..launch.record import Degrees, RunRecord, kernel_versions
 from ..launch.run import STOPPED, Run, kill_tree
@@ -226,8 +227,8 @@ class Pool:
 
             ds_plan = self.plan if self.plan is not None else _local_plan(self.strategy, self.nproc, 1)
             assert self.dir is not None
-            (self.dir / "ds_config.json").write_text(render_deepspeed_json(ds_plan, RenderOptions(
-                candidate=self.strategy)), encoding="utf-8")  # fmt: skip
+            write_atomic(self.dir / "ds_config.json", render_deepspeed_json(ds_plan, RenderOptions(
+                candidate=self.strategy)))  # fmt: skip
             contract = replace(contract, ds_config=str(self.dir / "ds_config.json"))
         return {**contract.to_environ(), "JD_POOL": "1", **self._env}
 
@@ -254,7 +255,7 @@ class Pool:
         self.dir = rd.path
         self._rd = rd
         try:
-            rd.script.write_text(PRELUDE + POOL_SCRIPT, encoding="utf-8")
+            write_atomic(rd.script, PRELUDE + POOL_SCRIPT)
             self._listen()
             jd_env = self._jd_env()
             secret_env = {"JD_POOL_ADDR": str(self.address), "JD_POOL_KEY": self._key.hex(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomic
 from ..plan.plan import Candidate, Plan
 from .commands import Command, ShellVar, launch_command, render_nccl_env
 from .common import Layout, RenderError, RenderOptions, layout_of, shell_env_line
@@ -56,15 +57,18 @@ class Bundle:
         return self.layout.candidate
 
     def write_to(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """Write every file into ``directory`` (created if needed); scripts become executable. Returns the paths."""
+        """Write every file into ``directory`` (created if needed); scripts become executable. Returns the paths.
+
+        Each file atomically (:func:`~jupyter_dist._atomic.write_atomic`): a failed write (a full disk) raises
+        ``OSError`` naming the file and leaves no partial file behind, so a later ``--plan DIR`` never reads half a
+        ``plan.json``. This is the render layer's one I/O, at the caller's explicit request.
+        """
         root = Path(directory)
         root.mkdir(parents=True, exist_ok=True)
         paths = []
         for name, text in self.files.items():
             path = root / name
-            path.write_text(text, encoding="utf-8")
-            if name.endswith((".sh", ".sbatch")):
-                path.chmod(0o755)
+            write_atomic(path, text, mode=0o755 if name.endswith((".sh", ".sbatch")) else None)
             paths.append(path)
         return paths
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomic
 from .measurement import MeasureBuilder
 
 __all__ = [
@@ -134,9 +135,7 @@ def write_summary(run_dir: str | os.PathLike[str], summary: dict[str, Any] | Non
     """Compute (unless given) and atomically write ``<run dir>/summary.json``; returns the summary."""
     summary = summarize_dir(run_dir) if summary is None else summary
     path = Path(run_dir) / SUMMARY_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, separators=(",", ":")), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(summary, separators=(",", ":")))
     return summary
 
 

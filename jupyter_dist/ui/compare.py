@@ -287,9 +287,9 @@ class Comparison:
 
     def save(self, path: str | Path) -> Path:
         """Write the static HTML (inline SVG) to ``path``; returns it."""
-        out = Path(path)
-        out.write_text(f"<!doctype html><meta charset='utf-8'>{self.static_html()}", encoding="utf-8")
-        return out
+        from .._atomic import write_atomic
+
+        return write_atomic(Path(path), f"<!doctype html><meta charset='utf-8'>{self.static_html()}")
 
     def text(self) -> str:
         """One line per run: label, status, steps, last loss."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._atomic import write_atomic
 from ...errors import JupyterDistError
 from ..base import Follower, JobState, RemoteLauncher
 from ..rundir import RunDir, new_run_dir, scrub_env
@@ -420,15 +421,15 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
         import shutil
 
         shutil.copyfile(script_copy, workdir / script_copy.name)
-    (workdir / "script.py").write_text(script, encoding="utf-8")
-    (workdir / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB, encoding="utf-8")
+    write_atomic(workdir / "script.py", script)
+    write_atomic(workdir / "jd_bootstrap.py", BOOTSTRAP_STUB)
     for fname, text in files.items():
-        (workdir / fname).write_text(text, encoding="utf-8")
-    rd.script.write_text(script, encoding="utf-8")
+        write_atomic(workdir / fname, text)
+    write_atomic(rd.script, script)
     if ship:
         _ship(rd, ship)
         os.replace(rd.path / "shipped.pkl", workdir / "shipped.pkl")
-    lau.task_yaml.write_text(dump_yaml(task), encoding="utf-8")
+    write_atomic(lau.task_yaml, dump_yaml(task))
     from dataclasses import replace
 
     from ..record import launch_record

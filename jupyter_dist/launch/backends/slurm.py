@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..._atomic import write_atomic
 from ...errors import JupyterDistError
 from ..base import Follower, JobState, RemoteLauncher
 from ..rundir import RunDir
@@ -195,8 +196,8 @@ class SlurmLauncher(RemoteLauncher):
             raise SlurmError(f"launcher already {self.state}")
         sbatch = find_slurm_tool("sbatch")
         self.check_partition()
-        self.sbatch_path.write_text(self.script, encoding="utf-8")
-        (self.run_dir.path / "jd_bootstrap.py").write_text(BOOTSTRAP_STUB, encoding="utf-8")
+        write_atomic(self.sbatch_path, self.script)
+        write_atomic(self.run_dir.path / "jd_bootstrap.py", BOOTSTRAP_STUB)
         res = _run([sbatch, "--parsable", str(self.sbatch_path)], env=self._env(), cwd=self.run_dir.path, timeout=60)
         if res.returncode != 0:
             msg = _last_line(res.stderr or res.stdout)
