@@ -182,24 +182,40 @@ def test_failing_trials_are_results_not_crashes(
 
 @pytest.mark.slow
 def test_dist_tune_in_ipython_measures_three_candidates_and_calibrates_later_plans(
-    ip: object, runs: Path, calibration_dir: Path, capsys: pytest.CaptureFixture[str]
+    ip: object, runs: Path, calibration_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Three real trials; a DeepSpeed candidate on a machine without DeepSpeed is listed, not run; the calibration
+    changes later plans only once saved (``result.save_calibration()``, or ``--save``)."""
+    import importlib.util
+
     from IPython.core.interactiveshell import InteractiveShell
 
     from jupyter_dist.launch.run import open_run
 
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))  # fmt: skip
     assert isinstance(ip, InteractiveShell)
     before = ip.run_line_magic("dist_plan", PLAN_FLAGS + " --strategy ddp").candidate("ddp")
     best = ip.run_line_magic(
-        "dist_tune", PLAN_FLAGS + " --candidates ddp,fsdp2,fsdp-full-shard --micro-batches 8 --steps 8 --name trials"
+        "dist_tune", PLAN_FLAGS + " --candidates ddp,fsdp2,zero1,fsdp-full-shard --micro-batches 8 --steps 8 "
+        "--name trials"
     )
     out = capsys.readouterr().out
     result = ip.user_ns["trials"]
     assert isinstance(result, TuneResult) and isinstance(best, Plan)
-    assert [t.candidate for t in result.trials] == ["ddp", "fsdp2", "fsdp-full-shard"]
+    assert [t.candidate for t in result.trials] == ["ddp", "fsdp2", "fsdp-full-shard"]  # no DeepSpeed trial
+    assert result.not_run == [("zero1", 'needs DeepSpeed: pip install "jupyter-dist[deepspeed]"')]
+    assert "Not run: zero1: needs DeepSpeed" in out
     assert all(t.ok for t in result.trials), result.to_text()
-    # the table was shown live (once per finished trial, then the final one with the calibration)
-    assert out.count("step s (plan)") >= 3 and "Calibration, saved to" in out
+    # the table was shown live (once per finished trial, then the final one with the calibration, not saved)
+    assert out.count("step s (plan)") >= 3 and "(not saved: --save, or result.save_calibration()" in out
+    saved = calibration_dir / f"{hardware_key('cpu')}.json"
+    assert not saved.exists() and result.calibration_path == ""
+    unchanged = ip.run_line_magic("dist_plan", PLAN_FLAGS + " --strategy ddp")
+    assert not any("Calibrated" in r for r in unchanged.reasons)
+    assert unchanged.candidate("ddp").time.step_time_s == before.time.step_time_s
+    assert result.save_calibration() == str(saved)
     html = result.to_html()
     assert html.count("<tr") == 4 and "<svg" in html and html.count("<rect") == 6
     for t in result.trials:  # measured on both ranks: step time, tokens/s, RSS peak
@@ -210,7 +226,6 @@ def test_dist_tune_in_ipython_measures_three_candidates_and_calibrates_later_pla
     pick = result.best
     assert pick is not None and best.recommended == pick.candidate
     assert best.reasons[0].startswith(f"%dist_tune measured {pick.label} fastest of 3 trial(s)")
-    saved = calibration_dir / f"{hardware_key('cpu')}.json"
     assert result.calibration_path == str(saved) and saved.is_file()
 
     # a later plan on the same hardware uses the calibration, says so, and predicts the measured step within 2.5x
@@ -333,3 +348,20 @@ def test_the_wizard_plans_with_a_saved_calibration() -> None:
     tuned = evaluate(inputs).plan
     assert tuned is not None and any("Calibrated on this hardware by %dist_tune" in r for r in tuned.reasons)
     assert tuned.best is not None and tuned.best.time.step_time_s > plain.candidate(tuned.best.name).time.step_time_s
+
+
+def test_a_tune_for_another_gpu_than_this_machines_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan for H100s on a machine whose GPUs are H200s (what nvidia-smi names; faked at that boundary)."""
+    import argparse
+
+    from jupyter_dist.cli import flags
+
+    monkeypatch.setattr("jupyter_dist.launch.session.local_gpu_count", lambda: 8)
+    monkeypatch.setattr(flags, "local_gpu_names", lambda: ["NVIDIA H200"] * 8)
+    h100 = plan("llama-2-7b", "h100-80gb")
+    args = argparse.Namespace(backend=None, micro_batches=None, candidates=None, top=3, steps=8, tune_runs_dir=None,
+                              trial_timeout=60.0, save=False)  # fmt: skip
+    with pytest.raises(JupyterDistError, match=r"^the plan is for NVIDIA H100 80GB SXM5 but this machine has NVIDIA "
+                                               r"H200: a tune measures the GPUs it runs on"):  # fmt: skip
+        flags.tune_from_args(args, plan=h100)
+    assert flags.gpu_mismatch(h100.hardware.accelerator, ["NVIDIA H100 80GB HBM3"]) == ""

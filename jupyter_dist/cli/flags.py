@@ -407,7 +407,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
     g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
                    help="stop a trial after S seconds (a result: failed, measured; default 300)")  # fmt: skip
-    g.add_argument("--no-save", action="store_true", help="do not save the calibration for this hardware")
+    g.add_argument("--save", action="store_true",
+                   help="save the calibration for this hardware: later plans use the measured speeds")  # fmt: skip
     g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
                    help="where the trials' run directories go (default ./runs)")  # fmt: skip
     g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
@@ -421,6 +422,34 @@ def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[
         return [conv(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
         raise JupyterDistError(f"{what} wants a comma-separated list, got {text!r}") from None
+
+
+def local_gpu_names() -> list[str]:
+    """The names ``nvidia-smi -L`` gives this machine's GPUs (``[]`` without NVIDIA's tools or GPUs)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(":", 1)[1].split("(UUID")[0].strip() for line in out.splitlines()
+            if line.startswith("GPU ") and ":" in line]  # fmt: skip
+
+
+def gpu_mismatch(accelerator: Any, names: list[str]) -> str:
+    """Why the GPUs ``names`` are not the plan's ``accelerator`` (``""`` when they are, or when unknown)."""
+    family = accelerator.name.split("-")[0].lower()  # "h100-80gb" -> "h100"
+    if not names or accelerator.vendor == "cpu" or not family:
+        return ""
+    other = [n for n in names if family not in n.lower().replace(" ", "")]
+    if not other:
+        return ""
+    return (f"the plan is for {accelerator.label} but this machine has {other[0]}: a tune measures the GPUs it runs "
+            f"on, and its calibration is saved under their name; plan for this GPU (--gpu) and tune again")
 
 
 def tune_from_args(
@@ -449,8 +478,11 @@ def tune_from_args(
                 f"the plan is for {plan.hardware.gpus_per_node} x {acc.label} per node but this machine has {gpus} "
                 "GPU(s): tune locally with --gpu cpu --gpus-per-node N (CPU processes), or use --backend slurm/skypilot"
             )
+        mismatch = gpu_mismatch(acc, local_gpu_names()) if acc.vendor != "cpu" else ""
+        if mismatch:
+            raise JupyterDistError(mismatch)
     sizes = _csv(getattr(args, "micro_batches", None), "--micro-batches", int)
     names = _csv(getattr(args, "candidates", None), "--candidates")
     return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
                 backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
-                trial_timeout=args.trial_timeout, save=not args.no_save, on_trial=on_trial)  # fmt: skip
+                trial_timeout=args.trial_timeout, save=args.save, on_trial=on_trial)  # fmt: skip

@@ -88,7 +88,16 @@ class TuneResult:
     calibration: Any = None
     """The :class:`~jupyter_dist.plan.calibration.Calibration` fitted from the trials (saved unless told not to)."""
     calibration_path: str = ""
-    """Where it was saved ("" when not)."""
+    """Where it was saved ("" when not: pass ``save=True`` / ``--save``, or ``result.save_calibration()``)."""
+    not_run: list[tuple[str, str]] = field(default_factory=list)
+    """Candidates left out because this machine cannot run them: ``(name, "needs DeepSpeed ...")``."""
+
+    def save_calibration(self) -> str:
+        """Save the fitted calibration for the hardware it was measured on; returns the file (later plans use it)."""
+        if self.calibration is None:
+            raise JupyterDistError("no calibration to save: no trial measured a step")
+        self.calibration_path = str(self.calibration.save())
+        return self.calibration_path
 
     @property
     def best(self) -> Trial | None:
@@ -108,8 +117,11 @@ class TuneResult:
         best = self.best
         lines.append("")
         lines.append(f"Best measured: {best.label}" if best else "No trial measured a step.")
+        for cname, why in self.not_run:
+            lines.append(f"Not run: {cname}: {why}")
         if self.calibration is not None:
-            where = f", saved to {self.calibration_path}" if self.calibration_path else " (not saved)"
+            where = (f", saved to {self.calibration_path}" if self.calibration_path
+                     else " (not saved: --save, or result.save_calibration(), makes later plans use it)")  # fmt: skip
             lines.append(f"Calibration{where}: {self.calibration.describe()}")
         return "\n".join(lines)
 
@@ -188,17 +200,30 @@ def _classify(run: Any) -> tuple[str, str]:
     return "failed (measured)", f"{run.status}: {last[:160]}"
 
 
+def missing_dependency(candidate: Any) -> str:
+    """Why this machine cannot run ``candidate`` (``"needs DeepSpeed: pip install ..."``), or ``""``."""
+    import importlib.util
+
+    from ..plan.strategies import get_strategy
+
+    if get_strategy(candidate.strategy).family == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return 'needs DeepSpeed: pip install "jupyter-dist[deepspeed]"'
+    return ""
+
+
 def trial_grid(
     plan: Any,
     *,
     top: int = 3,
     candidates: Sequence[str] | None = None,
     micro_batches: Sequence[int] | None = None,
+    runnable: Callable[[Any], str] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """The candidates to measure (the plan's ``top`` fitting ones, or those named) and the micro-batch sizes.
 
     The sizes default to the planned one and its neighbours (half and double); a neighbour the plan says does not
-    fit is skipped when the trials run.
+    fit is skipped when the trials run. ``runnable`` (a candidate -> why it cannot run, ``""`` when it can) leaves
+    the plan's candidates this machine cannot run out of the top ones, so ``top`` trials still run.
     """
     if candidates:
         chosen = []
@@ -210,9 +235,13 @@ def trial_grid(
                     f"no candidate {cname!r} in the plan; have: {', '.join(c.name for c in plan.candidates)}"
                 ) from None
     else:
-        chosen = [c for c in plan.candidates if c.fits][:top]
-        if not chosen:
+        fitting = [c for c in plan.candidates if c.fits]
+        if not fitting:
             raise JupyterDistError("nothing in the plan fits: there is no candidate to measure")
+        chosen = [c for c in fitting if runnable is None or not runnable(c)][:top]
+        if not chosen:
+            why = runnable(fitting[0]) if runnable is not None else ""
+            raise JupyterDistError(f"no fitting candidate can run on this machine ({fitting[0].name} {why})")
     planned = plan.training.micro_batch
     if micro_batches is None:
         sizes = sorted({planned, *(b for b in (planned // 2, planned * 2) if b >= 1)})
@@ -238,7 +267,7 @@ def tune(
     runs_dir: str = "runs",
     name: str = "tune",
     trial_timeout: float = 300.0,
-    save: bool = True,
+    save: bool = False,
     env: dict[str, str] | None = None,
     on_trial: Callable[[TuneResult], None] | None = None,
 ) -> TuneResult:
@@ -246,6 +275,9 @@ def tune(
 
     ``micro_batches`` defaults to the planned one and its neighbours (half and double) where they fit.
     ``on_trial`` is called with the result after every trial (the magic redraws its table and chart there).
+    Candidates this machine cannot run (DeepSpeed not installed) are listed in ``not_run``, never tried. The
+    calibration is fitted always and saved only with ``save=True`` (``--save``): a tune changes later plans only
+    when asked to.
     """
     from .session import start_run
 
@@ -257,7 +289,8 @@ def tune(
         raise JupyterDistError(f"--steps must be 1..10000, got {steps}")
     if steps <= WARMUP_STEPS:
         raise JupyterDistError(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {steps}")
-    chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches)
+    chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches,
+                               runnable=missing_dependency)  # fmt: skip
     from ..plan.calibration import published
 
     plan = replace(plan, hardware=published(plan.hardware))  # trials predicted from the published figures: the fit
@@ -269,8 +302,17 @@ def tune(
     nodes = nodes or plan.hardware.nodes
     nproc = nproc or world // nodes
     result = TuneResult(base=plan)
+    if not candidates:  # the plan's better candidates this machine cannot run: said, not run
+        best_names = {c.name for c in chosen}
+        for c in plan.candidates:
+            if c.fits and c.name not in best_names and missing_dependency(c) and len(result.not_run) < top:
+                result.not_run.append((c.name, missing_dependency(c)))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for cand in chosen:
+        why = missing_dependency(cand)
+        if why:  # named by the user: said, not run
+            result.not_run.append((cand.name, why))
+            continue
         for mb in sizes:
             try:
                 trial_plan = _replan(plan, cand.strategy, cand.dims, mb)
