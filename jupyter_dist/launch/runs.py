@@ -29,7 +29,7 @@ from ..telemetry.summary import SummaryBuilder, read_summary, summarize_dir, wri
 from .record import settle_stale
 from .rundir import RunDir
 
-__all__ = ["RunRow", "RunTable", "runs", "COLUMNS", "FINAL_STATES"]
+__all__ = ["RunRow", "RunTable", "runs", "COLUMNS", "FINAL_STATES", "Orphan", "orphans", "orphans_notice"]
 
 FINAL_STATES = ("succeeded", "failed", "stopped", "timed out", "hung")
 """Statuses of a run that has ended (its summary is final)."""
@@ -199,6 +199,79 @@ def runs(folder: str | os.PathLike[str] | None = None) -> RunTable:
             rows.append(row)
     rows.sort(key=lambda r: r.started or 0.0, reverse=True)
     return RunTable(rows, folder=str(root.resolve()), skipped=skipped)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Orphan:
+    """A local run still running on this machine that this kernel did not start (an earlier kernel did)."""
+
+    path: str
+    """The run directory."""
+    world_size: int
+    """Ranks."""
+    started: float | None
+    """Unix time the run started."""
+    kernel_pid: int | None
+    """The kernel that started it (``None``: a run recorded before kernels were)."""
+    kernel_alive: bool
+    """Whether that kernel process still lives (another notebook's kernel, say)."""
+
+
+def orphans(folder: str | os.PathLike[str] | None = None) -> list[Orphan]:
+    """Local runs under ``folder`` whose record says running, whose processes live, and that another kernel started.
+
+    Reads only each ``run.json`` (no telemetry), so it is cheap enough for ``%load_ext``. A run recorded on another
+    host (a shared runs folder) is not this machine's and is left out; so are runs this process started.
+    """
+    import socket
+
+    import psutil
+
+    from .record import local_pids_alive
+
+    root = Path(folder if folder is not None else "runs").expanduser()
+    if not root.is_dir():
+        return []
+    me, host = os.getpid(), socket.gethostname()
+    out = []
+    with os.scandir(root) as it:
+        entries = sorted((e.path for e in it if e.is_dir()), reverse=True)
+    for entry in entries:
+        path = Path(entry)
+        if not (path / "run.json").is_file():
+            continue
+        try:
+            record = RunDir(path).read_record()
+        except (JupyterDistError, OSError):
+            continue
+        if record.backend != "local" or not record.active or not record.pids:
+            continue
+        kernel = record.extra.get("kernel") if isinstance(record.extra.get("kernel"), dict) else {}
+        pid = kernel.get("pid") if isinstance(kernel.get("pid"), int) else None
+        if pid == me or (kernel.get("host") not in (None, host)):
+            continue
+        if not local_pids_alive(record.pids, record.started):
+            continue
+        out.append(Orphan(path=str(path.resolve()), world_size=int(record.world_size or 0), started=record.started,
+                          kernel_pid=pid, kernel_alive=pid is not None and psutil.pid_exists(pid)))  # fmt: skip
+    return out
+
+
+def orphans_notice(found: Sequence[Orphan], *, now: float | None = None) -> str:
+    """What the notebook says about :func:`orphans`: one line each, with the commands to attach or stop them."""
+    if not found:
+        return ""
+    now = time.time() if now is None else now
+    n = len(found)
+    lines = [f"jupyter-dist: {n} run{'s' * (n != 1)} started by {'earlier kernels' if n != 1 else 'an earlier kernel'} "
+             f"{'are' if n != 1 else 'is'} still running on this machine:"]  # fmt: skip
+    for o in found:
+        age = f", running {_duration(now - o.started)}" if o.started else ""
+        who = ("its kernel is gone" if o.kernel_pid is None or not o.kernel_alive
+               else f"its kernel (pid {o.kernel_pid}) still runs")  # fmt: skip
+        lines.append(f"  {o.path} ({o.world_size} ranks{age}; {who}): watch it with %dist_attach {o.path}, "
+                     "then stop it with %dist_stop")  # fmt: skip
+    return "\n".join(lines)
 
 
 class RunTable(Sequence[RunRow]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterable
@@ -214,7 +215,9 @@ def start_recorded(rd: RunDir, record: RunRecord,
     except LaunchError:
         rd.write_meta(replace(record, status="failed", error="launch failed"))
         raise
-    record = replace(record, status=RUNNING, started=time.time(), pids=tuple(lau.pids), launcher=lau.to_dict())
+    kernel = {"pid": os.getpid(), "host": socket.gethostname()}  # so a later kernel knows the run is not its own
+    record = replace(record, status=RUNNING, started=time.time(), pids=tuple(lau.pids), launcher=lau.to_dict(),
+                     extra={**record.extra, "kernel": kernel})  # fmt: skip
     try:
         return rd.write_meta(record).to_dict(), procs
     except OSError:  # started, but its record cannot say so (a full disk): end what started, leave nothing behind

@@ -498,6 +498,18 @@ class DistMagics(Magics):
             raise UsageError("no run yet in this kernel: start one with %%dist_train, or %dist_attach RUN_DIR")
         return self.last_run
 
+    def orphans_notice(self, folder: str | None = None) -> str:
+        """The runs under ``folder`` (default: the runs folder) an earlier kernel left running, as lines to print.
+
+        Never raises: a runs folder that cannot be read says nothing (loading the extension must not fail on it).
+        """
+        from ..launch.runs import orphans, orphans_notice
+
+        try:
+            return orphans_notice(orphans(folder if folder is not None else self.runs_dir))
+        except Exception:  # noqa: BLE001 - a notice, never an error
+            return ""
+
     @line_magic
     def dist_runs(self, line: str) -> Any:
         """The runs under the runs folder: a table to sort, filter, open and compare (``jupyter_dist.runs()``).
@@ -516,8 +528,12 @@ class DistMagics(Magics):
             return None
         from ..launch.runs import runs
 
+        folder = args.folder.strip("'\"") if args.folder else self.runs_dir
+        notice = self.orphans_notice(folder)
+        if notice:  # runs an earlier kernel left running: said above the table, with how to attach or stop them
+            print(notice)
         try:
-            table = runs(args.folder.strip("'\"") if args.folder else self.runs_dir)
+            table = runs(folder)
             if args.text:
                 table = table.filter(text=args.text.strip("'\""))
             if args.tag:
@@ -756,6 +772,9 @@ def load_ipython_extension(ipython: Any) -> None:
     from .pool import register as register_pool_magics  # %dist_start, %%dist, %dist_push/pull, %dist_mode
 
     register_pool_magics(ipython)
+    notice = magics.orphans_notice()  # runs an earlier kernel left running on this machine
+    if notice:
+        print(notice)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
