@@ -206,3 +206,17 @@ def test_a_dry_run_says_what_a_real_run_would_refuse(ip: object, runs: Path) -> 
     dry = ip.run_cell_magic("dist_train", "--nodes 2 --nproc 8 --dry-run", "pass")  # type: ignore[attr-defined]
     assert ("a real run here refuses this: --nodes 2 x --nproc 8 starts 16 processes on this machine, which has 2 CPU "
             "cores (at most 8 ranks, 4 per core); pass --oversubscribe to start them anyway") in dry.notes
+
+
+@pytest.mark.usefixtures("two_cores")
+def test_dist_start_refuses_more_ranks_too(ip: object, runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("dist_start", "--nproc 64")  # type: ignore[attr-defined]
+    assert str(e.value) == ("--nproc 64 starts 64 processes on this machine, which has 2 CPU cores (at most 8 ranks, 4 "
+                            "per core); pass --oversubscribe to start them anyway")  # fmt: skip
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("dist_start", "--nproc 2 --env MASTER_ADDR=x")  # type: ignore[attr-defined]
+    assert str(e.value).startswith("--env MASTER_ADDR: set by the launcher for each rank")
+    assert not list(runs.iterdir())

@@ -36,6 +36,8 @@ def _start_parser() -> MagicArgumentParser:
     p.add_argument("--plan", metavar="VAR", help="a Plan object from the notebook (strategy, precision, configs)")
     p.add_argument("--name", metavar="VAR", help="also bind the Pool to this notebook variable")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the ranks")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start more ranks than the machine holds (one per GPU, else 4 per CPU core)")  # fmt: skip
     p.add_argument("--runs-dir", help="where the pool's run directory goes (default: the DistMagics.runs_dir setting)")
     p.add_argument("--start-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=120.0, metavar="S",
                    help="seconds to wait for every rank to connect (default 120)")  # fmt: skip
@@ -259,7 +261,8 @@ class PoolMagics(Magics):
             env[key] = value
         try:
             pool = Pool(nproc=args.nproc, strategy=args.strategy, plan=plan, env=env,
-                        runs_dir=self._runs_dir(args.runs_dir), start_timeout=args.start_timeout)  # fmt: skip
+                        runs_dir=self._runs_dir(args.runs_dir), start_timeout=args.start_timeout,
+                        oversubscribe=args.oversubscribe)  # fmt: skip
             if args.dry_run:
                 return pool.dry_run()
             if self.pool is not None and self.pool.state != "stopped":

@@ -160,7 +160,9 @@ class Pool:
 
     def __init__(self, *, nproc: int = 2, strategy: str = "auto", plan: Any = None, name: str = "pool",
                  env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-                 start_timeout: float = 120.0, interrupt_grace: float = INTERRUPT_GRACE_S) -> None:  # fmt: skip
+                 start_timeout: float = 120.0, interrupt_grace: float = INTERRUPT_GRACE_S,
+                 oversubscribe: bool = False) -> None:  # fmt: skip
+        from ..launch.backends.local import check_user_env
         from ..launch.session import launch_contract
 
         if nproc < 1:
@@ -172,6 +174,9 @@ class Pool:
         for key in env or {}:
             if not key.replace("_", "a").isalnum() or key[0].isdigit():
                 raise PoolError(f"--env name {key!r} is not a valid environment variable name")
+        check_user_env(dict(env or {}))  # RANK, MASTER_PORT, ...: the launcher's
+        self.oversubscribe = oversubscribe
+        """Start more ranks than the machine holds (see :func:`~jupyter_dist.launch.backends.local.check_capacity`)."""
         self.nproc = nproc
         self.world_size = nproc
         self.choice, self._contract = launch_contract(strategy, plan, nproc=nproc)
@@ -246,10 +251,12 @@ class Pool:
 
     def start(self) -> Pool:
         """Start the ranks and wait until every one has connected (at most ``start_timeout`` s)."""
-        from ..launch.session import PRELUDE
+        from ..launch.backends.local import check_capacity
+        from ..launch.session import PRELUDE, local_gpu_count
 
         if self.state != "before":
             raise PoolError(f"this pool is {self.state}; build a new Pool to start again")
+        check_capacity(self.nproc, 1, gpus=local_gpu_count(), oversubscribe=self.oversubscribe)  # before any write
         self.state = "starting"
         rd = new_run_dir(self._runs_dir, self.name)
         self.dir = rd.path
