@@ -12,12 +12,19 @@ Layout of one checkpoint::
 
 Writing goes to ``.tmp-step-<N>`` and is renamed after a barrier, so a ``step-<N>`` directory always holds a whole
 checkpoint; resume also requires the ``COMPLETE`` marker and picks the highest step.
+
+Resume is collective-safe: before any collective load, every rank checks what it will read (``_checkpoint_check``:
+the marker, its ``extra-rank<k>.pt``, DCP's ``.metadata`` and that every storage file it names is there, long enough
+and holds a ``torch.save`` archive at each offset: no tensor is loaded) and the ranks agree with one MIN all-reduce.
+A checkpoint damaged on any rank is skipped by every rank together; a rank that raised alone while its peers entered
+DCP's ``gather_object`` would deadlock them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,6 +33,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from ._checkpoint_check import COMPLETE, Damaged, Verified, first_line, verify
 from ._env import WorkerEnv, WorkerError
 
 __all__ = [
@@ -33,8 +41,8 @@ __all__ = [
     "replay_cpu_adam_steps", "COMPLETE",
 ]  # fmt: skip
 
-COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_log = logging.getLogger("jupyter_dist.worker")
 
 
 class CheckpointHost(Protocol):
@@ -362,36 +370,96 @@ def _all_ok(rt: CheckpointHost, ok: bool) -> bool:
 def resume(rt: CheckpointHost, state: dict[str, Any], *, root: str) -> tuple[dict[str, Any], int] | None:
     """Load the newest complete checkpoint under ``root`` into ``state``'s objects; collective.
 
-    A checkpoint that fails to load on any rank (a corrupt or truncated file) is skipped with a warning, and the
-    one before it is tried; every rank agrees on which one was loaded.
+    Every rank first checks what it will read (``_checkpoint_check.verify``, no collective, no tensor loaded) and the
+    ranks agree (one MIN all-reduce) before the collective load starts. A checkpoint that is damaged on any rank, or
+    that fails to load on any rank (DCP reports its read errors to every rank), is skipped by every rank with a
+    warning naming the rank, the file and what is wrong, and the one before it is tried; every rank agrees on which
+    one was loaded.
     """
     commit_pending(rt)
     split = _Split(state)
-    candidates = _agree(rt, complete_checkpoints(root) if rt.rank == 0 else None) or []
-    for step, path in candidates:
+    if rt.rank == 0:
+        _log_incomplete(root)
+    steps = _agree(rt, [s for s, _ in complete_checkpoints(root)] if rt.rank == 0 else None) or []
+    skipped: list[str] = []
+    for step in steps:
+        path = os.path.join(root, f"step-{step}")  # this rank's own root: rank 0 listed the steps
+        verified, damage = None, None
+        try:
+            verified = verify(path, step, rt.rank, engines=bool(split.engines),
+                              dcp=bool(split.modules or split.optimizers))  # fmt: skip
+        except Damaged as exc:
+            damage = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever this rank hit, its peers must hear of it before loading
+            damage = f"checking it failed ({first_line(exc)})"
+        found = _damage_on_any_rank(rt, damage)
+        if found:
+            why = "; ".join(found)
+            _skip(path, why)
+            skipped.append(f"step-{step} ({why})")
+            continue
+        assert verified is not None
         error = None
         try:
-            out = _load(rt, split, state, path)
+            out = _load(rt, split, state, path, verified)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             error, out = exc, None
         if _all_ok(rt, error is None):
             assert out is not None
+            if skipped:
+                _log.warning("jd.resume: loaded %s (step %d) after skipping %s", path, step, "; ".join(skipped))
             return out, step
         why = "failed on another rank"
         if error is not None:  # DCP wraps the cause in a multi-line report: its last line says what broke
             lines = str(error).strip().splitlines() or [""]
             why = f"{type(error).__name__}: {lines[-1][:300]}"
-        warnings.warn(f"jd.resume: checkpoint {path} could not be loaded on every rank ({why}); trying the previous "
-                      "one", RuntimeWarning, stacklevel=3)  # fmt: skip
-    if candidates:
-        raise WorkerError(f"jd.resume: none of the {len(candidates)} checkpoint(s) under {root} could be loaded")
+        _skip(path, why)
+        skipped.append(f"step-{step} ({why})")
+    if steps:
+        raise WorkerError(f"jd.resume: none of the {len(steps)} checkpoint(s) under {root} could be loaded")
     return None
 
 
-def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -> dict[str, Any]:
+def _skip(path: str, why: str) -> None:
+    warnings.warn(f"jd.resume: checkpoint {path} could not be loaded on every rank ({why}); trying the previous one",
+                  RuntimeWarning, stacklevel=4)  # fmt: skip
+
+
+def _log_incomplete(root: str) -> None:
+    """Say in the rank's log which ``step-<N>`` directories resume passes over for want of a ``COMPLETE`` marker."""
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(root)):
+            if _STEP_DIR.match(name) and not os.path.isfile(os.path.join(root, name, COMPLETE)):
+                _log.warning("jd.resume: %s has no %s marker (a save that did not finish, or a damaged "
+                             "checkpoint); skipped", os.path.join(root, name), COMPLETE)  # fmt: skip
+
+
+def _damage_on_any_rank(rt: CheckpointHost, damage: str | None) -> list[str]:
+    """``"rank k: what"`` for every rank that found damage, ``[]`` when none did.
+
+    One MIN all-reduce of ok (1) / damaged (0) over the ranks; only when some rank found damage do the ranks (all of
+    them, since they agree) gather each other's findings, so every rank's log says which rank and which file.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and rt.world_size > 1):
+        return [] if damage is None else [f"rank {rt.rank}: {damage}"]
     import torch
+
+    flag = torch.tensor([1 if damage is None else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag.item()) == 1:
+        return []
+    found: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(found, damage)
+    return [f"rank {r}: {d}" for r, d in enumerate(found) if d is not None]
+
+
+def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str, verified: Verified) -> dict[str, Any]:
     from torch.distributed.checkpoint import state_dict_loader
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -400,12 +468,9 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
         if load_path is None:
             raise WorkerError(f"jd.resume: DeepSpeed found no checkpoint under {path}/deepspeed")
         replay_cpu_adam_steps(engine.optimizer)
-    mine = os.path.join(path, f"extra-rank{rt.rank}.pt")
-    blob = torch.load(mine if os.path.exists(mine) else os.path.join(path, "extra-rank0.pt"), weights_only=False)
+    blob = verified.blob
     if split.modules or split.optimizers:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        saved = FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
+        saved = verified.metadata.state_dict_metadata
         # nested optimizer states (written before flattening) have "<key>.param_groups.0.lr"; flattened ones
         # "<key>.param_groups.<parameter name>.lr", and a parameter name never ends in a bare index
         legacy = any(k.endswith(".param_groups.0.lr") for k in saved)
@@ -423,7 +488,7 @@ def _load(rt: CheckpointHost, split: _Split, state: dict[str, Any], path: str) -
             split.stateful[key].load_state_dict(value)
         else:
             out[key] = value
-    if blob.get("rng") and os.path.exists(mine):  # the same rank's generators; a resharded run keeps its own
+    if blob.get("rng") and verified.own:  # the same rank's generators; a resharded run keeps its own
         set_rng_state(blob["rng"])
     return out
 
