@@ -577,7 +577,7 @@ def test_exit_times_pick_the_first_failure() -> None:
     logs = {r: DIST_BACKEND_REMOTE.format(r=r) for r in range(4)}
     logs[2] = "step 10\n"
     d = diagnose_ranks(logs, {0: 12.5, 1: 12.4, 2: 3.0, 3: 12.6}, exit_codes={0: 1, 1: 1, 2: -9, 3: 1})
-    assert d.first_rank == 2 and d.basis == "exit_time"
+    assert d.first_rank == 2 and d.basis == "signal"  # its signal names it, whatever the times
     assert d.root is not None and d.root.kind == "host_oom" and "dmesg" in d.root.fix
     assert "(peer closed ×3) are consequences" in d.summary()
     # exit times alone (no codes): the earliest of the ranks that show an error
@@ -655,3 +655,67 @@ def test_real_gloo_failure_names_rank_1(tmp_path: Path) -> None:
     assert d.findings[0] is d.root
     assert d.summary().startswith("Rank 1 failed first: ValueError: rank 1 failed before the collective.")
     assert "are consequences" in d.summary()
+
+
+# ---- issue 29: a rank a signal ended is the cause ------------------------------------------------------------
+
+TORCHRUN_TABLE = """\
+Failures:
+[1]:
+  time      : 2026-11-27_04:30:53
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 23191)  (SIGTERM)
+  error_file: <N/A>
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_04:30:53
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 23192)  (SIGKILL)
+  error_file: <N/A>
+"""
+
+
+def test_a_rank_killed_by_a_signal_is_the_first_rank_even_when_a_peer_exited_earlier() -> None:
+    from jupyter_dist.telemetry.diagnose import diagnose_ranks
+
+    logs = {0: "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5", 1: ""}
+    plain = diagnose_ranks(logs, {0: 10.0}, exit_codes={0: 1})
+    assert plain.first_rank == 0  # without the killed rank's code, rank 0 looks first
+    note = "rank 1 was killed by SIGKILL — the kernel's out-of-memory killer sends this; its peak RSS was 300 MiB"
+    d = diagnose_ranks(logs, {0: 10.0}, exit_codes={0: 1, 1: -9}, exit_notes={1: note})
+    assert (d.first_rank, d.basis, d.root.kind) == (1, "signal", "host_oom"), d.summary()
+    assert d.summary().startswith("Rank 1 failed first: killed by SIGKILL — the kernel's out-of-memory killer"), d
+    assert "peak RSS was 300 MiB" in d.summary() and "consequences" in d.summary()
+    # SIGTERM is how a launcher stops ranks: never the cause
+    assert diagnose_ranks(logs, {0: 10.0}, exit_codes={0: 1, 1: -15}).first_rank == 0
+
+
+def test_torchrun_table_and_the_oom_verdict(tmp_path: Path) -> None:
+    from jupyter_dist.launch.exits import culprit, killed_report, rank_exits
+    from jupyter_dist.launch.rundir import RunDir
+
+    rd = RunDir(tmp_path).create()
+    (rd.logs / "launcher.log").write_text(TORCHRUN_TABLE)
+    rd.exit_file(0).write_text('{"rank": 0, "code": 1, "error": "RuntimeError: x", "t": 5.0}')
+    exits = rank_exits(rd, 2)
+    assert (exits[0].code, exits[0].source) == (1, "exit file")  # its own file wins over torchrun's -15
+    assert (exits[1].code, exits[1].source, exits[1].pid) == (-9, "torchrun", 23192)
+    ex = culprit(exits)
+    assert ex is not None and ex.rank == 1 and ex.signal_name == "SIGKILL"
+    mib = 2**20
+    sure = killed_report(ex, peak=512 * mib, oom_before=0, oom_after=1, kernel_line=None)
+    assert sure["oom"] is True and sure["reason"].startswith(
+        "rank 1 was killed by SIGKILL — the kernel's out-of-memory killer sends this; its peak RSS was 512 MiB; "
+        "the cgroup counted 1 OOM kill(s)"), sure
+    other = killed_report(ex, peak=None, oom_before=3, oom_after=3, kernel_line=None)
+    assert other["oom"] is False and "no OOM kill" in other["reason"]
+    unknown = killed_report(ex, peak=None, oom_before=None, oom_after=None, kernel_line=None)
+    assert unknown["oom"] is None and unknown["reason"].endswith("sends this")
+    log = killed_report(ex, peak=None, oom_before=None, oom_after=None,
+                        kernel_line="Out of memory: Killed process 23192 (python)")  # fmt: skip
+    assert log["oom"] is True and "kernel log confirms" in log["reason"]
+    assert culprit({0: exits[0]}) is None
+

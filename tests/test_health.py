@@ -133,7 +133,7 @@ def test_a_rank_stuck_before_a_collective_is_named_and_the_run_stopped(ip: Any, 
     assert "Current thread" in diag["stacks"]["1"] and "Current thread" in diag["stacks"]["0"]
     assert diag["where"]["1"].endswith("time.sleep(600)  # stuck before the collective the other rank enters")
     assert diag["where"]["0"].endswith("dist.all_reduce(t)") and "_comm.py" in diag["stacks"]["0"]
-    assert "rank 1 was at script.py:" in run.summary()
+    assert "rank 1 was in phase forward for" in run.summary() and "(limit 4 s), at script.py:" in run.summary()
     assert "hung: no step for" in run.summary() and run.diagnosis().hang["culprit"] == 1
     assert run.diagnosis().first_rank == 1 and run.diagnosis().summary().startswith("Hung: no step for")
     assert descendants_gone(run)
@@ -161,3 +161,41 @@ def test_mismatched_collectives_are_reported_as_desync(ip: Any, runs: Path) -> N
     assert run.wait(90) == "failed", run.summary()
     kinds = {f.kind for f in run.diagnosis().findings}
     assert kinds & {"collective_mismatch", "desync"}, (kinds, run.logs(0)[-2000:])
+
+
+def test_watchdog_limits_scale_with_the_step_and_parse_from_the_environment() -> None:
+    from jupyter_dist.telemetry.health import WatchdogLimits
+
+    d = WatchdogLimits()
+    assert d.limit("forward", None) == 120.0 and d.limit("backward", 10.0) == 200.0  # 20 x median past the floor
+    assert (d.limit("setup", 1.0), d.limit("resume", 1.0), d.limit("checkpoint", 1.0)) == (300.0, 300.0, 600.0)
+    assert d.limit("launching", None) == 600.0 and d.limit("eval", None) == 600.0
+    e = WatchdogLimits.from_env({"JD_WATCHDOG": "step_floor_s=5, setup_s=30"}, explicit=15.0)
+    assert e.step_floor_s == 5.0 and e.setup_s == 30.0
+    assert e.limit("forward", 100.0) == 15.0 and e.limit("setup", None) == 15.0 and e.limit("launching", None) == 60.0
+    assert WatchdogLimits.from_env({"JD_WATCHDOG": "step_floor_s=5"}).limit("forward", 0.05) == 5.0
+    with pytest.raises(ValueError, match="'floor=5' is not name=seconds; valid names: launch_s, setup_s"):
+        WatchdogLimits.from_env({"JD_WATCHDOG": "floor=5"})
+    with pytest.raises(ValueError, match="watchdog setup_s=-1.0 must be a finite number of seconds > 0"):
+        WatchdogLimits.from_env({"JD_WATCHDOG": "setup_s=-1"})
+
+
+def test_the_watchdog_needs_every_rank_stuck_past_its_phase_limit() -> None:
+    from jupyter_dist.telemetry.health import HealthTracker, WatchdogLimits
+
+    limits = WatchdogLimits(step_floor_s=5.0)
+    tr = HealthTracker()
+    assert tr.stall(1000.0, limits, world_size=2, started=0.0) is None  # nobody reported: not judged by default
+    assert tr.stall(1000.0, WatchdogLimits(explicit=15.0), world_size=2, started=0.0)["phases"] == {
+        0: "launching", 1: "launching"}  # fmt: skip
+    for step in range(4):  # 0.1 s per step
+        tr.ingest([{"kind": "step", "rank": r, "t": 100.0 + 0.1 * step, "step": step} for r in (0, 1)])
+    assert tr.median_step_s() == pytest.approx(0.1)
+    tr.ingest([{"kind": "hb", "rank": 0, "t": 104.0, "phase": "forward", "phase_s": 3.8, "step": 3},
+               {"kind": "hb", "rank": 1, "t": 104.0, "phase": "backward", "phase_s": 0.5, "step": 3}])  # fmt: skip
+    assert tr.stall(105.4, limits, world_size=2, started=90.0) is None  # rank 1 moved 1.9 s ago
+    rep = tr.stall(109.0, limits, world_size=2, started=90.0)
+    assert rep is not None and rep["phases"] == {0: "forward", 1: "backward"} and rep["last_step"] == 3, rep
+    assert rep["limits"] == {0: 5.0, 1: 5.0} and rep["stalled"] == {0: 8.7, 1: 5.5} and rep["stalled_s"] == 5.5
+    tr.ingest([{"kind": "exit", "rank": 1, "t": 109.5, "status": "error"}])
+    assert tr.stall(200.0, limits, world_size=2, started=90.0) is None  # a rank that exited is not a hang

@@ -132,9 +132,14 @@ class Run(RunWatching):
 
     @property
     def status(self) -> RunStatus:
-        """One of: pending, running, succeeded, failed, stopped, timed out."""
+        """One of: pending, running, hung, succeeded, failed, stopped, timed out.
+
+        ``hung`` while the watchdog finds every rank stuck in its phase past the limit (it goes back to ``running``
+        if a rank moves on), and as the final status of a run ``--hang-timeout`` stopped.
+        """
         with self._lock:
-            return str(self._meta.get("status", PENDING))
+            status = str(self._meta.get("status", PENDING))
+            return HUNG if status == RUNNING and self._meta.get("hung") and not self.done else status
 
     @property
     def world_size(self) -> int:
@@ -261,8 +266,14 @@ class Run(RunWatching):
 
     @property
     def exit_codes(self) -> dict[int, int | None]:
-        """Exit code per rank (None: the rank left none, e.g. it was killed)."""
-        return self._rd.exit_codes(self.world_size)
+        """Exit code per rank: its exit file, else torchrun's (``-N``: signal N killed it); None: unknown."""
+        from .exits import rank_exits
+
+        codes = self._rd.exit_codes(self.world_size)
+        for r, ex in rank_exits(self._rd, self.world_size).items():
+            if codes.get(r) is None:
+                codes[r] = ex.code
+        return codes
 
     @property
     def done(self) -> bool:
@@ -270,7 +281,12 @@ class Run(RunWatching):
         return self._done.is_set()
 
     def failed_rank(self) -> int | None:
-        """The rank that failed first (earliest non-zero exit), if any."""
+        """The rank that failed first: one killed by a signal (SIGKILL, SIGSEGV...), else the earliest non-zero exit."""
+        from .exits import culprit, rank_exits
+
+        killed = culprit(rank_exits(self._rd, self.world_size))
+        if killed is not None:
+            return killed.rank
         first: tuple[float, int] | None = None
         for r in range(self.world_size):
             try:
@@ -399,6 +415,7 @@ class Run(RunWatching):
             if self.done:
                 return self.status
             self._stop_reason = reason
+        self._note_where()  # each rank's phase and cell line, for the summary
         if isinstance(self._launcher, RemoteLauncher):  # scancel / sky cancel; the watcher sees the job end
             self._launcher.cancel()
             self._done.wait(grace + 60.0)
@@ -425,17 +442,17 @@ class Run(RunWatching):
         if self.status not in (FAILED, TIMED_OUT):
             return None
 
+        from .exits import rank_exits
+
         times, codes = {}, {}
-        for r in range(self.world_size):
-            try:
-                rec = json.loads(self._rd.exit_file(r).read_text())
-            except (OSError, ValueError):
-                continue
-            codes[r] = rec.get("code")
-            if rec.get("code"):
-                times[r] = float(rec.get("t", 0.0))
+        for r, ex in rank_exits(self._rd, self.world_size).items():
+            codes[r] = ex.code
+            if ex.code and ex.t is not None:
+                times[r] = ex.t
         logs = {r: self.logs(r) for r in range(self.world_size)}
-        return diagnose_ranks(logs, times or None, exit_codes=codes)
+        killed = self._meta.get("killed") or {}
+        notes = {int(killed["rank"]): str(killed["reason"])} if killed.get("reason") else None
+        return diagnose_ranks(logs, times or None, exit_codes=codes, exit_notes=notes)
 
     # ---- display --------------------------------------------------------------------------------------------
     def summary(self) -> str:
@@ -468,13 +485,25 @@ class Run(RunWatching):
                 lines += ["    " + ln for ln in self.logs(bad, tail=12).splitlines()]
             if self.status == TIMED_OUT:
                 lines.append(f"  timed out after {self._timeout} s; last lines per rank are in run.json")
-            if self.status == HUNG:
-                d = self._meta.get("diagnosis") or {}
-                lines.append(f"  hung: no step for {d.get('stalled_s')} s; {d.get('reason')}")
+            if self.status == STOPPED and self._meta.get("stopped_at"):
+                lines += self._where_lines("when stopped, ", self._meta["stopped_at"])
+        d = self._meta.get("diagnosis") or {}
+        if self.status == HUNG or d.get("kind") == "hang":
+            progress = "no step for" if d.get("last_step") is not None or "last_step" not in d else "no progress for"
+            lines.append(f"  hung: {progress} {d.get('stalled_s')} s; {d.get('reason')}")
+            limits = d.get("limits") or {}
+            if limits:
+                lines += self._where_lines("", {r: {"phase": p, "stalled_s": (d.get("stalled") or {}).get(r),
+                                                    "where": (d.get("where") or {}).get(str(r)), "limit": limits.get(r)}
+                                                for r, p in (d.get("phases") or {}).items()})  # fmt: skip
+            else:
                 lines += [f"  rank {r} was at {w}" for r, w in (d.get("where") or {}).items()]
-                lines.append(f"  phases {d.get('phases')}, collectives issued {d.get('issued')}; stacks in "
-                             "diagnosis.json")  # fmt: skip
-            elif self.status == FAILED:
+            lines.append(f"  phases {d.get('phases')}, collectives issued {d.get('issued')}; stacks in "
+                         "diagnosis.json")  # fmt: skip
+            if not self.done and d.get("explicit") is None:
+                lines.append("  (reported, not stopped: run.stop() ends it; --hang-timeout S stops a hung run)")
+        if self.done:
+            if self.status == FAILED:
                 try:
                     diag = self.diagnosis()
                 except Exception:  # a diagnosis must never hide the failure itself
@@ -482,6 +511,17 @@ class Run(RunWatching):
                 if diag is not None and diag.findings:
                     lines.append("  diagnosis: " + diag.summary().replace("\n", "\n  "))
         return "\n".join(lines)
+
+    @staticmethod
+    def _where_lines(head: str, where: dict[Any, Any]) -> list[str]:
+        """One line per rank: its phase, how long without progress, and the cell line it was on."""
+        out = []
+        for r, w in where.items():
+            text = f"  {head}rank {r} was in phase {w.get('phase')}"
+            if w.get("stalled_s") is not None:
+                text += f" for {w['stalled_s']} s" + (f" (limit {w['limit']:g} s)" if w.get("limit") else "")
+            out.append(text + (f", at {w['where']}" if w.get("where") else ", at an unknown line (no stack)"))
+        return out
 
     def plan_check(self) -> dict[str, Any] | None:
         """Predicted against measured step time, tokens/s and peak memory per rank (see :mod:`.tune`).

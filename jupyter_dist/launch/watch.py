@@ -217,23 +217,33 @@ class RunWatching:
         kill_tree(self._pids())
 
     def _watch_local(self) -> None:
+        from .exits import oom_kill_count
+
+        self._meta.setdefault("oom_kills_at_start", oom_kill_count())  # the cgroup's counter, before any rank grows
         started = float(self._meta.get("started", time.time()))
         hang_timeout = self._meta.get("hang_timeout")
-        tracker = reader = None
-        if hang_timeout:
-            from ..telemetry.health import HealthTracker
-            from ..telemetry.reader import TelemetryReader
+        from ..telemetry.health import HealthTracker, WatchdogLimits
+        from ..telemetry.reader import TelemetryReader
 
-            tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
+        # the watchdog, from launch to exit: --hang-timeout stops a hung run; the defaults only report it
+        limits = WatchdogLimits.from_env(os.environ, explicit=float(hang_timeout) if hang_timeout else None)
+        tracker, reader = HealthTracker(), TelemetryReader(self._rd.telemetry, maxlen=16)
+        self._tracker, self._reader = tracker, reader
+        watchdog = limits.explicit is not None or self._meta.get("kind") != "pool"  # a pool waits for cells: idle
         next_check = next_early = quiet_since = 0.0
         last_output = -1
         while self._alive():
-            if tracker is not None and reader is not None and self._stop_reason is None and time.time() >= next_check:
+            if watchdog and self._stop_reason is None and time.time() >= next_check:
                 next_check = time.time() + 1.0
-                tracker.ingest(reader.poll())
-                report = tracker.hang(time.time(), float(hang_timeout))
-                if report is not None:
+                with self._lock:  # run.stop() reads them too (_note_where)
+                    tracker.ingest(reader.poll())
+                report = tracker.stall(time.time(), limits, world_size=self.world_size, started=started)
+                if report is not None and limits.explicit is not None:
                     self._on_hang(report, tracker)
+                elif report is not None and not self._meta.get("hung"):
+                    self._report_hang(report, tracker)
+                elif report is None and self._meta.get("hung"):
+                    self._hang_cleared()
             if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
                 self._stop_reason = TIMED_OUT
                 threading.Thread(target=kill_tree, args=(self._pids(),), daemon=True).start()
@@ -301,23 +311,99 @@ class RunWatching:
                     self._meta["stream_error"] = f"{type(follower.error).__name__}: {follower.error}"
             self.router.close()
         self._meta["job_state"] = state
+        raw = str(getattr(lau, "raw_state", "") or "")
+        if raw.upper().startswith("OUT_OF_MEMORY") and not self._meta.get("reason"):
+            self._meta["reason"] = ("the scheduler ended the job OUT_OF_MEMORY: a rank went over the job's memory "
+                                    "limit and its cgroup's OOM killer killed it (raise --mem, or use less host memory "
+                                    "per rank)")  # fmt: skip
         self._finalize(remote_state=state)
 
-    def _on_hang(self, report: dict[str, Any], tracker: Any) -> None:
-        """Write ``diagnosis.json`` (who is behind, phases, collectives, every rank's thread stacks), then stop."""
-        self._stop_reason = HUNG
-        marks = {r: len(self.logs(r)) for r in range(self.world_size)}
-        for pid in tracker.pids.values():  # bootstrap registered faulthandler on SIGUSR1: stacks go to the log
+    def _stacks(self, tracker: Any) -> dict[str, str]:
+        """Every rank's thread stacks now (SIGUSR1: the bootstrap registered faulthandler, which prints to the log)."""
+
+        def size(r: int) -> int:
+            try:
+                return self._rd.rank_log(r).stat().st_size
+            except OSError:
+                return 0
+
+        def since(r: int, mark: int) -> str:
+            try:
+                with open(self._rd.rank_log(r), "rb") as fh:
+                    fh.seek(max(mark, size(r) - 6000))
+                    return fh.read().decode(errors="replace")
+            except OSError:
+                return ""
+
+        marks = {r: size(r) for r in range(self.world_size)}
+        sent = False
+        for pid in tracker.pids.values():
             try:
                 os.kill(pid, signal.SIGUSR1)
+                sent = True
             except (ProcessLookupError, PermissionError):
                 pass
-        time.sleep(1.5)
-        stacks = {str(r): self.logs(r)[marks[r] :][-6000:] for r in range(self.world_size)}
+        if sent:
+            time.sleep(1.5)
+        return {str(r): since(r, marks[r]) for r in range(self.world_size)}
+
+    def _hang_diagnosis(self, report: dict[str, Any], tracker: Any) -> dict[str, Any]:
+        """The hang report with every rank's stacks and the cell line each was on, written to ``diagnosis.json``."""
+        stacks = self._stacks(tracker)
         diagnosis = {"kind": "hang", **report, "where": self._script_lines(stacks), "stacks": stacks, "t": time.time()}
-        (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
-        self._meta["diagnosis"] = {k: v for k, v in diagnosis.items() if k != "stacks"}
+        try:
+            (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
+        except OSError:
+            pass
+        return {k: v for k, v in diagnosis.items() if k != "stacks"}
+
+    def _on_hang(self, report: dict[str, Any], tracker: Any) -> None:
+        """``--hang-timeout``: write ``diagnosis.json`` (who is behind, phases, collectives, stacks), then stop."""
+        self._stop_reason = HUNG
+        self._meta["diagnosis"] = self._hang_diagnosis(report, tracker)
         kill_tree(self._pids())
+
+    def _report_hang(self, report: dict[str, Any], tracker: Any) -> None:
+        """The default watchdog: the run reads ``hung`` (status, summary) with where each rank is; it is not stopped."""
+        diagnosis = self._hang_diagnosis(report, tracker)
+        with self._lock:
+            self._meta["diagnosis"] = diagnosis
+            self._meta["hung"] = {"t": time.time(), "stalled_s": diagnosis.get("stalled_s")}
+            try:
+                self._rd.write_meta(self._meta)
+            except OSError:
+                pass
+
+    def _hang_cleared(self) -> None:
+        """A rank made progress again after a reported hang: the run is running again (the report is kept aside)."""
+        with self._lock:
+            self._meta.pop("hung", None)
+            cleared = self._meta.pop("diagnosis", None)
+            self._meta["hangs_cleared"] = [*self._meta.get("hangs_cleared", []), cleared]
+            try:
+                (self.dir / "diagnosis.json").unlink()
+            except OSError:
+                pass
+            try:
+                self._rd.write_meta(self._meta)
+            except OSError:
+                pass
+
+    def _note_where(self) -> None:
+        """Before a stop: each rank's phase and the cell line it was on (``run.json`` ``stopped_at``)."""
+        tracker = getattr(self, "_tracker", None)
+        if tracker is None or self.remote or self._meta.get("kind") == "pool":
+            return
+        try:
+            started = float(self._meta.get("started", time.time()))
+            lines = self._script_lines(self._stacks(tracker))
+            with self._lock:  # the newest heartbeats (the watcher reads every second)
+                tracker.ingest(self._reader.poll())
+                where = tracker.where(time.time(), self.world_size, started)
+            self._meta["stopped_at"] = {str(r): {"phase": w["phase"], "stalled_s": w["stalled_s"], "step": w["step"],
+                                                 "where": lines.get(str(r))} for r, w in where.items()}  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a report must never keep a run from stopping
+            self._meta["stopped_at_error"] = f"{type(exc).__name__}: {exc}"
 
     def _script_lines(self, stacks: dict[str, str]) -> dict[str, str]:
         """Per rank, the cell line its main thread was on (from faulthandler's "Current thread" block)."""
@@ -332,6 +418,19 @@ class RunWatching:
             if m and 0 < int(m.group(1)) <= len(source):
                 where[rank] = f"script.py:{m.group(1)}: {source[int(m.group(1)) - 1].strip()}"
         return where
+
+    def _name_killed_rank(self) -> None:
+        """A rank a signal ended (SIGKILL from the OOM killer...) is the cause: say so, with its peak memory."""
+        from .exits import culprit, kernel_oom_line, killed_report, oom_kill_count, peak_rss, rank_exits
+
+        ex = culprit(rank_exits(self._rd, self.world_size))
+        if ex is None:
+            return
+        kernel = kernel_oom_line(ex.pid) if ex.signal == 9 else None
+        report = killed_report(ex, peak=peak_rss(self._rd.telemetry, ex.rank), kernel_line=kernel,
+                               oom_before=self._meta.get("oom_kills_at_start"), oom_after=oom_kill_count())  # fmt: skip
+        self._meta["killed"] = report
+        self._meta["reason"] = report["reason"]
 
     def _finalize(self, remote_state: str | None = None) -> None:
         with self._lock:
@@ -354,6 +453,8 @@ class RunWatching:
             early = self._early_exit()  # a peer noticed the rank that left early and failed: say who began it
             if early is not None:
                 self._meta["reason"] = self._early_reason(early, [], stopped=False)
+        if not self.remote and self._stop_reason in (None, FAILED) and any(c for c in codes):
+            self._name_killed_rank()
         if self._stop_reason in (STOPPED, TIMED_OUT, HUNG, FAILED):  # FAILED: a node or an early exit; the agents
             status = self._stop_reason  # may still exit 0 on our SIGTERM
         elif remote_state in REMOTE_FINAL:

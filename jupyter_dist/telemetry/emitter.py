@@ -352,6 +352,8 @@ class Emitter:
         """Keep one call (validates even when disabled); returns the ``steps`` record if this call wrote one."""
         step_int, values = check_metrics(step, metrics)
         self.last_step = step_int
+        if self._phase[0] == "setup":  # the first step: the cell's set-up is over
+            self.set_phase("forward")
         if not self.enabled:
             return None
         now = self._clock()

@@ -6,11 +6,14 @@ collective; a heartbeat that stops means the process is frozen (GIL held, stoppe
 
 from __future__ import annotations
 
+import math
+import statistics
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = [
     "HB_STATES", "HB_COLORS", "hb_state", "bus_factor", "bus_bandwidth", "straggler_scores", "hang_report",
-    "HealthTracker",
+    "HealthTracker", "WatchdogLimits", "STEP_PHASES", "SETUP_PHASES",
 ]  # fmt: skip
 
 HB_STATES = ("ok", "slow", "suspect", "hung", "dead", "exited", "unknown")
@@ -128,6 +131,76 @@ def hang_report(*, now: float, last_step_t: dict[int, float], last_hb: dict[int,
     return report
 
 
+STEP_PHASES = frozenset({"forward", "backward", "optimizer", "data"})
+"""Phases inside the training loop: their limit scales with the measured step time."""
+SETUP_PHASES = frozenset({"init", "setup", "wrap", "resume"})
+"""Phases before the loop (process group, the user's set-up, wrapping the model, loading a checkpoint)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WatchdogLimits:
+    """How long a rank may stay in one phase without progress before the run is judged ``hung``.
+
+    Progress is a new phase or a new logged step. ``explicit`` (``--hang-timeout S``) is the limit of every phase
+    once a rank reports (and ``max(S, 60)`` before its first heartbeat: importing torch and the rendezvous); the
+    defaults scale: a step phase gets ``max(step_floor_s, step_factor x the median step time)``. Set in the kernel
+    with ``JD_WATCHDOG="step_floor_s=5,setup_s=120"`` (:meth:`from_env`).
+    """
+
+    launch_s: float = 600.0
+    """Launch to a rank's first heartbeat: importing torch and the script, the rendezvous, the process group."""
+    setup_s: float = 300.0
+    """``init``, ``setup`` (the cell before its first step), ``wrap``, ``resume``."""
+    checkpoint_s: float = 600.0
+    """``checkpoint``: one save."""
+    step_floor_s: float = 120.0
+    """The least a step phase may take before it counts as stuck."""
+    step_factor: float = 20.0
+    """A step phase may take this many median steps."""
+    other_s: float = 600.0
+    """A phase of another name (``jd.phase("eval")``...)."""
+    explicit: float | None = None
+    """``--hang-timeout``: one limit for every phase (the run is then stopped when it hangs)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "explicit" and value is None:
+                continue
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"watchdog {f.name}={value!r} must be a finite number of seconds > 0")
+
+    @classmethod
+    def from_env(cls, environ: Any, *, explicit: float | None = None) -> WatchdogLimits:
+        """Defaults, overridden by ``JD_WATCHDOG`` (``name=seconds`` pairs, comma-separated) and ``explicit``."""
+        over: dict[str, float] = {}
+        text = str(environ.get("JD_WATCHDOG") or "").strip()
+        names = [f.name for f in fields(cls) if f.name != "explicit"]
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name.strip() not in names:
+                raise ValueError(f"JD_WATCHDOG: {part!r} is not name=seconds; valid names: {', '.join(names)}")
+            try:
+                over[name.strip()] = float(value)
+            except ValueError:
+                raise ValueError(f"JD_WATCHDOG: {part!r} wants a number of seconds") from None
+        return cls(**over, explicit=explicit)  # type: ignore[arg-type]
+
+    def limit(self, phase: str, median_step_s: float | None) -> float:
+        """The limit of ``phase`` (``launching``: before the first heartbeat)."""
+        if phase == "launching":
+            return max(self.explicit, 60.0) if self.explicit is not None else self.launch_s
+        if self.explicit is not None:
+            return self.explicit
+        if phase in STEP_PHASES:
+            return max(self.step_floor_s, self.step_factor * (median_step_s or 0.0))
+        if phase in SETUP_PHASES:
+            return self.setup_s
+        if phase == "checkpoint":
+            return self.checkpoint_s
+        return self.other_s
+
+
 class HealthTracker:
     """Follows a run's records for the health judgements.
 
@@ -144,6 +217,8 @@ class HealthTracker:
         self.exited: dict[int, str] = {}
         self._comm: dict[int, list[tuple[float, float]]] = {}
         self._arrivals: dict[int, dict[int, float]] = {}
+        self._step_gaps: list[float] = []  # recent seconds between a rank's consecutive steps (all ranks)
+        self._prev_step: dict[int, tuple[int, float]] = {}
 
     def ingest(self, records: Any) -> None:
         """Take records of any kinds."""
@@ -155,6 +230,13 @@ class HealthTracker:
             kind = rec.get("kind")
             if kind == "step":
                 self.last_step_t[rank] = max(t, self.last_step_t.get(rank, t))
+                prev = self._prev_step.get(rank)
+                step = rec.get("step")
+                if isinstance(step, int) and (prev is None or step > prev[0]):
+                    if prev is not None and t >= prev[1]:
+                        self._step_gaps.append((t - prev[1]) / (step - prev[0]))
+                        del self._step_gaps[:-256]
+                    self._prev_step[rank] = (step, t)
             elif kind == "hb":
                 if rank not in self.last_hb or t >= float(self.last_hb[rank]["t"]):
                     self.last_hb[rank] = rec
@@ -208,6 +290,55 @@ class HealthTracker:
             for r, a in self._arrivals.items():
                 lags[r] += a[n] - first
         return {r: round(v / len(numbers), 6) for r, v in lags.items()}
+
+    def median_step_s(self) -> float | None:
+        """The median seconds per step over the recent steps of every rank (``None`` before two steps)."""
+        return statistics.median(self._step_gaps) if self._step_gaps else None
+
+    def where(self, now: float, world_size: int, started: float) -> dict[int, dict[str, Any]]:
+        """Per rank: its phase (``launching`` before its first heartbeat), seconds without progress, last step."""
+        out: dict[int, dict[str, Any]] = {}
+        for r in range(world_size):
+            hb = self.last_hb.get(r)
+            if hb is None:
+                out[r] = {"phase": "launching", "since": started, "stalled_s": round(now - started, 1), "step": None}
+                continue
+            t = float(hb.get("t") or 0.0)
+            phase_start = t - float(hb.get("phase_s") or 0.0)
+            since = max(phase_start, self.last_step_t.get(r, phase_start))
+            out[r] = {"phase": str(hb.get("phase")), "since": since, "stalled_s": round(now - since, 1),
+                      "step": hb.get("step")}  # fmt: skip
+        return out
+
+    def stall(self, now: float, limits: WatchdogLimits, *, world_size: int, started: float) -> dict[str, Any] | None:
+        """The watchdog: a hang report when *every* rank stayed in its phase longer than the phase's limit.
+
+        ``None`` while any rank makes progress, once any rank has exited (that is not a hang), and under the default
+        limits while no rank has sent a heartbeat (a script that never calls ``jd`` cannot be judged). The
+        report has each rank's ``phases``, ``stalled`` seconds and ``limits``, ``stalled_s`` (the least of them),
+        ``last_step``, ``median_step_s`` and the culprit reasoning of :func:`hang_report` (collective counts).
+        """
+        if self.exited or world_size < 1:
+            return None
+        if limits.explicit is None and not self.last_hb:  # a script that never uses jd beats no heart: not judged
+            return None
+        median = self.median_step_s()
+        where = self.where(now, world_size, started)
+        limit = {r: limits.limit(w["phase"], median) for r, w in where.items()}
+        if any(w["stalled_s"] < limit[r] for r, w in where.items()):
+            return None
+        stalled = min(w["stalled_s"] for w in where.values())
+        steps = [w["step"] for w in where.values() if isinstance(w["step"], int)]
+        base = hang_report(now=now, last_step_t={r: now - stalled for r in where}, last_hb=self.last_hb,
+                           issued=self.issued, timeout=0.0) or {}  # fmt: skip
+        phases = {r: w["phase"] for r, w in where.items()}
+        reason = base.get("reason") or ""
+        if not self.issued:
+            reason = "every rank stayed in its phase past its limit; no collective timings to tell which rank is behind"
+        return {**base, "stalled_s": round(stalled, 1), "phases": phases, "reason": reason,
+                "stalled": {r: w["stalled_s"] for r, w in where.items()}, "limits": limit,
+                "last_step": max(steps) if steps else None, "median_step_s": median,
+                "explicit": limits.explicit}  # fmt: skip
 
     def hang(self, now: float, timeout: float) -> dict[str, Any] | None:
         """:func:`hang_report` from what was seen (``None`` once any rank has exited: that is not a hang)."""

@@ -225,8 +225,8 @@ class Runtime(TrainingVerbs):
                         self.comm_stats = CommStats()
                         install_collective_timers(dist, self.comm_stats)
                         self.emitter.comm = self.comm_stats
+            self.emitter.set_phase("setup")  # the cell before its first step; jd.log moves it on to "forward"
             self._start_telemetry(backend)
-            self.emitter.set_phase("forward")
 
     def _start_telemetry(self, backend: str | None) -> None:
         emitter = self.emitter

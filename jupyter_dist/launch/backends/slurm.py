@@ -129,6 +129,8 @@ class SlurmLauncher(RemoteLauncher):
     """Seconds between state polls."""
     reason: str | None = None
     """Why a pending job waits (``Reason`` of ``scontrol show job``: Resources, Priority, ...)."""
+    raw_state: str | None = None
+    """The scheduler's own word for the job's state (``OUT_OF_MEMORY``: the watcher names the cause)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -232,6 +234,7 @@ class SlurmLauncher(RemoteLauncher):
             return "pending" if self.state == "before" else "unknown"
         info = self.job_info()
         if info.get("JobState"):
+            self.raw_state = info["JobState"]
             if info.get("StdOut"):
                 self.output = info["StdOut"]
             state = slurm_state(info["JobState"])
@@ -252,7 +255,8 @@ class SlurmLauncher(RemoteLauncher):
             return "unknown"
         if res.returncode != 0 or not res.stdout.strip():  # accounting disabled: "Slurm accounting storage is ..."
             return "unknown"
-        return slurm_state(res.stdout.splitlines()[0])
+        self.raw_state = res.stdout.splitlines()[0].strip()
+        return slurm_state(self.raw_state)
 
     def cancel(self) -> None:
         """``scancel <id>`` (SIGTERM to every step, SIGKILL after the cluster's KillWait)."""

@@ -215,7 +215,7 @@ _SIGNALS: dict[int, tuple[str, str, str]] = {
     1: ("SIGHUP", "terminated", "terminated by SIGHUP"),
     2: ("SIGINT", "terminated", "interrupted (SIGINT)"),
     15: ("SIGTERM", "terminated", "terminated by SIGTERM (stopped by the launcher)"),
-    9: ("SIGKILL", "host_oom", "killed by SIGKILL (usually the host's OOM killer)"),
+    9: ("SIGKILL", "host_oom", "killed by SIGKILL — the kernel's out-of-memory killer sends this"),
     11: ("SIGSEGV", "silent_exit", "crashed with a segmentation fault (SIGSEGV)"),
     6: ("SIGABRT", "silent_exit", "aborted (SIGABRT)"),
     7: ("SIGBUS", "shm_too_small", "bus error (SIGBUS), typically /dev/shm exhausted"),
@@ -250,8 +250,8 @@ class Diagnosis:
     by_rank: dict[int, list[Finding]]
     facts: dict[int, NcclFacts]
     basis: str
-    """How ``first_rank`` was chosen: ``exit_time``, ``cause``, ``named`` (a timeout report names it),
-    ``timeout``, ``lowest_rank`` or ``none``."""
+    """How ``first_rank`` was chosen: ``signal`` (a signal killed it), ``exit_time``, ``cause``, ``named`` (a
+    timeout report names it), ``timeout``, ``lowest_rank`` or ``none``."""
     suspects: list[int] = field(default_factory=list)
     """Ranks that timeout / barrier / desync reports name as not having arrived."""
     silent_ranks: list[int] = field(default_factory=list)
@@ -290,9 +290,12 @@ class Diagnosis:
             return str(self.early_exit.get("reason") or f"rank {self.first_rank} ended early")
         if self.hang is not None:
             h = self.hang
-            where = "; ".join(f"rank {r} was at {w}" for r, w in (h.get("where") or {}).items())
+            phases = {str(r): p for r, p in (h.get("phases") or {}).items()}
+            where = "; ".join(f"rank {r}" + (f" (phase {phases[str(r)]})" if str(r) in phases else "") + f" was at {w}"
+                              for r, w in (h.get("where") or {}).items())  # fmt: skip
             who = f"rank {self.first_rank} fell behind" if self.first_rank is not None else "no rank stood out"
-            head = f"Hung: no step for {h.get('stalled_s')} s ({who}); {h.get('reason')}"
+            progress = "no progress" if "last_step" in h and h.get("last_step") is None else "no step"
+            head = f"Hung: {progress} for {h.get('stalled_s')} s ({who}); {h.get('reason')}"
             return head + (f". {where}" if where else "")
         if self.root is None or self.first_rank is None:
             n = len(self.by_rank)
@@ -352,6 +355,7 @@ def diagnose_ranks(
     exit_times: Mapping[int, float] | None = None,
     *,
     exit_codes: Mapping[int, int] | None = None,
+    exit_notes: Mapping[int, str] | None = None,
 ) -> Diagnosis:
     """Classify every rank's log, find the rank that failed first and put its root cause first.
 
@@ -359,7 +363,10 @@ def diagnose_ranks(
     rank with a root cause (an exception, OOM, a configuration error...); else a rank that a timeout report
     (monitored barrier, desync report, missing ranks) names; else the lowest rank that timed out; else the lowest
     rank with any error. ``exit_codes`` (e.g. from :func:`parse_child_failures`) adds a finding for ranks that
-    died without a message (-9: OOM killer, -11: segfault, -15: stopped by the launcher...).
+    died without a message (-9: OOM killer, -11: segfault, -15: stopped by the launcher...). A rank a signal other
+    than SIGTERM/SIGINT/SIGHUP ended is the first rank (basis ``signal``): it could not report, and its peers' lost
+    connections follow from it. ``exit_notes`` replaces such a rank's finding title (``"rank 1 was killed by SIGKILL
+    ...; its peak RSS was 310 MiB"``).
     """
     by_rank: dict[int, list[Finding]] = {}
     facts: dict[int, NcclFacts] = {}
@@ -376,6 +383,17 @@ def diagnose_ranks(
         if r not in by_rank and code:
             by_rank[r], facts[r] = [_exit_finding(r, code)], NcclFacts()
 
+    killed = sorted(r for r, code in (exit_codes or {}).items() if code < 0 and code not in (-15, -2, -1))
+    signal_root: Finding | None = None
+    if killed:
+        r = killed[0]
+        signal_root = _exit_finding(r, int((exit_codes or {})[r]))
+        note = (exit_notes or {}).get(r)
+        if note:
+            signal_root = replace(signal_root, title=note.removeprefix(f"rank {r} was "))
+        by_rank[r] = sorted([signal_root, *(f for f in by_rank.get(r, ()) if f.kind != signal_root.kind)],
+                            key=_sort_key)  # fmt: skip
+
     def errors(r: int, role: str | None = None) -> list[Finding]:
         return [f for f in by_rank.get(r, ()) if f.severity == "error" and (role is None or f.role == role)]
 
@@ -389,7 +407,9 @@ def diagnose_ranks(
     root: Finding | None = None
     basis = "none"
     timed = [r for r in failing if exit_times and r in exit_times]
-    if exit_times and timed:
+    if signal_root is not None:
+        first, root, basis = killed[0], signal_root, "signal"
+    elif exit_times and timed:
         first, basis = min(timed, key=lambda r: (exit_times[r], r)), "exit_time"
     elif cause_ranks:
         # a rank with a definite cause beats one whose "cause" is often a side effect (cannot connect, generic NCCL)
