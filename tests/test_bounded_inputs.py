@@ -220,3 +220,17 @@ def test_dist_start_refuses_more_ranks_too(ip: object, runs: Path, monkeypatch: 
         ip.run_line_magic("dist_start", "--nproc 2 --env MASTER_ADDR=x")  # type: ignore[attr-defined]
     assert str(e.value).startswith("--env MASTER_ADDR: set by the launcher for each rank")
     assert not list(runs.iterdir())
+
+
+@pytest.mark.usefixtures("two_cores")
+def test_jupyter_dist_launch_refuses_them_and_takes_oversubscribe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("print(1)\n")
+    assert main(["launch", "--nproc", "100000", "t.py"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "jupyter-dist launch: error: --nproc 100000 starts 100,000 processes on this machine; a local run starts at "
+        "most 512, even with --oversubscribe"]  # fmt: skip
+    assert main(["launch", "--nproc", "12", "--oversubscribe", "--dry-run", "t.py"]) == 0
+    assert "--nproc-per-node 12" in capsys.readouterr().out and not (tmp_path / "runs").exists()

@@ -104,6 +104,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="none", help="JD_STRATEGY for scripts using jd (default none)")
     p.add_argument("--name", default="launch", help="run directory name (default launch)")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the workers")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start more local ranks than the machine holds (one per GPU, else 4 per CPU core)")  # fmt: skip
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default ./runs)")
     p.add_argument("--timeout", type=float, help="stop the run after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
@@ -146,7 +148,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     result = start_run("", script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
                        strategy=args.strategy, name=args.name, timeout=args.timeout, env=env, runs_dir=args.runs_dir,
                        dry_run=args.dry_run, backend=args.backend, cluster=cluster,
-                       output="none" if args.detach else args.output)  # fmt: skip
+                       output="none" if args.detach else args.output, oversubscribe=args.oversubscribe)  # fmt: skip
     if args.dry_run:
         print(result.to_text())  # type: ignore[union-attr]
         return 0
