@@ -1,9 +1,10 @@
 """The local launcher: torchrun, ``deepspeed`` or ``accelerate launch`` on this machine (gloo on CPU, NCCL on GPUs).
 
 Pure ``args()`` / ``env()``, then ``start()`` (side effects). One node runs ``torchrun --standalone`` (its own free
-port, so runs never collide); ``nodes > 1`` starts one torchrun agent per simulated node with a c10d rendezvous on
-127.0.0.1 (the same code path a real multi-node run takes). Workers are fresh processes started by the launcher, never
-forks of the kernel, so whatever the kernel did (CUDA included) does not leak into them.
+port, so runs never collide), or with a ``--port`` a c10d rendezvous on it (``--standalone`` would drop it);
+``nodes > 1`` starts one torchrun agent per simulated node with a c10d rendezvous on 127.0.0.1 (the same code path a
+real multi-node run takes). Workers are fresh processes started by the launcher, never forks of the kernel, so
+whatever the kernel did (CUDA included) does not leak into them.
 
 The other launchers run one node only, on a free port picked at ``start()``:
 
