@@ -223,10 +223,29 @@ def test_hybrid_sharding_needs_two_gpus_per_shard_group() -> None:
     one_per_node = Hardware.from_names("h100-80gb", gpus_per_node=1, nodes=4)
     names = [c.name for c in make_plan("llama-2-7b", one_per_node).candidates if "hybrid" in c.name]
     assert "fsdp-hybrid-shard" not in names and "fsdp2-hybrid" in names  # FSDP2's (4, 1) mesh is correct
-    with pytest.raises(ParallelismError, match="with 1 GPU\\(s\\) per node a group holds one GPU"):
+    with pytest.raises(ParallelismError, match="with 1 GPU per node a group holds one GPU"):
         make_plan("llama-2-7b", one_per_node, strategy="fsdp-hybrid-shard")
     eight = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=2)
     hybrid = [c for c in make_plan("llama-2-7b", eight).candidates if "hybrid" in c.name]
     assert hybrid and all(c.settings["shard_group_size"] == 8 for c in hybrid if c.dims.is_data_parallel_only)
     # HSDP composes with tensor parallelism: a node's 8 GPUs hold 4 shard ranks x tp2
     assert all(c.settings["shard_group_size"] == 8 // c.dims.tp for c in hybrid if c.dims.tp > 1 and c.dims.pp == 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32", "fp16-mixed", "bf16-true"])
+def test_cpu_plans_speak_cpu(precision: str) -> None:
+    """A plan for CPU processes says processes, never GPUs, flash-attention, tensor cores or fp16 advice; the same
+    plan for GPUs still speaks of GPUs."""
+    from jupyter_dist.plan import Hardware, TrainingShape, get_accelerator
+    from jupyter_dist.plan import plan as make_plan
+
+    shape = TrainingShape(micro_batch=1, seq_len=256, precision=precision)
+    for model, nodes in (("gpt2", 1), ("llama-2-7b", 2)):  # the second does not fit: the "nothing fits" advice too
+        p = make_plan(model, Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=2, nodes=nodes), shape)
+        text = p.to_text() + "\n".join(p.reasons + p.warnings) + p.to_html()
+        for word in ("GPU", "flash", "tensor core", "CUDA context", "use --precision fp16"):
+            assert word not in text, (word, [ln for ln in text.splitlines() if word in ln])
+        assert "Per-process memory" in text
+        assert ("process runtime (Python, torch, gloo)" in text) == (p.best is not None)  # the peak's rows
+    gpu = make_plan("gpt2", Hardware(accelerator=get_accelerator("h100-80gb"), gpus_per_node=2), shape)
+    assert "Per-GPU memory" in gpu.to_text() and "flash-attention" in gpu.to_text()

@@ -328,6 +328,22 @@ class Hardware:
         """Total number of accelerators."""
         return self.gpus_per_node * self.nodes
 
+    @property
+    def unit(self) -> str:
+        """What one rank runs on, in the plan's words: ``"GPU"``, or ``"process"`` for CPU processes."""
+        return "process" if self.accelerator.vendor == "cpu" else "GPU"
+
+    @property
+    def unit_plural(self) -> str:
+        """``"GPUs"`` or ``"processes"``."""
+        return "processes" if self.unit == "process" else "GPUs"
+
+    def units(self, n: int) -> str:
+        """``"2 GPUs"`` / ``"1 GPU"`` / ``"2 processes"``."""
+        if self.unit == "process":
+            return f"{n} process{'es' if n != 1 else ''}"
+        return f"{n} GPU{'s' if n != 1 else ''}"
+
     def collective_bw(self, group_size: int, *, ranks_per_node: int | None = None) -> float:
         """Bus bandwidth (bytes/s) a collective over ``group_size`` ranks reaches, nccl-tests style.
 

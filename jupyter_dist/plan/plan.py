@@ -25,6 +25,11 @@ def _row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(cells, widths, strict=True)))
 
 
+
+_CPU_LABELS = {"CUDA context + NCCL": "process runtime (Python, torch, gloo)",
+               "caching-allocator reserve": "allocator slack"}
+"""What the GPU rows of a memory breakdown stand for in a CPU process (the same bytes, its own words)."""
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
     """One strategy with its parallel degrees, evaluated: memory, fit and speed."""
@@ -162,11 +167,13 @@ class Plan:
     def _header(self) -> str:
         hw = self.hardware
         t = self.training
+        attention = ("attention: PyTorch SDPA on CPU" if hw.unit == "process"
+                     else f"flash-attention {'on' if t.flash_attention else 'off'}")  # fmt: skip
         return (
             f"{self.model.name}: {fmt_count(self.model.params)} params ({self.model.params:,}) on "
             f"{hw.nodes} x {hw.gpus_per_node} {hw.accelerator.label} ({fmt_gib(hw.accelerator.memory_bytes)} each); "
             f"micro-batch {t.micro_batch}, seq {t.seq_len}, {t.precision.value}, {t.optimizer.value}, "
-            f"checkpointing {t.checkpointing_name}, flash-attention {'on' if t.flash_attention else 'off'}"
+            f"checkpointing {t.checkpointing_name}, {attention}"
         )
 
     def table_rows(self, limit: int | None = None) -> list[list[str]]:
@@ -199,7 +206,7 @@ class Plan:
         out = [
             self._header(),
             "",
-            "Per-GPU memory in GiB (1 GiB = 2^30 bytes); fits: yes, tight (under "
+            f"Per-{self.hardware.unit} memory in GiB (1 GiB = 2^30 bytes); fits: yes, tight (under "
             f"{100 * self.assumptions.min_headroom:.0f}% headroom) or NO:",
             line,
             "-" * len(line),
@@ -213,8 +220,10 @@ class Plan:
         out.append(f"Recommended: {best.label} ({best.name})" if best else "Recommended: nothing fits")
         out += [f"  - {r}" for r in self.reasons]
         if best is not None:
-            out.append(f"Per-GPU peak of {best.name}, GiB:")
-            out += [f"  {label:<45} {value / GiB:8.2f}" for label, value in best.memory.rows()]
+            out.append(f"Per-{self.hardware.unit} peak of {best.name}, GiB:")
+            cpu = self.hardware.unit == "process"
+            out += [f"  {_CPU_LABELS.get(label, label) if cpu else label:<45} {value / GiB:8.2f}"
+                    for label, value in best.memory.rows()]  # fmt: skip
         if self.warnings:
             out.append("Warnings:")
             out += [f"  ! {w}" for w in self.warnings]
@@ -238,7 +247,8 @@ class Plan:
         warns = "".join(f'<li style="color:#b26a00">{e(w)}</li>' for w in self.warnings)
         return (
             f'<div class="jupyter-dist-plan"><p>{e(self._header())}</p>'
-            f"<p>Per-GPU memory in GiB</p><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p>Per-{self.hardware.unit} memory in GiB</p><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>"
             f"<p>{rec}</p><ul>{reasons}</ul>" + (f"<p>Warnings</p><ul>{warns}</ul>" if warns else "") + "</div>"
         )
 

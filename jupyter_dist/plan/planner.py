@@ -254,8 +254,9 @@ def plan(
             shown = [c] if c else []
         if not shown and requested.hybrid and requested.family == "fsdp":
             raise ParallelismError(
-                f"{requested.name} shards inside groups of GPUs on one node and replicates across nodes; with "
-                f"{hw.gpus_per_node} GPU(s) per node{' (divided by tp)' if fixed.get('tp', 1) > 1 else ''} a group "
+                f"{requested.name} shards inside groups of {hw.unit_plural} on one node and replicates across "
+                "nodes; with "
+                f"{hw.units(hw.gpus_per_node)} per node{' (divided by tp)' if fixed.get('tp', 1) > 1 else ''} a group "
                 "holds one GPU, where FSDP1's HYBRID_SHARD reduces gradients wrongly. Use fsdp2-hybrid, fsdp2 or "
                 "fsdp-full-shard"
             )
@@ -283,7 +284,7 @@ def plan(
 # ---------------------------------------------------------------------------------------------------------------
 # Explanations
 # ---------------------------------------------------------------------------------------------------------------
-def _fit_sentence(c: Candidate) -> str:
+def _fit_sentence(c: Candidate, unit: str = "GPU") -> str:
     mem = c.memory
     if mem.fits:
         verdict = f"fits with {100 * mem.headroom:.0f}% headroom"
@@ -291,7 +292,7 @@ def _fit_sentence(c: Candidate) -> str:
         verdict = f"does not fit ({fmt_gib(mem.total - mem.capacity)} over)"
     reuse = f", less {fmt_gib(mem.grads_reuse)} of gradients in memory backward freed" if mem.grads_reuse else ""
     return (
-        f"{c.label} needs {fmt_gib(mem.total)} per GPU (model states {fmt_gib(mem.model_states)}, activations "
+        f"{c.label} needs {fmt_gib(mem.total)} per {unit} (model states {fmt_gib(mem.model_states)}, activations "
         f"{fmt_gib(mem.activations)}, overhead {fmt_gib(mem.overhead)}{reuse}) of {fmt_gib(mem.capacity)}: {verdict}."
     )
 
@@ -310,7 +311,7 @@ def _reasons(
     out.append(
         f"{model.name} has {fmt_count(model.params)} parameters; {t.precision.value} with {t.optimizer.value} keeps "
         f"{per_param} bytes of model states per parameter ({pb} params + {gb} grads + {ob} optimizer; ZeRO paper "
-        f"Sec. 3.1) = {fmt_gib(per_param * model.params)} before sharding, across {hw.world_size} GPU(s)."
+        f"Sec. 3.1) = {fmt_gib(per_param * model.params)} before sharding, across {hw.units(hw.world_size)}."
     )
     # the decision flow: the least sharding that fits
     flow = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-offload-params"]
@@ -318,7 +319,7 @@ def _reasons(
         c = _by_name(cands, name)
         if c is None:
             continue
-        out.append(_fit_sentence(c))
+        out.append(_fit_sentence(c, hw.unit))
         if c.fits and c.memory.headroom >= a.min_headroom:
             break
     mp = [c for c in ranked if c.dims.world_size != c.dims.dp]
@@ -335,14 +336,16 @@ def _reasons(
                 f"{model.name} is a mixture of experts ({model.experts} experts, top-{model.top_k}; "
                 f"{fmt_count(model.total_expert_params)} of its parameters are experts, "
                 f"{fmt_count(model.active_params)} active per token): expert parallelism ep={e.dims.ep} splits the "
-                f"experts across GPUs ({fmt_gib(e.memory.total)} per GPU, {e.time.tokens_per_s:,.0f} tokens/s)."
+                f"experts across {hw.unit_plural} ({fmt_gib(e.memory.total)} per {hw.unit}, "
+                f"{e.time.tokens_per_s:,.0f} tokens/s)."
             )
     if t.seq_len >= LONG_SEQUENCE:
         base = min((c for c in cands if c.dims.cp == 1), key=lambda c: c.memory.activations, default=None)
         cpc = min((c for c in cands if c.dims.cp > 1), key=lambda c: c.memory.total, default=None)
         if base and cpc:
             out.append(
-                f"Sequence length {t.seq_len:,} is long: activations take {fmt_gib(base.memory.activations)} per GPU "
+                f"Sequence length {t.seq_len:,} is long: activations take {fmt_gib(base.memory.activations)} per "
+                f"{hw.unit} "
                 f"without context parallelism; cp={cpc.dims.cp} splits the sequence and brings them to "
                 f"{fmt_gib(cpc.memory.activations)}."
             )
@@ -352,7 +355,7 @@ def _reasons(
         if full and hyb and hyb.fits:
             faster = hyb.time.step_time_s < full.time.step_time_s
             out.append(
-                f"{hw.nodes} nodes over {hw.interconnect.label}: sharding across all {hw.world_size} GPUs takes "
+                f"{hw.nodes} nodes over {hw.interconnect.label}: sharding across all {hw.units(hw.world_size)} takes "
                 f"{full.time.step_time_s:.3g} s/step, sharding inside each node and replicating across nodes "
                 f"(hybrid) {hyb.time.step_time_s:.3g} s/step"
                 + (" — hybrid keeps the per-layer all-gathers on the intra-node link." if faster else ".")
@@ -395,8 +398,9 @@ def _reasons(
         smallest = min(cands, key=lambda c: c.memory.total)
         need = math.ceil(hw.world_size * smallest.memory.model_states / max(1, smallest.memory.capacity * 0.6))
         out.append(
-            f"Nothing fits: the smallest candidate, {smallest.name}, needs {fmt_gib(smallest.memory.total)} per GPU "
-            f"of {fmt_gib(smallest.memory.capacity)}. Options: more GPUs (roughly {need} for these model states), "
+            f"Nothing fits: the smallest candidate, {smallest.name}, needs {fmt_gib(smallest.memory.total)} per "
+            f"{hw.unit} of {fmt_gib(smallest.memory.capacity)}. Options: more {hw.unit_plural} (roughly {need} for "
+            "these model states), "
             "a smaller micro-batch or sequence, activation checkpointing (--checkpointing full), CPU offload, "
             "or tensor/pipeline parallelism (--tp/--pp)."
         )
@@ -414,22 +418,30 @@ def _warnings(
     out: list[str] = []
     acc = hw.accelerator
     half = "bf16" if acc.supports_bf16 else "fp16"
-    if t.precision is Precision.FP32:
+    if acc.vendor == "cpu":  # CPU processes: no tensor cores, no fp16 advice; what a rehearsal should use
+        if t.precision is Precision.BF16_MIXED:
+            out.append("CPU processes run bf16-mixed through CPU autocast, which casts other operators than CUDA "
+                       "autocast: memory measured here does not predict bf16-mixed on CUDA; rehearse with --precision "
+                       "fp32 or bf16-true.")
+        elif t.precision is Precision.FP16_MIXED:
+            out.append("fp16 on CPU processes is emulated and slow: use --precision fp32 or bf16-true.")
+    elif t.precision is Precision.FP32:
         out.append(
             f"fp32 training: twice the bytes of bf16 for parameters, gradients and activations, and "
             f"{acc.peak_flops('fp32') / 1e12:.0f} vs {acc.peak_flops(half) / 1e12:.0f} TFLOPS on {acc.label}; "
             f"use --precision {half}-mixed."
         )
-    if t.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not acc.supports_bf16:
+    if t.precision in (Precision.BF16_MIXED, Precision.BF16_TRUE) and not acc.supports_bf16 and acc.vendor != "cpu":
         out.append(f"{acc.label} has no bf16 tensor cores: use --precision fp16-mixed (with loss scaling).")
-    if t.precision is Precision.FP16_MIXED and acc.supports_bf16:
+    if t.precision is Precision.FP16_MIXED and acc.supports_bf16 and acc.vendor != "cpu":
         out.append(
             f"fp16 needs loss scaling and can overflow; {acc.label} supports bf16: prefer --precision bf16-mixed."
         )
     ddp = _by_name(cands, "ddp")
     if ddp is not None and not ddp.fits and (requested is None or requested.name in ("ddp", "fsdp-no-shard")):
         out.append(
-            f"DDP replicates all model states and needs {fmt_gib(ddp.memory.total)} per GPU: it cannot train this "
+            f"DDP replicates all model states and needs {fmt_gib(ddp.memory.total)} per {hw.unit}: it cannot train "
+            "this "
             "model here; use a sharded strategy."
         )
     if t.checkpointing is Checkpointing.NONE:
@@ -437,13 +449,14 @@ def _warnings(
         if t.seq_len >= 8192 or heavy.memory.activations > 0.5 * heavy.memory.capacity:
             out.append(
                 f"No activation checkpointing with seq-len {t.seq_len}: activations take "
-                f"{fmt_gib(heavy.memory.activations)} per GPU; --checkpointing selective (or full) cuts them "
+                f"{fmt_gib(heavy.memory.activations)} per {hw.unit}; --checkpointing selective (or full) cuts them "
                 "(Korthikanti et al. 2022)."
             )
     z2 = _by_name(cands, "zero2")
     if requested is not None and requested.offload_optimizer and z2 is not None and z2.fits:
         out.append(
-            f"{requested.name} offloads to the CPU although ZeRO-2 fits on the GPUs ({fmt_gib(z2.memory.total)}); "
+            f"{requested.name} offloads to the CPU although ZeRO-2 fits on the {hw.unit_plural} "
+            f"({fmt_gib(z2.memory.total)}); "
             "offload costs PCIe transfers and a CPU optimizer step every iteration."
         )
     if requested is not None and requested.name == "fsdp-no-shard" and model.params > 1e9:
@@ -457,7 +470,7 @@ def _warnings(
             "use InfiniBand/RoCE/EFA, or hybrid sharding with a large accumulation."
         )
     tokens_per_gpu = t.micro_batch * t.seq_len
-    if hw.world_size > 1 and tokens_per_gpu < 2048:
+    if hw.world_size > 1 and tokens_per_gpu < 2048 and acc.vendor != "cpu":
         out.append(
             f"Only {tokens_per_gpu} tokens per GPU per micro-batch across {hw.world_size} GPUs: the GPUs will be "
             "under-used and communication will dominate; raise --micro-batch or --seq-len."
@@ -466,7 +479,7 @@ def _warnings(
     if best is not None and global_seqs * t.seq_len < 64 * 1024 and hw.world_size > 8:
         out.append(
             f"The global batch ({global_seqs} sequences) is small for "
-            f"{hw.world_size} GPUs; large runs usually take 0.5-4M tokens per step."
+            f"{hw.units(hw.world_size)}; large runs usually take 0.5-4M tokens per step."
         )
     if best is not None and best.dims.pp > 1 and best.grad_accum < 4 * best.dims.pp:
         bubble = (best.dims.pp - 1) / best.grad_accum

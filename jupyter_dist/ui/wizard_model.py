@@ -333,8 +333,8 @@ def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
     cats = [("\u2605 " if c.name == p.recommended else "") + c.name for c in rows]
     acc = p.hardware.accelerator
     return {
-        "id": "plan-memory", "kind": "hbar", "title": "Peak memory per GPU, by strategy",
-        "x_title": "GiB per GPU (1 GiB = 2^30 bytes)", "categories": cats,
+        "id": "plan-memory", "kind": "hbar", "title": f"Peak memory per {p.hardware.unit}, by strategy",
+        "x_title": f"GiB per {p.hardware.unit} (1 GiB = 2^30 bytes)", "categories": cats,
         "series": [{"name": label, "values": [_component(c, key) / GiB for c in rows], "color": color}
                    for key, label, color in COMPONENTS],
         "labels": labels, "label_colors": colors,
@@ -360,15 +360,16 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
     e = html.escape
     hw = p.hardware
     head = (f"<div style='color:#555'>{e(p.model.name)}: {fmt_count(p.model.params)} parameters on {hw.nodes} "
-            f"\u00d7 {hw.gpus_per_node} {e(hw.accelerator.label)} ({p.world_size} GPUs)</div>")  # fmt: skip
+            f"\u00d7 {hw.gpus_per_node} {e(hw.accelerator.label)} ({hw.units(p.world_size)})</div>")  # fmt: skip
     best = p.candidate(candidate) if candidate else p.best
     if best is None:
         closest = min(p.candidates, key=lambda c: c.memory.total)
         need = closest.memory.total / GiB
         cap = closest.memory.capacity / GiB
         body = (f"<div class='jd-wiz-verdict' data-fits='no' style='font-size:1.15em;color:{NOFIT}'><b>Nothing fits."
-                f"</b> The smallest candidate, {e(closest.name)}, needs {need:.1f} GiB per GPU of {cap:.1f} GiB. "
-                "More GPUs or nodes, a shorter sequence, a smaller micro-batch, activation checkpointing or "
+                f"</b> The smallest candidate, {e(closest.name)}, needs {need:.1f} GiB per {hw.unit} of "
+                f"{cap:.1f} GiB. "
+                f"More {hw.unit_plural} or nodes, a shorter sequence, a smaller micro-batch, activation checkpointing or "
                 "offload can change that (see the warnings).</div>")  # fmt: skip
     else:
         state = _fit_state(best, p.assumptions.min_headroom)
@@ -380,7 +381,7 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
             f"<div class='jd-wiz-verdict' data-fits='{state}' data-candidate='{e(best.name)}' style='font-size:1.15em'>"
             f"{what}: <b class='jd-wiz-recommended'>{e(best.label)}</b> <code>{e(best.name)}</code></div>"
             "<div style='display:flex;flex-wrap:wrap;gap:4px 18px;margin:4px 0'>"
-            f"<span><b style='color:{color}'>{mem.total / GiB:.1f}</b> of {mem.capacity / GiB:.1f} GiB per GPU "
+            f"<span><b style='color:{color}'>{mem.total / GiB:.1f}</b> of {mem.capacity / GiB:.1f} GiB per {hw.unit} "
             f"({max(mem.headroom, 0) * 100:.0f}% free)</span>"
             f"<span><b>{t.step_time_s:.3g} s</b>/step</span>"
             f"<span><b>{_num(t.tokens_per_s)}</b> tokens/s</span>"
