@@ -368,9 +368,8 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
         cap = closest.memory.capacity / GiB
         body = (f"<div class='jd-wiz-verdict' data-fits='no' style='font-size:1.15em;color:{NOFIT}'><b>Nothing fits."
                 f"</b> The smallest candidate, {e(closest.name)}, needs {need:.1f} GiB per {hw.unit} of "
-                f"{cap:.1f} GiB. "
-                f"More {hw.unit_plural} or nodes, a shorter sequence, a smaller micro-batch, activation checkpointing or "
-                "offload can change that (see the warnings).</div>")  # fmt: skip
+                f"{cap:.1f} GiB. More {hw.unit_plural} or nodes, a shorter sequence, a smaller micro-batch, "
+                "activation checkpointing or offload can change that (see the warnings).</div>")  # fmt: skip
     else:
         state = _fit_state(best, p.assumptions.min_headroom)
         color = {"yes": FIT, "tight": TIGHT, "no": NOFIT}[state]
