@@ -365,3 +365,13 @@ def test_a_tune_for_another_gpu_than_this_machines_is_refused(monkeypatch: pytes
                                                r"H200: a tune measures the GPUs it runs on"):  # fmt: skip
         flags.tune_from_args(args, plan=h100)
     assert flags.gpu_mismatch(h100.hardware.accelerator, ["NVIDIA H100 80GB HBM3"]) == ""
+
+
+def test_a_plan_that_uses_a_calibration_names_its_file_and_how_to_drop_it(calibration_dir: Path) -> None:
+    base = plan(TINY, CPU2, SHAPE)
+    saved = fit_calibration([fake_trial(base, "ddp", 0.05)], source="x").save()
+    used = plan(TINY, CPU2, SHAPE, calibration=load_calibration("cpu"))
+    reason = next(r for r in used.reasons if r.startswith("Calibrated on this hardware"))
+    assert f"(from {saved}; --no-calibration, or deleting that file, plans with the published figures)" in reason
+    saved.unlink()
+    assert load_calibration("cpu") is None

@@ -271,7 +271,8 @@ def plan(
     if calibration is not None:
         reasons.append(
             f"Calibrated on this hardware by %dist_tune: {calibration.describe()}; planned memory includes the "
-            f"measured {calibration.memory_offset_bytes / 2**20:+,.0f} MiB per rank."
+            f"measured {calibration.memory_offset_bytes / 2**20:+,.0f} MiB per rank (from {calibration.path()}; "
+            "--no-calibration, or deleting that file, plans with the published figures)."
         )
     warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
     return Plan(
