@@ -242,8 +242,8 @@ class RunWatching:
                     self._on_hang(report, tracker)
                 elif report is not None and not self._meta.get("hung"):
                     self._report_hang(report, tracker)
-                elif report is None and self._meta.get("hung"):
-                    self._hang_cleared()
+                elif report is None and self._meta.get("hung") and not tracker.exited:  # a rank moved on (an
+                    self._hang_cleared()  # exit is the collective timing out: the hang report stays the diagnosis)
             if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
                 self._stop_reason = TIMED_OUT
                 threading.Thread(target=kill_tree, args=(self._pids(),), daemon=True).start()
@@ -338,10 +338,12 @@ class RunWatching:
         marks = {r: size(r) for r in range(self.world_size)}
         sent = False
         for pid in tracker.pids.values():
-            try:
+            try:  # only a rank of this run (a recycled pid would die of SIGUSR1)
+                if psutil.Process(pid).environ().get("JD_RUN_DIR") != os.fspath(self.dir):
+                    continue
                 os.kill(pid, signal.SIGUSR1)
                 sent = True
-            except (ProcessLookupError, PermissionError):
+            except (ProcessLookupError, PermissionError, psutil.Error, OSError):
                 pass
         if sent:
             time.sleep(1.5)
