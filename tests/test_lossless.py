@@ -211,3 +211,40 @@ def test_a_damaged_batch_is_skipped_and_counted(damage: dict[str, Any]) -> None:
     rs = RecordSet()
     rs.add_lines([json.dumps(good), json.dumps(bad)])
     assert [r["loss"] for r in rs.records] == [1.0, 2.0] and rs.bad_lines == 1
+
+
+def _write_finished_run(run_dir: Path, metric: str, calls: int, spike_at: int) -> None:
+    from jupyter_dist.telemetry.emitter import Emitter, JsonlFileSink, telemetry_path
+
+    (run_dir / "telemetry").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"name": run_dir.name, "status": "succeeded", "world_size": 2,
+                                                  "nproc": 2, "strategy": "ddp", "started": 1.8e9}))  # fmt: skip
+    for rank in (0, 1):
+        t = [1.8e9]
+        em = Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(run_dir, rank))], clock=lambda: t[0])
+        em.emit("start", world_size=2, dp_size=2, local_rank=rank, pid=1, host="h", strategy="ddp")
+        for step in range(calls):
+            t[0] += 0.005 * (1 + rank)
+            value = 100.0 if (rank, step) == (1, spike_at) else 1.0 / (1 + step)
+            em.log({metric: value, "lr": 1e-3, "tokens": 64}, step)
+        em.close()
+
+
+@pytest.mark.parametrize("metric", ["loss", "train/nll"])
+def test_a_long_finished_run_opens_from_columns_with_its_spike_and_the_one_throughput(tmp_path: Path,
+                                                                                      metric: str) -> None:  # fmt: skip
+    """20,000 calls per rank: the panels hold a bounded number of points, keep the one spike, pick the first metric
+    when there is no loss, and show the throughput the records give (each replica counted once)."""
+    from jupyter_dist.telemetry.reader import read_run_records
+    from jupyter_dist.ui.dashboard import Dashboard
+
+    _write_finished_run(tmp_path / "r", metric, 20_000, spike_at=12_345)
+    dash = Dashboard(tmp_path / "r", widget=False)
+    traces = {t["name"]: t for t in {f["id"]: f for f in dash.model.figures()}["loss"]["traces"]}
+    assert dash.model.metric == metric
+    assert 100 < len(traces["rank 1"]["x"]) <= dash.model.max_points
+    assert 100.0 in traces["rank 1"]["y"] and 12_345 in traces["rank 1"]["x"]  # the spike survives thinning
+    assert traces["rank 0"]["x"][-1] == 19_999
+    truth = measure_records(read_run_records(tmp_path / "r" / "telemetry").records)
+    assert dash.model.status()["throughput"] == pytest.approx(truth.tokens_per_s, rel=1e-12)
+    assert truth.tokens_per_s == pytest.approx(64 / 0.005 + 64 / 0.010, rel=1e-4)  # dp 2: both ranks count

@@ -177,7 +177,12 @@ class MeasureBuilder:
             for k in ("step_time", "tokens_per_s", "samples_per_s"):
                 if k in cols.metrics:  # logged by the rank itself
                     derived[k] = cols.metrics[k]
-            warm = [s >= self.warmup for s in cols.step]
+            try:
+                import numpy as np
+
+                warm: Any = np.frombuffer(cols.step, dtype=np.int64) >= self.warmup
+            except (ImportError, TypeError, ValueError):  # pragma: no cover - numpy comes with pandas and torch
+                warm = [s >= self.warmup for s in cols.step]
             for key in ("tokens_per_s", "samples_per_s", "step_time"):
                 col = derived.get(key)
                 if col is None:
@@ -185,7 +190,7 @@ class MeasureBuilder:
                 if hasattr(col, "dtype"):  # numpy: one mask, no Python object per call
                     import numpy as np
 
-                    mask = np.asarray(warm, dtype=bool) & np.isfinite(col)
+                    mask = np.asarray(warm, dtype=bool) & np.isfinite(np.asarray(col, dtype=np.float64))
                     if key == "step_time":
                         mask &= col > 0
                     vals = col[mask].tolist()

@@ -453,7 +453,7 @@ class StepColumns:
             self.starts.append(n0)
         self.step.extend(steps if isinstance(steps, array) else array("q", steps))
         self.t.extend(ts if isinstance(ts, array) else array("d", ts))
-        for name in cols.keys() - self.metrics.keys():
+        for name in [k for k in cols if k not in self.metrics]:  # in the order the rank logged them
             self.metrics[name] = [None] * n0 if n0 else (array("d") if isinstance(cols[name], array) else [])
         for name, col in list(self.metrics.items()):
             new = cols.get(name)
@@ -475,16 +475,20 @@ class RunColumns:
     steps: dict[int, StepColumns] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     """Every record that is not a logged call (``start``, ``mem``, ``exit``, ...)."""
+    names: dict[str, None] = field(default_factory=dict)
+    """Every metric name logged, in first-seen order (also those whose columns were not decoded)."""
     bad_lines: int = 0
 
 
-def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFollower | None = None) -> RunColumns:
+def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFollower | None = None,
+                     metrics: Any = None) -> RunColumns:  # fmt: skip
     """Every logged call of a run's ``telemetry/`` folder as columns, without a dict per call.
 
     Reads ``steps`` batches straight into lists (older one-record-per-call ``step`` records are added as they are),
     de-duplicated by (rank, seq) like :class:`RecordSet`. For 8 ranks x 100k calls this is the difference between
     about a second and most of a minute (``benchmarks/lossless_telemetry.py``). With ``follower`` (a live
     reader's), reading starts where it stands and leaves it at the end, so the reader goes on with new lines only.
+    ``metrics`` (names) decodes only those metrics' columns (steps and times always).
     """
     from .records import ENVELOPE, steps_arrays
 
@@ -511,17 +515,22 @@ def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFol
         kind = rec.get("kind")
         if kind == "steps":
             try:
-                steps, ts, cols = steps_arrays(rec)
+                steps, ts, cols = steps_arrays(rec, metrics)
             except ValueError:
                 out.bad_lines += 1
                 continue
             target = out.steps.setdefault(rank, StepColumns(rank))
             target._extend(steps, ts, cols, rec.get("prev") is None)
+            if isinstance(rec.get("m"), dict):
+                for name in rec["m"]:
+                    out.names.setdefault(name)
         elif kind == "step" and isinstance(rec.get("step"), int):
             values = {k: float(v) for k, v in rec.items() if k not in ENVELOPE and k != "step"
                       and isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
             target = out.steps.setdefault(rank, StepColumns(rank))
             target._extend([rec["step"]], [float(rec["t"])], {k: [v] for k, v in values.items()}, False)
+            for name in values:
+                out.names.setdefault(name)
         else:
             out.records.append(rec)
     return out

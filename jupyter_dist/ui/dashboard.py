@@ -165,7 +165,12 @@ class Dashboard:
 
         if self.reader.follower is None:
             return
-        columns = read_run_columns(self.reader.follower.folder, follower=self.reader.follower)
+        wanted = {self.model.metric or "loss", "tokens", "samples", "step_time", "tokens_per_s", "samples_per_s"}
+        start = dict(self.reader.follower._offsets), dict(self.reader.follower._partial)
+        columns = read_run_columns(self.reader.follower.folder, follower=self.reader.follower, metrics=wanted)
+        if self.model.metric is None and "loss" not in columns.names and columns.names:  # another first metric
+            self.reader.follower._offsets, self.reader.follower._partial = start
+            columns = read_run_columns(self.reader.follower.folder, follower=self.reader.follower)
         self.reader.records.bad_lines += columns.bad_lines
         self.model.load(columns)
 

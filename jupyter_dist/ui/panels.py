@@ -267,11 +267,16 @@ class DashboardModel:
         self.measure.add(columns.records)
         metric = self.metric
         if metric is None:
-            names = {n for c in columns.steps.values() for n in c.metrics}
-            metric = "loss" if "loss" in names else next(iter(sorted(names)), None)
+            names = list(getattr(columns, "names", None) or {n: None for c in columns.steps.values() for n in c.metrics})
+            metric = "loss" if "loss" in names else next(iter(names), None)
+            if metric is not None:  # as _on_step would name it from the first record
+                self.metric = metric
+                self.lines["loss"].title = metric.capitalize() if metric == "loss" else metric
+                self.lines["loss"].y_title = metric
         drawn: list[dict[str, Any]] = []
         for cols in columns.steps.values():
-            drawn += cols.records(cols.thin(metric, self.max_points // 2))  # traces decimate to half past the cap
+            # about a quarter of a trace's cap per rank: the min and max of each bucket, spikes kept
+            drawn += cols.records(cols.thin(metric, self.max_points // 4))
         return self.ingest(drawn + columns.records, measure=False)
 
     def ingest(self, records: Iterable[dict[str, Any]], *, measure: bool = True) -> int:
