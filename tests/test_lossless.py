@@ -221,7 +221,7 @@ def _write_finished_run(run_dir: Path, metric: str, calls: int, spike_at: int) -
                                                   "nproc": 2, "strategy": "ddp", "started": 1.8e9}))  # fmt: skip
     for rank in (0, 1):
         t = [1.8e9]
-        em = Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(run_dir, rank))], clock=lambda: t[0])
+        em = Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(run_dir, rank))], clock=lambda t=t: t[0])
         em.emit("start", world_size=2, dp_size=2, local_rank=rank, pid=1, host="h", strategy="ddp")
         for step in range(calls):
             t[0] += 0.005 * (1 + rank)

@@ -267,7 +267,8 @@ class DashboardModel:
         self.measure.add(columns.records)
         metric = self.metric
         if metric is None:
-            names = list(getattr(columns, "names", None) or {n: None for c in columns.steps.values() for n in c.metrics})
+            names = list(getattr(columns, "names", None)
+                         or {n: None for c in columns.steps.values() for n in c.metrics})  # fmt: skip
             metric = "loss" if "loss" in names else next(iter(names), None)
             if metric is not None:  # as _on_step would name it from the first record
                 self.metric = metric
