@@ -184,7 +184,7 @@ class WatchdogLimits:
                 over[name.strip()] = float(value)
             except ValueError:
                 raise ValueError(f"JD_WATCHDOG: {part!r} wants a number of seconds") from None
-        return cls(**over, explicit=explicit)  # type: ignore[arg-type]
+        return cls(**over, explicit=explicit)
 
     def limit(self, phase: str, median_step_s: float | None) -> float:
         """The limit of ``phase`` (``launching``: before the first heartbeat)."""
