@@ -114,8 +114,8 @@ KINDS = ("start", "steps", "step", "hb", "mem", "gpu", "comm", "error", "exit")
 ENVELOPE = ("v", "kind", "rank", "seq", "t")
 """Fields every record has, in this order."""
 
-MAX_BATCH = 1024
-"""Most ``jd.log`` calls in one ``steps`` record (a line stays small however fast the loop)."""
+MAX_BATCH = 256
+"""Most ``jd.log`` calls in one ``steps`` record: a line stays under ~20 KB however fast the loop (log streams)."""
 
 _RESERVED = frozenset(ENVELOPE) | {"step", "n", "nonfinite"}
 _NONFINITE_NAMES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
