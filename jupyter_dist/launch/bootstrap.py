@@ -20,6 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .._atomic import write_atomic
+
 
 def _redirect(log_path: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +112,7 @@ def _record_os_exit(run_dir: Path, rank: int, script: str) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 record = {"rank": rank, "code": code, "error": None, "early": True, "where": where, "t": time.time()}
-                (run_dir / "logs" / f"rank-{rank}.exit.json").write_text(json.dumps(record))
+                write_atomic(run_dir / "logs" / f"rank-{rank}.exit.json", json.dumps(record))
             except (OSError, ValueError):
                 pass
         real_exit(code)
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
     record = {"rank": rank, "code": code, "error": error, "t": time.time()}
     try:
-        (run_dir / "logs" / f"rank-{rank}.exit.json").write_text(json.dumps(record))
+        write_atomic(run_dir / "logs" / f"rank-{rank}.exit.json", json.dumps(record))
     except OSError:
         pass
     _stream_exit(rank, code, error)

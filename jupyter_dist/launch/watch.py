@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from .._atomic import write_atomic
 from ..errors import JupyterDistError
 from .backends.stream import LogRouter
 from .base import RemoteLauncher
@@ -211,7 +212,7 @@ class RunWatching:
         self._meta["diagnosis"] = diagnosis
         self._meta["reason"] = reason
         try:
-            (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
+            write_atomic(self.dir / "diagnosis.json", json.dumps(diagnosis, indent=1, default=str))
         except OSError:
             pass
         kill_tree(self._pids())
@@ -354,7 +355,7 @@ class RunWatching:
         stacks = self._stacks(tracker)
         diagnosis = {"kind": "hang", **report, "where": self._script_lines(stacks), "stacks": stacks, "t": time.time()}
         try:
-            (self.dir / "diagnosis.json").write_text(json.dumps(diagnosis, indent=1, default=str))
+            write_atomic(self.dir / "diagnosis.json", json.dumps(diagnosis, indent=1, default=str))
         except OSError:
             pass
         return {k: v for k, v in diagnosis.items() if k != "stacks"}
