@@ -31,7 +31,7 @@ from ..cli.flags import (
     plan_from_args,
 )
 from ..errors import JupyterDistError
-from .args import parse_magic_line
+from .args import parse_magic_line, strip_comment
 
 __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -550,7 +550,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_status(self, line: str) -> Any:
         """Show the status card of the last run (or of the Run variable named on the line)."""
-        return self._run_arg(line.strip() or None)
+        return self._run_arg(strip_comment(line).strip() or None)
 
     @line_magic
     def dist_logs(self, line: str) -> None:
@@ -573,6 +573,7 @@ class DistMagics(Magics):
         """
         from .pool import route_stop
 
+        line = strip_comment(line)
         pool = route_stop(self.shell, line, self.last_run)
         if pool is not None:
             return pool
@@ -592,7 +593,7 @@ class DistMagics(Magics):
 
         from ..launch.run import open_run
 
-        path = line.strip().strip('"').strip("'")
+        path = strip_comment(line).strip().strip('"').strip("'")
         if not path:
             raise UsageError("usage: %dist_attach RUN_DIR  or  %dist_attach CLUSTER/JOB (SkyPilot)")
         try:
