@@ -19,7 +19,7 @@ import os
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,9 +83,8 @@ class RecordSet:
             added += 1
         return added
 
-    def parse(self, lines: Iterable[str]) -> list[dict[str, Any]]:
-        """The new records among ``lines`` (counting bad lines and duplicates), without keeping them."""
-        out = []
+    def unique(self, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+        """The records as written among ``lines`` (a ``steps`` batch whole), each (rank, seq) once; counts the rest."""
         for line in lines:
             if not line.strip():
                 continue
@@ -101,6 +100,12 @@ class RecordSet:
             if not self._dedup.first_time(rank, seq):
                 self.duplicates += 1
                 continue
+            yield rec
+
+    def parse(self, lines: Iterable[str]) -> list[dict[str, Any]]:
+        """The new records among ``lines`` (counting bad lines and duplicates), without keeping them."""
+        out = []
+        for rec in self.unique(lines):
             if rec.get("kind") == "steps":
                 calls = expand_steps(rec)
                 if not calls:
@@ -493,25 +498,13 @@ def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFol
     from .records import ENVELOPE, steps_arrays
 
     out = RunColumns()
-    dedup = Dedup()
+    seen = RecordSet()
     follower = follower if follower is not None else FileFollower(telemetry_dir)
     lines: list[str] = []
     while batch := follower.poll():  # a poll reads at most max_bytes_per_poll
         lines.extend(batch)
-    for line in lines:
-        if not line.strip():
-            continue
-        rec = decode(line)
-        if rec is None:
-            out.bad_lines += 1
-            continue
-        try:
-            rank, seq = int(rec["rank"]), int(rec["seq"])
-        except (TypeError, ValueError):
-            out.bad_lines += 1
-            continue
-        if not dedup.first_time(rank, seq):
-            continue
+    for rec in seen.unique(lines):
+        rank = int(rec["rank"])
         kind = rec.get("kind")
         if kind == "steps":
             try:
@@ -533,4 +526,5 @@ def read_run_columns(telemetry_dir: str | os.PathLike[str], *, follower: FileFol
                 out.names.setdefault(name)
         else:
             out.records.append(rec)
+    out.bad_lines += seen.bad_lines
     return out
