@@ -174,6 +174,13 @@ def _row(path: Path, now: float) -> RunRow | None:
     )  # fmt: skip
 
 
+def _run_folders(root: Path) -> list[Path]:
+    """The sub-folders of ``root`` that hold a ``run.json``, newest name first."""
+    with os.scandir(root) as it:
+        entries = sorted((e.path for e in it if e.is_dir()), reverse=True)
+    return [Path(e) for e in entries if (Path(e) / "run.json").is_file()]
+
+
 def runs(folder: str | os.PathLike[str] | None = None) -> RunTable:
     """The runs under ``folder`` (default ``runs``, the magics' default runs folder), newest first.
 
@@ -186,12 +193,7 @@ def runs(folder: str | os.PathLike[str] | None = None) -> RunTable:
                                "(%%dist_train --runs-dir, default 'runs')")  # fmt: skip
     now = time.time()
     rows, skipped = [], 0
-    with os.scandir(root) as it:
-        entries = sorted((e.path for e in it if e.is_dir()), reverse=True)
-    for entry in entries:
-        path = Path(entry)
-        if not (path / "run.json").is_file():
-            continue
+    for path in _run_folders(root):
         row = _row(path.resolve(), now)
         if row is None:
             skipped += 1
@@ -234,12 +236,7 @@ def orphans(folder: str | os.PathLike[str] | None = None) -> list[Orphan]:
         return []
     me, host = os.getpid(), socket.gethostname()
     out = []
-    with os.scandir(root) as it:
-        entries = sorted((e.path for e in it if e.is_dir()), reverse=True)
-    for entry in entries:
-        path = Path(entry)
-        if not (path / "run.json").is_file():
-            continue
+    for path in _run_folders(root):
         try:
             record = RunDir(path).read_record()
         except (JupyterDistError, OSError):
