@@ -127,8 +127,10 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
 
     Each trial's predicted step is split into the matmul part ``a`` (at the published rate), the overhead part ``b``
     (at the published per-operator cost), the communication parts ``c`` and the rest ``d``; the measured time
-    ``T = a x + b y + c z + d`` is solved by least squares for the three scales, with a weak pull towards 1 (the
-    published figures), so that trials which cannot tell two parts apart share the correction between them.
+    ``T = a x + b y + c z + d`` is solved by least squares for the three scales, each trial's equation divided by its
+    ``T`` (every trial counts by its relative error, so a slow one does not decide the fast ones' prediction), with a
+    weak pull towards 1 (the published figures), so that trials which cannot tell two parts apart share the
+    correction between them. The matmul scale stops where the fitted rate would pass the peak.
     ``None`` when no trial measured a step.
     """
     from ..plan.calibration import Calibration, hardware_key
@@ -143,8 +145,9 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
         a, b = bd.get("matmul", 0.0), bd.get("overhead", 0.0)
         c = sum(bd.get(k, 0.0) for k in COMM_PARTS)
         d = t.predicted.time.step_time_s - a - b - c
-        rows.append(([a, b, c], t.measured.step_time_s - d))  # type: ignore[union-attr]
-    x, y, z = _ridge(rows)
+        w = 1.0 / t.measured.step_time_s  # type: ignore[union-attr]
+        rows.append(([a * w, b * w, c * w], (t.measured.step_time_s - d) * w))  # type: ignore[union-attr]
+    x, y, z = _ridge(rows, low=(max(LOW, acc.matmul_efficiency), LOW, LOW))
     errors = [abs(t.predicted.time.step_time_s / t.measured.step_time_s - 1) for t in ok]  # type: ignore[union-attr]
     # the offset replaces any older one the prediction already carried
     offsets = [t.measured.peak - (planned_peak(t.predicted.memory, t.measured.memory_kind)
@@ -162,9 +165,12 @@ LOW, HIGH = 1e-2, 1e4
 """Bounds of a fitted scale: a part more than 100x off its published figure is not what the trials say."""
 
 
-def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[float]:
-    """Scales ``s`` (one per column) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``, each in [LOW, HIGH].
+def _ridge(
+    rows: list[tuple[list[float], float]], pull: float = 1e-3, low: Sequence[float] | None = None
+) -> list[float]:
+    """Scales ``s`` (one per column) minimising ``|A s - r|^2 + pull * sum n_k (s_k - 1)^2``, in [low_k, HIGH].
 
+    ``low_k`` is ``low[k]``, LOW by default.
     ``n_k`` is the squared size of column k, so the pull is the same for every part whatever its seconds. A column
     that is zero in every row, or whose unconstrained scale leaves the bounds (the trials cannot pin it: e.g. a
     communication part too small to explain the differences between them), is held at its published value (1) and
@@ -181,7 +187,7 @@ def _ridge(rows: list[tuple[list[float], float]], pull: float = 1e-3) -> list[fl
         out = [1.0] * k
         bad = []
         for i, v in zip(free, solved, strict=True):
-            if LOW <= v <= HIGH:
+            if (low[i] if low else LOW) <= v <= HIGH:
                 out[i] = v
             else:
                 bad.append((abs(v - 1.0), i))

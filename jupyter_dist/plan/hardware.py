@@ -75,6 +75,12 @@ class Accelerator:
     this GPU; see :mod:`jupyter_dist.plan.perf`), or the calibrated one measured by ``%dist_tune``."""
     op_overhead_s: float = 5e-6
     """Seconds of host-side cost per operator (CUDA kernel launch ~5 us; eager CPU dispatch): bounds tiny models."""
+    collective_latency_s: float = 2e-5
+    """Seconds one collective costs before its bytes count (launch, handshake, the ring's first hop): what bounds a
+    small model's many per-layer all-gathers. GPUs: the flat small-message rows of nccl-tests (tens of us inside a
+    node); CPU processes: gloo over loopback TCP, 0.3-1.8 ms per all-reduce / all-gather / reduce-scatter of 16 to
+    65,536 floats between two ranks on a 2-core machine (docs/recipes.md). ``%dist_tune``'s ``comm_scale`` corrects
+    it with the bandwidths."""
     comm_scale: float = 1.0
     """Measured over modelled collective time on this hardware (a calibration; 1: the catalog's bandwidths)."""
     calibration: str = ""
@@ -90,14 +96,20 @@ class Accelerator:
             raise PlanInputError(f"accelerator {self.name!r}: bandwidths must be positive")
         if self.max_gpus_per_node < 1:
             raise PlanInputError(f"accelerator {self.name!r}: max_gpus_per_node must be >= 1")
-        if self.memory_bw <= 0 or self.op_overhead_s < 0 or self.comm_scale <= 0:
+        if self.memory_bw <= 0 or self.op_overhead_s < 0 or self.comm_scale <= 0 or self.collective_latency_s < 0:
             raise PlanInputError(
-                f"accelerator {self.name!r}: memory_bw and comm_scale must be positive and op_overhead_s >= 0"
+                f"accelerator {self.name!r}: memory_bw and comm_scale must be positive, op_overhead_s and "
+                "collective_latency_s >= 0"
             )
         if not 0 < self.matmul_efficiency <= 1:
             raise PlanInputError(
                 f"accelerator {self.name!r}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}"
             )
+
+    @property
+    def latency_s(self) -> float:
+        """:attr:`collective_latency_s` as calibrated (``comm_scale`` scales a collective's latency with its bytes)."""
+        return self.collective_latency_s * self.comm_scale
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense throughput for ``"bf16"``, ``"fp16"`` or ``"fp32"`` compute (FLOP/s)."""
@@ -226,7 +238,7 @@ ACCELERATORS: dict[str, Accelerator] = {
                     fp32_flops=1e12, intra_node_bw=10 * _GBs, intra_node_link="shared memory",
                     host_link_bw=10 * _GBs, max_gpus_per_node=256, default_interconnect="ethernet-10",
                     node_cpu_memory_bytes=16 * GiB, vendor="cpu",
-                    memory_bw=20 * _GBs, matmul_efficiency=0.5, op_overhead_s=2e-5),
+                    memory_bw=20 * _GBs, matmul_efficiency=0.5, op_overhead_s=2e-5, collective_latency_s=5e-4),
         Accelerator(name="mi300x", label="AMD Instinct MI300X 192GB", memory_bytes=192 * GiB,
                     bf16_flops=1307.4 * _TFLOPS, fp16_flops=1307.4 * _TFLOPS, fp32_flops=163.4 * _TFLOPS,
                     intra_node_bw=448 * _GBs, intra_node_link="Infinity Fabric", host_link_bw=50 * _GBs,

@@ -30,7 +30,10 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     ``Accelerator.op_overhead_s``: a GPU launches asynchronously, so only what the kernels do not cover is exposed;
     eager CPU dispatch adds up. It is what bounds a tiny model (the 2-process CPU demo).
 ``dp_comm`` / ``tp_comm`` / ``pp_bubble`` / ``pp_p2p`` / ``cp_comm`` / ``ep_comm`` / ``offload``
-    Communication, exposed after overlap. Collective times from the volumes nccl-tests uses (all-reduce moves
+    Communication, exposed after overlap. Each collective costs ``Accelerator.collective_latency_s`` (the
+    small-message floor: per bucket for DDP, per unit and pass for FSDP/ZeRO-3, per all-reduce for TP) plus its
+    bytes; CPU ranks hide none of it (gloo runs on the cores that compute). Collective times from the volumes
+    nccl-tests uses (all-reduce moves
     ``2 (n-1)/n`` of the buffer per rank, all-gather and reduce-scatter ``(n-1)/n``) at the bus bandwidth of
     :meth:`Hardware.collective_bw`. Data parallel: DDP and ZeRO-1/2 move ``2 Psi`` per step, ZeRO-3/FSDP ``3 Psi``
     (ZeRO paper Sec. 7), hidden behind the backward pass (``Assumptions.overlap``) except the last bucket (DDP,
@@ -280,6 +283,9 @@ def estimate_time(
     # ---- data parallel (ZeRO / FSDP / DDP) ----------------------------------------------------------------------
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
     dense, expert, _ = _stage_params(model, dims, virtual)
+    lat = acc.latency_s
+    # CPU ranks run gloo's collectives on the cores that compute: nothing is hidden behind the backward pass
+    overlap = 0.0 if acc.vendor == "cpu" else assumptions.overlap
     dp_exposed = 0.0
     dp_bytes = 0.0
     per_node_dp = max(1, gpn // dims.tp)
@@ -298,30 +304,34 @@ def estimate_time(
             # DDP / NO_SHARD all-reduce (RS + AG); ZeRO-1 only reduce-scatters the gradients, each rank updates its
             # partition and the parameters are all-gathered: Psi + Psi = the same 2 Psi as DDP (ZeRO paper Sec. 7.2.1)
             once = _ring(inner, 1 if strategy.shard_optimizer else 2) * grads
-            t_once = once / bw
-            last_bucket = min(t_once, DDP_BUCKET_BYTES * _ring(inner, 2) / bw)  # reduced after backward ends
-            t_exposed = max(last_bucket, t_once - assumptions.overlap * backward_mb)
+            buckets = max(1, -(-int(grads) // DDP_BUCKET_BYTES))
+            t_once = once / bw + buckets * lat
+            last_bucket = min(t_once, DDP_BUCKET_BYTES * _ring(inner, 2) / bw + lat)  # reduced after backward ends
+            t_exposed = max(last_bucket, t_once - overlap * backward_mb)
             if strategy.shard_optimizer:  # ZeRO-1 all-gathers the updated params after the step (not hidden)
                 gather = _ring(inner, 1) * params
-                t_exposed += gather / bw
+                t_exposed += gather / bw + lat
                 once += gather
             dp_bytes += once
             dp_exposed += t_exposed
         else:
             per_mb = _ring(inner, 1) * grads
+            calls = 1.0  # collectives per unit (a block, or the root module) and micro-batch
             if strategy.shard_params:
                 per_mb += 2 * _ring(inner, 1) * params  # all-gather in forward and again in backward
+                calls += 2
             elif strategy.keeps_gathered_params or strategy.family == "deepspeed":
                 per_mb += _ring(inner, 1) * params / (1 if strategy.keeps_gathered_params else m)
-            t_mb = per_mb / bw
+                calls += 1 if strategy.keeps_gathered_params else 1 / m
+            t_mb = per_mb / bw + calls * (blocks + 1) * lat
             dp_bytes += per_mb * m
             first_last = t_mb / max(1, blocks)  # the first unit's gather / the last one's reduce-scatter: no cover
-            dp_exposed += m * max(first_last, t_mb - assumptions.overlap * compute_mb)
+            dp_exposed += m * max(first_last, t_mb - overlap * compute_mb)
         if outer > 1:  # hybrid: all-reduce of the shard's gradients across replicas, once per step
             cross = _ring(outer, 2) * grads / inner
-            t_cross = cross / hardware.collective_bw(outer * inner, ranks_per_node=1)
+            t_cross = cross / hardware.collective_bw(outer * inner, ranks_per_node=1) + lat
             dp_bytes += cross
-            dp_exposed += max(0.0, t_cross - assumptions.overlap * backward_mb)
+            dp_exposed += max(0.0, t_cross - overlap * backward_mb)
     if dp_bytes:
         comm["data_parallel"] = dp_bytes
         breakdown["dp_comm"] = dp_exposed
@@ -333,7 +343,8 @@ def estimate_time(
         n_ar = 6 if training.checkpointing is Checkpointing.FULL else 4
         tp_bytes = blocks * n_ar * _ring(dims.tp, 2) * act * m
         comm["tensor_parallel"] = tp_bytes
-        breakdown["tp_comm"] = tp_bytes / hardware.collective_bw(dims.tp, ranks_per_node=min(dims.tp, gpn))
+        breakdown["tp_comm"] = (tp_bytes / hardware.collective_bw(dims.tp, ranks_per_node=min(dims.tp, gpn))
+                                + blocks * n_ar * m * lat)
 
     # ---- pipeline -----------------------------------------------------------------------------------------------
     if dims.pp > 1:
@@ -348,7 +359,7 @@ def estimate_time(
             else acc.intra_node_bw * hardware.intra_node_efficiency
         )
         comm["pipeline"] = p2p_bytes
-        breakdown["pp_p2p"] = p2p_bytes / link
+        breakdown["pp_p2p"] = p2p_bytes / link + 2 * m * virtual * lat
 
     # ---- context parallel (ring attention, overlapped with the attention compute) ----------------------------------
     if dims.cp > 1:
@@ -357,7 +368,7 @@ def estimate_time(
         attn_share = (12 * model.layers * model.q_dim * seq) / model_fpt
         bw = hardware.collective_bw(dims.cp, ranks_per_node=min(dims.cp, max(1, gpn // dims.tp)))
         comm["context_parallel"] = cp_bytes
-        breakdown["cp_comm"] = max(0.0, cp_bytes / bw - attn_share * compute)
+        breakdown["cp_comm"] = max(0.0, cp_bytes / bw + 3 * (dims.cp - 1) * blocks * m * lat - attn_share * compute)
 
     # ---- expert parallel all-to-all --------------------------------------------------------------------------------
     if dims.ep > 1 and model.is_moe:
@@ -365,7 +376,7 @@ def estimate_time(
         ep_bytes = 4 * blocks * _ring(dims.ep, 1) * routed * m
         bw = hardware.collective_bw(dims.ep, ranks_per_node=min(dims.ep, max(1, gpn // dims.tp)))
         comm["expert_parallel"] = ep_bytes
-        breakdown["ep_comm"] = ep_bytes / bw
+        breakdown["ep_comm"] = ep_bytes / bw + 4 * blocks * m * lat
 
     # ---- CPU offload: gradients down, parameters up, the optimizer step on the host ---------------------------------
     if strategy.offload_optimizer:
