@@ -11,4 +11,8 @@ export PIP_CONSTRAINT="$PWD/constraints-cpu.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 python -c "import torch" 2>/dev/null || quiet pip install -q "torch==2.13.0"
 quiet pip install -q -e ".[test]"
-python -m pytest "$@"
+# --fast: the tier to run before every commit (no torchrun job, kernel, browser or scheduler; docs/development.md)
+if [ "${1:-}" = "--fast" ]; then shift; set -- -m "not slow" "$@"; fi
+# two workers (xdist), one file each at a time: the multi-process tests leave a core idle while they wait on
+# processes; JD_TEST_WORKERS=0 runs in this process
+python -m pytest -n "${JD_TEST_WORKERS:-2}" --dist loadgroup "$@"

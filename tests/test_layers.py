@@ -475,3 +475,20 @@ def test_every_section_a_module_points_to_exists_in_the_architecture_doc() -> No
         if not any(h.startswith(name) for h in headings)
     ]
     assert not bad, f"docstrings point to sections docs/architecture.md does not have: {bad}"
+
+
+def test_the_architecture_docs_environment_table_is_every_jd_variable_the_code_reads_or_writes() -> None:
+    """The table under "Launch contract" lists exactly the ``JD_*`` names the package's source spells, and every
+    field of ``WorkerEnv`` (its ``ENV_VARS``), so a new variable cannot go undocumented and a removed one cannot stay."""
+    from jupyter_dist.worker._env import ENV_VARS
+
+    text = ARCH.read_text()
+    table = text[text.index("| variable | meaning | set by |"):]
+    table = table[: table.index("\n\n")]
+    documented = set(re.findall(r"`(JD_[A-Z_]+)`", table))
+    source = "\n".join(p.read_text() for p in ROOT.rglob("*.py"))
+    used = set(re.findall(r"[\"'](JD_[A-Z_]+)[\"']", source))
+    missing = set(ENV_VARS.values()) - documented
+    assert not missing, f"WorkerEnv fields missing from the table: {sorted(missing)}"
+    assert not used - documented, f"JD_* variables the code uses but the table lacks: {sorted(used - documented)}"
+    assert not documented - used, f"the table documents JD_* variables no code uses: {sorted(documented - used)}"
