@@ -106,6 +106,19 @@ def _server_of(request: pytest.FixtureRequest) -> JupyterLabServer | None:
         return None
 
 
+CLUSTER_FILES = frozenset({"test_notebook_folder.py", "test_run_record.py", "test_ship_cluster.py", "test_skypilot.py",
+                           "test_slurm.py", "test_wizard.py"})
+"""Files whose tests use the session's one SLURM cluster (its daemons, ports and state): one xdist worker runs them."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n N --dist loadgroup`` (scripts/test.sh) a worker takes a whole file, so its module fixtures (a real
+    run several tests read) start once; the files that share the SLURM cluster go to one worker together."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("cluster" if name in CLUSTER_FILES else name))
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Say whether browser tests must run (CI) or may skip."""
     lines = []

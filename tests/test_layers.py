@@ -479,7 +479,7 @@ def test_every_section_a_module_points_to_exists_in_the_architecture_doc() -> No
 
 def test_the_architecture_docs_environment_table_is_every_jd_variable_the_code_reads_or_writes() -> None:
     """The table under "Launch contract" lists exactly the ``JD_*`` names the package's source spells, and every
-    field of ``WorkerEnv`` (its ``ENV_VARS``), so a new variable cannot go undocumented and a removed one cannot stay."""
+    field of ``WorkerEnv`` (its ``ENV_VARS``), so a new variable cannot go undocumented, nor a removed one stay."""
     from jupyter_dist.worker._env import ENV_VARS
 
     text = ARCH.read_text()
