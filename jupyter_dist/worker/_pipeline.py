@@ -10,12 +10,21 @@ on the mesh's ``pp`` dimension and a GPipe, 1F1B or interleaved-1F1B schedule ru
 (:func:`jupyter_dist.worker.train_step`).
 
 A model can be pipelined when its blocks sit in an ``nn.ModuleDict`` keyed by their index and its ``forward`` skips
-parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does), or when it is a Hugging Face decoder-only
-causal LM of a type in :data:`HF_PIPELINE_TYPES`; other models get one line saying so. For a Hugging Face model the
-``ModuleList`` of decoder layers becomes a dict keyed by the same indices (same parameter names); a stage views the
-causal LM and its base model (shallow copies along the way to the layers), takes token ids (first stage) or hidden
-states as ``inputs_embeds``, computes rotary angles and the causal mask from its own input as the whole model does,
-and on every stage but the last runs ``nn.Identity`` for the final norm and head.
+parts that are ``None`` (:class:`jupyter_dist.models.Transformer` does), when it is a Hugging Face decoder-only
+causal LM of a type in :data:`HF_PIPELINE_TYPES`, or when it is an ordinary model whose forward is a plain loop over
+an ``nn.ModuleList`` or ``nn.Sequential`` of blocks (a nanoGPT); other models get one line saying so.
+
+An ordinary model (:data:`LOOP_NEEDS`): its block list becomes a :func:`_blocks_class` dict keyed by the blocks'
+indices (the whole model's parameter names again), and one forward on the meta device (or a 2-token one, RNG state
+kept, on a materialised model) checks that the forward is a plain loop -- each block called once, in order, on the
+previous block's output, then the parts after the blocks one after another, the last one's output returned -- and
+records those parts' order. The first stage runs the model's own forward (whatever it does before the blocks) and
+stops after its last block; the other stages run their blocks in a loop, the last one then the recorded parts.
+
+For a Hugging Face model the ``ModuleList`` of decoder layers becomes a dict keyed by the same indices (same
+parameter names); a stage views the causal LM and its base model (shallow copies along the way to the layers), takes
+token ids (first stage) or hidden states as ``inputs_embeds``, computes rotary angles and the causal mask from its
+own input as the whole model does, and on every stage but the last runs ``nn.Identity`` for the final norm and head.
 
 A mixture-of-experts model (:class:`jupyter_dist.models.MoETransformer`) adds its load-balancing loss, the mean over
 all its MoE layers, to the loss. Its layers sit on every stage, so the stages carry it: each stage sends on, with its
@@ -36,15 +45,23 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "PIPELINE_NEEDS", "HF_PIPELINE_TYPES"]
+__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "loop_blocks", "PIPELINE_NEEDS", "LOOP_NEEDS",
+           "HF_PIPELINE_TYPES"]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.worker")
 
 PIPELINE_NEEDS = (
-    "jd.wrap: pipeline parallelism (pp{pp}) needs a model whose blocks sit in an nn.ModuleDict keyed by index and "
-    "whose forward skips parts set to None, like jupyter_dist.models.Transformer, or a Hugging Face decoder-only "
-    "causal LM ({hf}); {kind} {why}"
+    "jd.wrap: pipeline parallelism (pp{pp}) needs a model whose blocks sit in an nn.ModuleList or nn.Sequential "
+    "(its forward a plain loop over them), in an nn.ModuleDict keyed by index (its forward skipping parts set to "
+    "None, like jupyter_dist.models.Transformer), or a Hugging Face decoder-only causal LM ({hf}); {kind} {why}"
 )
+
+LOOP_NEEDS = (
+    "jd.wrap: pipeline parallelism (pp{pp}) cuts {kind}'s forward at its blocks, but {why}; the forward must run the "
+    "parts before the blocks, then x = block(x) for each block of its {container} in order, then the parts after "
+    "them one after another on the previous output (x = self.ln_f(x); return self.lm_head(x))"
+)
+"""What an ordinary model's forward must look like to be cut into stages (checked by one forward)."""
 
 HF_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 """Hugging Face ``model_type``s whose forward runs a stage as it is: ``inputs_embeds`` go into the decoder layers
@@ -94,20 +111,22 @@ def _layers_class() -> type:
     return PipelineLayers
 
 
-def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any]:
-    """The dotted path and the ``ModuleDict`` of the model's blocks.
+def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any, list[str] | None]:
+    """The dotted path and the ``ModuleDict`` of the model's blocks, and an ordinary model's parts after them.
 
     A direct child of a model whose forward skips ``None`` parts; a Hugging Face causal LM's ``ModuleList`` of
-    decoder layers (``model.layers``) is replaced in place by :func:`_layers_class` (same names).
+    decoder layers (``model.layers``) is replaced in place by :func:`_layers_class` (same names); an ordinary
+    model's ``ModuleList`` or ``Sequential``, once :func:`check_loop` passed, by :func:`_blocks_class` (same names;
+    a model that is an ``nn.Sequential`` keeps itself). The third item is ``None`` but for an ordinary model.
     """
     import torch.nn as nn
 
     from ._strategy import find_blocks
 
     blocks = find_blocks(model)
-    if not blocks:
-        raise _needs(model, pp, "has no repeated blocks")
     if _is_hf(model):
+        if not blocks:
+            raise _needs(model, pp, "has no repeated blocks")
         kind = getattr(getattr(model, "config", None), "model_type", None)
         if kind not in HF_PIPELINE_TYPES:
             raise _needs(model, pp, f"is a Hugging Face model of type {kind!r}, not proven to run stage by stage")
@@ -120,14 +139,232 @@ def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any]:
             if isinstance(child, nn.ModuleList) and any(c is blocks[0] for c in child):
                 layers = _layers_class()({str(i): c for i, c in enumerate(child)})
                 _set(model, path, layers)
-                return path, layers
+                return path, layers, None
             if isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
-                return path, child
+                return path, child, None
         raise _needs(model, pp, "keeps its decoder layers where they cannot be found")
     for name, child in model.named_children():
-        if isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
-            return name, child
-    raise _needs(model, pp, "keeps its blocks in a ModuleList")
+        if blocks and isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
+            return name, child, None
+    found = loop_blocks(model)
+    if found is None:
+        raise _needs(model, pp, "has no nn.ModuleList or nn.Sequential of blocks")
+    path, container = found
+    post = check_loop(model, path, pp)
+    if not path:  # the model is the nn.Sequential: its own forward is the loop, its children the blocks
+        return path, container, post
+    layers = _blocks_class()(dict(container._modules))
+    _set(model, path, layers)
+    return path, layers, post
+
+
+# ------------------------------------------------------------------------------ ordinary models (a plain loop)
+class _StageDone(BaseException):
+    """Raised by the first stage's last block: the stage's output, carried out of the model's own forward."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+class _Cut:
+    """The first stage's last block as the model's forward sees it: it runs the block, then ends the stage."""
+
+    def __init__(self, block: Any) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _StageDone(self.block(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.block, name)
+
+
+@functools.cache
+def _blocks_class() -> type:
+    import torch.nn as nn
+
+    class PipelineBlocks(nn.ModuleDict):
+        """An ordinary model's blocks keyed by their index in the whole model (``"0"``, ``"1"``, ...).
+
+        Replaces its ``nn.ModuleList`` or ``nn.Sequential`` so a rank that keeps blocks 2-3 still names them
+        ``blocks.2`` (the whole model's parameter names); iterated, indexed by position, sliced and called like the
+        list or sequence it replaces. On the first stage (``cut``) its last block ends the stage after it runs.
+        """
+
+        cut = False
+
+        def __iter__(self) -> Any:  # modules, as a ModuleList's (a ModuleDict's own iterates keys)
+            held = list(self._modules.values())
+            for i, block in enumerate(held):
+                yield _Cut(block) if self.cut and i == len(held) - 1 else block
+
+        def __getitem__(self, key: Any) -> Any:
+            if isinstance(key, str):
+                return self._modules[key]
+            return list(self)[key]
+
+        def forward(self, x: Any) -> Any:
+            for block in self:
+                x = block(x)
+            return x
+
+    return PipelineBlocks
+
+
+def loop_blocks(model: torch.nn.Module) -> tuple[str, Any] | None:
+    """``(dotted path, container)`` of an ordinary model's blocks, or ``None`` where it has none.
+
+    The model itself when it is an ``nn.Sequential`` (path ``""``); else the ``nn.ModuleList`` of one class or the
+    ``nn.Sequential`` with two or more children that holds the most parameters.
+    """
+    import torch.nn as nn
+
+    if isinstance(model, nn.Sequential):
+        return ("", model) if len(model) > 1 else None
+    best: tuple[str, Any] | None = None
+    best_key = (0, 0)
+    for path, module in model.named_modules():
+        if not path or not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(module._modules.values())
+        if len(children) < 2 or (isinstance(module, nn.ModuleList) and len({type(c) for c in children}) != 1):
+            continue
+        key = (sum(p.numel() for p in module.parameters()), len(children))
+        if key > best_key:
+            best, best_key = (path, module), key
+    return best
+
+
+def _sides(model: torch.nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Every child off the way to the blocks, before them and after them, as dotted paths.
+
+    With or without parameters; the ones after in the order of the way back up (the innermost first).
+    """
+    before: list[str] = []
+    after: list[str] = []
+    parts = container.split(".")
+    module: Any = model
+    levels: list[list[str]] = []
+    for depth, name in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        names = list(module._modules)
+        i = names.index(name)
+        before += [f"{prefix}.{n}" if prefix else n for n in names[:i]]
+        levels.append([f"{prefix}.{n}" if prefix else n for n in names[i + 1 :]])
+        module = module._modules[name]
+    for level in reversed(levels):
+        after += level
+    return before, after
+
+
+def _example_input(model: torch.nn.Module) -> Any:
+    """A 2-token input for ``model``'s first module that takes one (an embedding, a linear map, a norm), or None."""
+    import torch
+    import torch.nn as nn
+
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        if isinstance(m, nn.Embedding):
+            return torch.zeros(1, 2, dtype=torch.long, device=weight.device)
+        if isinstance(m, nn.Linear):
+            return torch.zeros(1, 2, m.in_features, dtype=weight.dtype, device=weight.device)
+        if isinstance(m, nn.LayerNorm):
+            return torch.zeros(1, 2, *m.normalized_shape, dtype=weight.dtype, device=weight.device)
+        return None
+    return None
+
+
+def check_loop(model: torch.nn.Module, container: str, pp: int) -> list[str]:
+    """The parts after the blocks, in the order the forward runs them; raises where the forward is not a plain loop.
+
+    One forward of a 2-token input (on the meta device for a model built there; else under ``no_grad`` with the
+    random state restored), every block and every part off the way to them hooked (see :data:`LOOP_NEEDS`).
+    """
+    import torch
+
+    where = container or "nn.Sequential"
+    kind = type(model).__name__
+
+    def refuse(why: str) -> WorkerError:
+        return WorkerError(LOOP_NEEDS.format(pp=pp, kind=kind, why=why, container=where))
+
+    if not container:
+        return []
+    blocks = _get(model, container)
+    before, after = _sides(model, container)
+    shared = {id(p) for path in before for p in _get(model, path).parameters()} & {
+        id(p) for path in after for p in _get(model, path).parameters()}  # fmt: skip
+    if shared:
+        raise WorkerError(
+            f"jd.wrap: pipeline parallelism (pp{pp}) puts the parts before the blocks on the first stage and those "
+            f"after them on the last, but {kind} shares {len(shared)} tensor(s) between them (tied embedding and "
+            "head); untie them (give the head its own weight)"
+        )
+    example = _example_input(model)
+    if example is None:
+        raise refuse("its first part takes no input jd.wrap can make to check that (an embedding, a linear map "
+                     "or a norm first)")  # fmt: skip
+    calls: list[tuple[str, str, tuple[Any, ...], dict[str, Any], Any]] = []
+    handles = []
+
+    def hook(kind_: str, name: str) -> Any:
+        def record(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            calls.append((kind_, name, args, kwargs, out))
+
+        return record
+
+    keys = list(blocks._modules)
+    for key in keys:
+        handles.append(blocks._modules[key].register_forward_hook(hook("block", key), with_kwargs=True))
+    for path in before:
+        handles.append(_get(model, path).register_forward_hook(hook("before", path), with_kwargs=True))
+    for path in after:
+        handles.append(_get(model, path).register_forward_hook(hook("after", path), with_kwargs=True))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            out = model(example)
+    except Exception as e:  # noqa: BLE001 -- any failure of the user's forward is the reason given
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise refuse(f"one forward of a {tuple(example.shape)} {example.dtype} input to check that failed "
+                     f"({type(e).__name__}: {first_line})") from None  # fmt: skip
+    finally:
+        for h in handles:
+            h.remove()
+    order = [name for k, name, *_ in calls if k == "block"]
+    if order != keys:
+        shown = ", ".join(order[:6]) + (", ..." if len(order) > 6 else "")
+        raise refuse(f"it calls its blocks in the order [{shown}], not each once from 0 to {keys[-1]}")
+    at = [i for i, c in enumerate(calls) if c[0] == "block"]
+    start, end = at[0], at[-1]
+    if any(c[0] != "block" for c in calls[start:end]):
+        odd = next(c for c in calls[start:end] if c[0] != "block")
+        raise refuse(f"it calls {odd[1]} between its blocks")
+    previous = None
+    for i in at:
+        _, name, args, kwargs, output = calls[i]
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            raise refuse(f"block {name} is called with {len(args)} argument(s) and {sorted(kwargs)} keywords")
+        if previous is not None and args[0] is not previous[1]:
+            raise refuse(f"block {name} is not called on block {previous[0]}'s output")
+        if not isinstance(output, torch.Tensor):
+            raise refuse(f"block {name} returns a {type(output).__name__}, not a tensor")
+        previous = (name, output)
+    post: list[str] = []
+    assert previous is not None
+    for kind_, name, args, kwargs, output in calls[end + 1 :]:
+        if kind_ != "after":
+            raise refuse(f"it calls {name} after its blocks")
+        if len(args) != 1 or kwargs or args[0] is not previous[1]:
+            raise refuse(f"{name} is not called on the previous part's output alone")
+        post.append(name)
+        previous = (name, output)
+    if out is not previous[1]:
+        last = post[-1] if post else f"block {keys[-1]}"
+        raise refuse(f"it returns a {type(out).__name__} that is not {last}'s output")
+    return post
 
 
 def _edge_parts(model: torch.nn.Module, container: str) -> tuple[list[str], list[str]]:
@@ -138,6 +375,8 @@ def _edge_parts(model: torch.nn.Module, container: str) -> tuple[list[str], list
     """
     first: list[str] = []
     last: list[str] = []
+    if not container:  # an nn.Sequential model: nothing but blocks
+        return first, last
     parts = container.split(".")
     module: Any = model
     for depth, name in enumerate(parts):
@@ -157,7 +396,7 @@ def _extras(model: torch.nn.Module, container: str, first: list[str], last: list
     """What the embedding and the head cost, in blocks (matmul FLOPs ~ parameters; a lookup costs ~nothing)."""
     import torch.nn as nn
 
-    blocks = list(_get(model, container).values())
+    blocks = list(_get(model, container)._modules.values())
     per_block = max(1, sum(p.numel() for p in blocks[0].parameters()))
 
     def flops_params(paths: list[str]) -> int:
@@ -224,6 +463,40 @@ def _view(root: torch.nn.Module, container: str, keys: list[str], run_first: boo
     return view
 
 
+def _loop_view(root: torch.nn.Module, container: str, keys: list[str], run_first: bool, run_last: bool,
+               first: list[str], last: list[str], post: list[str]) -> torch.nn.Module:  # fmt: skip
+    """A stage of an ordinary model (see :func:`check_loop`): a view of ``root`` whose forward runs the stage.
+
+    The first stage runs the model's own forward, which stops after the stage's last block; the others run their
+    blocks one after another, and the last one then the parts after the blocks in the forward's order (``post``).
+    An ``nn.Sequential`` model's stage is the sequence of its blocks.
+    """
+    if not container:
+        view = _shallow(root)
+        view.__dict__["_modules"] = {k: root._modules[k] for k in keys}
+        return view
+    view = _view(root, container, keys, run_first, run_last, first, last, False)
+    model_forward = type(root).forward
+
+    def forward_first(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return model_forward(view, *args, **kwargs)
+        except _StageDone as done:
+            return done.output
+
+    def forward_rest(x: Any) -> Any:
+        for block in _get(view, container)._modules.values():
+            x = block(x)
+        for path in post if run_last else ():
+            x = _get(view, path)(x)
+        return x
+
+    if run_first:
+        _get(view, container).cut = not run_last
+    view.forward = forward_first if run_first else forward_rest  # type: ignore[method-assign]
+    return view
+
+
 def _hf_stage_hooks(view: torch.nn.Module, first: bool) -> None:
     """A Hugging Face stage takes token ids (first stage) or hidden states, and returns a tensor.
 
@@ -255,18 +528,25 @@ class StagePlan:
     """Which stages and layers this rank keeps (from :func:`prune`)."""
 
     def __init__(self, container: str, first: list[str], last: list[str], bounds: list[tuple[int, int]],
-                 mine: list[int], *, hf: bool = False) -> None:  # fmt: skip
+                 mine: list[int], *, hf: bool = False, post: list[str] | None = None) -> None:  # fmt: skip
         self.container, self.first, self.last, self.bounds, self.mine = container, first, last, bounds, mine
         self.hf = hf
         """A Hugging Face causal LM: its stages take ``inputs_embeds`` and return their output's ``logits``."""
+        self.post = post
+        """An ordinary model (a plain loop over its blocks): the parts after the blocks, in the forward's order;
+        ``None`` for a model whose forward skips ``None`` parts and for a Hugging Face model."""
 
     def views(self, model: torch.nn.Module) -> list[tuple[int, Any]]:
         """``[(stage index, stage view)]`` of the pruned ``model`` (after its blocks were wrapped or sharded)."""
         n = len(self.bounds)
         out = []
         for i in self.mine:
-            view = _view(model, self.container, [str(j) for j in range(*self.bounds[i])], i == 0, i == n - 1,
-                         self.first, self.last, self.hf)  # fmt: skip
+            keys = [str(j) for j in range(*self.bounds[i])]
+            if self.post is not None:
+                out.append((i, _loop_view(model, self.container, keys, i == 0, i == n - 1, self.first, self.last,
+                                          self.post)))  # fmt: skip
+                continue
+            view = _view(model, self.container, keys, i == 0, i == n - 1, self.first, self.last, self.hf)
             if self.hf:
                 _hf_stage_hooks(view, i == 0)
             out.append((i, view))
@@ -280,14 +560,14 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
     """
     from ..plan.pipeline import stage_bounds
 
-    container, blocks = _block_container(model, pp)
+    container, blocks, post = _block_container(model, pp)
     first, last = _edge_parts(model, container)
     if _is_hf(model):  # its forward skips only the embedding (given inputs_embeds): nothing else may come first
         embedding = model.get_input_embeddings()
         others = [p for p in first if _get(model, p) is not embedding]
         if others:
             raise _needs(model, pp, f"runs {others} before its decoder layers")
-    keys = list(blocks.keys())
+    keys = list(blocks._modules)
     if keys != [str(i) for i in range(len(keys))]:
         raise _needs(model, pp, f"names its blocks {keys[:3]}")
     n_stages = pp * virtual
@@ -297,7 +577,7 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
     kept = {k for i in mine for k in keys[bounds[i][0] : bounds[i][1]]}
     for k in keys:
         if k not in kept:
-            del blocks[k]  # dropped before anything is allocated: a rank holds only its stages
+            del blocks._modules[k]  # dropped before anything is allocated: a rank holds only its stages
     if 0 not in mine:
         for path in first:
             _set(model, path, None)
@@ -306,7 +586,7 @@ def prune(model: torch.nn.Module, *, pp: int, pp_rank: int, virtual: int) -> Sta
             _set(model, path, None)
     _log.info("jd.wrap: pipeline stages %s of %d on this rank, layers %s", mine, n_stages,
               [bounds[i] for i in mine])  # fmt: skip
-    return StagePlan(container, first, last, bounds, mine, hf=_is_hf(model))
+    return StagePlan(container, first, last, bounds, mine, hf=_is_hf(model), post=post)
 
 
 class Pipeline:
@@ -327,7 +607,7 @@ class Pipeline:
         ]  # fmt: skip
         self.pp_group = pp_group
         self.microbatches = env.microbatches or self.n_stages
-        self.layers = {index: list(_get(view, container).keys()) for index, view in stages}
+        self.layers = {index: list(_get(view, container)._modules) for index, view in stages}
         """This rank's stage indices and the blocks (by global index) each runs."""
         self._schedule: Any = None
         self._loss_fn: Any = None

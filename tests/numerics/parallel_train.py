@@ -111,8 +111,14 @@ def qwen2_moe_model() -> torch.nn.Module:
     return Qwen2MoeForCausalLM(cfg)
 
 
+def gpt_model() -> torch.nn.Module:
+    from nanogpt import GPT  # beside this script: a researcher's own model, blocks in an nn.ModuleList
+
+    return GPT(vocab=VOCAB, n_layer=int(os.environ.get("EQ_LAYERS", "2")))
+
+
 MODELS = {"ref": ref_model, "llama": llama_model, "moe": moe_model, "mixtral": mixtral_model,
-          "qwen2_moe": qwen2_moe_model}  # fmt: skip
+          "qwen2_moe": qwen2_moe_model, "gpt": gpt_model}  # fmt: skip
 AUX_COEF = 0.01
 """Weight of a mixture-of-experts model's load-balancing loss (``model.aux_loss()``) in the training loss."""
 
