@@ -53,12 +53,56 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
         except PlanInputError:
             pass  # a ``config`` that is not a transformer's Hugging Face config: measure the structure instead
         else:
-            return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module")
+            return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module",
+                              needs=module_needs(mod))  # fmt: skip
 
     dims = _infer_dims(mod, nn)
     assumed = dims.pop("assumed")
     return cls(name=label, params_override=total, largest_module_override=largest, dims_assumed=assumed,
-               source="module", **dims)  # fmt: skip
+               source="module", needs=module_needs(mod), **dims)  # fmt: skip
+
+
+def module_needs(mod: Any) -> tuple[tuple[str, str], ...]:
+    """What ``mod`` cannot run as it is: ``(dim, reason)`` for pipeline and tensor parallelism.
+
+    Pipelines: the worker's own check (:func:`jupyter_dist.worker._pipeline.pipeline_problem`: a block list its
+    forward loops over, found and checked by one forward on the module's device). Tensor parallelism: the derived
+    layout's verdict (``worker/_tp_layout.py``'s ``suggest_tp_plan``, structure only: the heads' divisibility by
+    each degree is the planner's check); without it a Hugging Face tp plan, a ``tp_plan()`` method, or blocks
+    holding ``nn.Linear`` layers.
+    """
+    from ..worker._pipeline import pipeline_problem
+
+    out: list[tuple[str, str]] = []
+    pp = pipeline_problem(mod)
+    if pp:
+        out.append(("pp", pp))
+    tp = _tp_problem(mod)
+    if tp:
+        out.append(("tp", tp))
+    return tuple(out)
+
+
+def _tp_problem(mod: Any) -> str | None:
+    """Why tensor parallelism cannot lay ``mod`` out, or ``None`` (see :func:`module_needs`)."""
+    try:  # the derived layout (issue 32): its one-line reason where it cannot lay the module out
+        from ..worker._tp_layout import suggest_tp_plan
+    except ImportError:
+        pass
+    else:
+        reason = getattr(suggest_tp_plan(mod), "reason", None)
+        return str(reason) if reason else None
+    nn = _torch().nn
+    config = getattr(mod, "config", None)
+    if getattr(config, "base_model_tp_plan", None) or callable(getattr(mod, "tp_plan", None)):
+        return None
+    from ..worker._strategy import find_blocks
+
+    blocks = find_blocks(mod)
+    if blocks and any(isinstance(m, nn.Linear) for m in blocks[0].modules()):
+        return None
+    return (f"tensor parallelism needs blocks holding nn.Linear layers to split; {type(mod).__name__} has "
+            f"{'no repeated blocks' if not blocks else 'none in its blocks'}")  # fmt: skip
 
 
 def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:

@@ -132,6 +132,9 @@ class ModelSpec:
     """The dimensions were guessed from a bare count; activation figures are estimates."""
     source: str = "dims"
     """Where the spec came from: ``preset``, ``dims``, ``hf-config``, ``params`` or ``module``."""
+    needs: tuple[tuple[str, str], ...] = ()
+    """What a measured module cannot run, as ``(dim, reason)`` pairs (``("pp", "...")``, ``("tp", "...")``):
+    candidates with that dim above 1 are listed as needing it and never recommended."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
@@ -361,7 +364,10 @@ class ModelSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         """Inverse of :meth:`to_dict` (derived keys are ignored)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kw = {k: v for k, v in data.items() if k in names}
+        if "needs" in kw:  # JSON gives lists
+            kw["needs"] = tuple((str(d), str(why)) for d, why in kw["needs"])
+        return cls(**kw)
 
     def with_(self, **changes: Any) -> ModelSpec:
         """Return a copy with some fields changed (validated again)."""

@@ -50,6 +50,8 @@ class Candidate:
     """Decisions the compiler renders (bucket sizes, sharding group sizes)."""
     notes: tuple[str, ...] = ()
     """Remarks specific to this candidate."""
+    needs: str = ""
+    """Why the given module cannot run this candidate (``""`` when it can): such a candidate is never recommended."""
 
     @property
     def fits(self) -> bool:
@@ -70,7 +72,7 @@ class Candidate:
             "grad_accum": self.grad_accum, "memory": self.memory.to_dict(), "fits": self.fits,
             "step_time_s": self.time.step_time_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
             "bound_by": self.time.bound_by, "time": self.time.to_dict(), "settings": dict(self.settings),
-            "notes": list(self.notes),
+            "notes": list(self.notes), "needs": self.needs,
         }  # fmt: skip
 
     @classmethod
@@ -80,7 +82,7 @@ class Candidate:
             name=data["name"], strategy=data["strategy"], dims=ParallelDims.from_dict(data["dims"]),
             grad_accum=int(data["grad_accum"]), memory=MemoryBreakdown.from_dict(data["memory"]),
             time=StepTime.from_dict(data["time"]), settings=dict(data.get("settings", {})),
-            notes=tuple(data.get("notes", ())),
+            notes=tuple(data.get("notes", ())), needs=str(data.get("needs", "")),
         )  # fmt: skip
 
 

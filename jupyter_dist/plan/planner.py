@@ -166,7 +166,13 @@ def _evaluate(
     return Candidate(
         name=f"{strategy.name}+{suffix}" if suffix else strategy.name, strategy=strategy.name, dims=dims,
         grad_accum=grad_accum, memory=memory, time=time, settings=settings, notes=tuple(notes),
+        needs=_needs(model, dims),
     )  # fmt: skip
+
+
+def _needs(model: ModelSpec, dims: ParallelDims) -> str:
+    """Why the measured module cannot run these degrees (``""`` when it can; see ``ModelSpec.needs``)."""
+    return "; ".join(why for dim, why in model.needs if getattr(dims, dim) > 1)
 
 
 def _cpu_ok(c: Candidate, hardware: Hardware) -> bool:
@@ -175,7 +181,7 @@ def _cpu_ok(c: Candidate, hardware: Hardware) -> bool:
 
 def _rank(cands: Iterable[Candidate], hardware: Hardware, min_headroom: float) -> list[Candidate]:
     """Candidates that fit with headroom, fastest first; within 3% of the fastest the simplest first."""
-    pool = [c for c in cands if c.fits and c.memory.headroom >= min_headroom and _cpu_ok(c, hardware)]
+    pool = [c for c in cands if c.fits and c.memory.headroom >= min_headroom and _cpu_ok(c, hardware) and not c.needs]
     if not pool:
         return []
     best = max(c.time.tokens_per_s for c in pool)
@@ -264,7 +270,7 @@ def plan(
         shown = evaluated
 
     ranked = _rank(shown, hw, assume.min_headroom) or _rank(shown, hw, 0.0)
-    rest = sorted((c for c in shown if c not in ranked), key=lambda c: (not c.fits, c.memory.total))
+    rest = sorted((c for c in shown if c not in ranked), key=lambda c: (bool(c.needs), not c.fits, c.memory.total))
     candidates = tuple(ranked + rest)
     best = ranked[0] if ranked else None
     reasons = _reasons(spec, shape, hw, assume, evaluated, best, ranked, requested)
@@ -275,6 +281,11 @@ def plan(
             "--no-calibration, or deleting that file, plans with the published figures)."
         )
     warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
+    for dim, why in spec.needs:
+        blocked = sum(1 for c in shown if getattr(c.dims, dim) > 1)
+        if blocked:
+            warnings.append(f"{spec.name} cannot run {dim} > 1 as it is ({blocked} candidate(s) listed, never "
+                            f"recommended): {why}")  # fmt: skip
     return Plan(
         model=spec, hardware=hw, training=shape, assumptions=assume, candidates=candidates,
         recommended=best.name if best else None, reasons=tuple(reasons), warnings=tuple(warnings),

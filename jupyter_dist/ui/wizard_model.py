@@ -70,6 +70,8 @@ COMPONENTS = (
     ("overhead", "overhead", "#8c8c8c"),
 )
 FIT, TIGHT, NOFIT = "#2e7d32", "#ef6c00", "#c62828"
+NEEDS = "#757575"
+"""A candidate the given module cannot run (``Candidate.needs``; the plan's warnings say why in full)."""
 
 
 @dataclass(kw_only=True)
@@ -283,7 +285,13 @@ def evaluate(inputs: WizardInputs) -> Answer:
 # ---------------------------------------------------------------------------------------------------------------
 # Views
 # ---------------------------------------------------------------------------------------------------------------
+def _short(text: str, limit: int = 90) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
 def _fit_state(c: Candidate, min_headroom: float) -> str:
+    if c.needs:  # the given module cannot run it (Candidate.needs says why): never recommended
+        return "needs"
     if not c.fits:
         return "no"
     return "tight" if c.memory.headroom < min_headroom else "yes"
@@ -328,8 +336,10 @@ def memory_figure(p: Plan, *, show_all: bool = False) -> Figure:
     labels, colors = [], []
     for c in rows:
         state = _fit_state(c, p.assumptions.min_headroom)
-        labels.append(f"{c.memory.total / GiB:.1f} " + {"yes": "fits", "tight": "tight", "no": "does not fit"}[state])
-        colors.append({"yes": FIT, "tight": TIGHT, "no": NOFIT}[state])
+        words = {"yes": "fits", "tight": "tight", "no": "does not fit",
+                 "needs": f"cannot run: {_short(c.needs)}"}[state]  # fmt: skip
+        labels.append(f"{c.memory.total / GiB:.1f} " + words)
+        colors.append({"yes": FIT, "tight": TIGHT, "no": NOFIT, "needs": NEEDS}[state])
     cats = [("\u2605 " if c.name == p.recommended else "") + c.name for c in rows]
     acc = p.hardware.accelerator
     return {
@@ -441,8 +451,8 @@ def whatif_html(table: Mapping[str, Any], current: int | None = None) -> str:
                 tds.append(f"<td style='{outline}color:#999;text-align:center'>\u2013</td>")
                 continue
             state, gib, name = cell
-            bg = {"yes": "#e8f5e9", "tight": "#fff3e0", "no": "#ffebee"}[state]
-            mark = {"yes": "\u2713", "tight": "~", "no": "\u2717"}[state]
+            bg = {"yes": "#e8f5e9", "tight": "#fff3e0", "no": "#ffebee", "needs": "#eeeeee"}[state]
+            mark = {"yes": "\u2713", "tight": "~", "no": "\u2717", "needs": "\u2298"}[state]
             star = " \u2605" if table["recommended"][i] == name else ""
             tds.append(f"<td data-state='{state}' title='{e(name)}: {gib:.1f} GiB per GPU' style='{outline}"
                        f"background:{bg};text-align:center;padding:1px 6px'>{mark} {gib:.0f}{star}</td>")  # fmt: skip
@@ -450,7 +460,8 @@ def whatif_html(table: Mapping[str, Any], current: int | None = None) -> str:
     label = _DIM_LABEL.get(table["dim"], table["dim"])
     return (f"<div style='overflow-x:auto'><table class='jd-whatif' data-dim='{e(table['dim'])}' "
             f"style='border-collapse:collapse;font-size:0.9em'><caption style='text-align:left'><b>{e(label)}</b>: "
-            "GiB per GPU of each strategy's best variant (\u2713 fits, ~ tight, \u2717 does not fit, "
+            "GiB per GPU of each strategy's best variant (\u2713 fits, ~ tight, \u2717 does not fit, \u2298 the model "
+            "cannot run it, "
             "\u2605 recommended)"
             f"</caption><tr><th></th>{head}</tr>{''.join(rows)}</table></div>")  # fmt: skip
 

@@ -32,6 +32,10 @@ hidden states, the sum of the balance losses of the layers it ran so far (one sc
 ``model.aux_loss()`` returns that sum over the whole model's layer count. The loss function, unchanged, adds it; the
 schedule's backward sends the scalar's gradient back with the hidden states' and each layer's router gets the same
 gradient as in one process.
+
+One piece: the three kinds of model share the cut (:func:`prune`), the stage views (``_view``, ``_shallow``) and the
+schedule; the seam, should it grow, is the ordinary model's check and stage forward (``check_loop`` to
+``_loop_view``), which would move to a module of its own that imports the views from here.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from ._env import WorkerEnv, WorkerError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "loop_blocks", "PIPELINE_NEEDS", "LOOP_NEEDS",
-           "HF_PIPELINE_TYPES"]  # fmt: skip
+__all__ = ["Pipeline", "StagePlan", "prune", "aux_layers", "loop_blocks", "pipeline_problem", "PIPELINE_NEEDS",
+           "LOOP_NEEDS", "HF_PIPELINE_TYPES"]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -111,13 +115,15 @@ def _layers_class() -> type:
     return PipelineLayers
 
 
-def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any, list[str] | None]:
+def _block_container(model: torch.nn.Module, pp: int, *,
+                     replace: bool = True) -> tuple[str, Any, list[str] | None]:  # fmt: skip
     """The dotted path and the ``ModuleDict`` of the model's blocks, and an ordinary model's parts after them.
 
     A direct child of a model whose forward skips ``None`` parts; a Hugging Face causal LM's ``ModuleList`` of
     decoder layers (``model.layers``) is replaced in place by :func:`_layers_class` (same names); an ordinary
     model's ``ModuleList`` or ``Sequential``, once :func:`check_loop` passed, by :func:`_blocks_class` (same names;
     a model that is an ``nn.Sequential`` keeps itself). The third item is ``None`` but for an ordinary model.
+    ``replace=False`` only checks (the model is left as it is).
     """
     import torch.nn as nn
 
@@ -138,7 +144,8 @@ def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any, list[st
         for path, child in model.named_modules():
             if isinstance(child, nn.ModuleList) and any(c is blocks[0] for c in child):
                 layers = _layers_class()({str(i): c for i, c in enumerate(child)})
-                _set(model, path, layers)
+                if replace:
+                    _set(model, path, layers)
                 return path, layers, None
             if isinstance(child, nn.ModuleDict) and any(c is blocks[0] for c in child.values()):
                 return path, child, None
@@ -154,8 +161,24 @@ def _block_container(model: torch.nn.Module, pp: int) -> tuple[str, Any, list[st
     if not path:  # the model is the nn.Sequential: its own forward is the loop, its children the blocks
         return path, container, post
     layers = _blocks_class()(dict(container._modules))
-    _set(model, path, layers)
+    if replace:
+        _set(model, path, layers)
     return path, layers, post
+
+
+def pipeline_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot be cut into pipeline stages (what ``jd.wrap`` would say, one line), or ``None``.
+
+    The checks :func:`prune` makes, without changing the model (the planner asks this of a measured module).
+    """
+    try:
+        _, blocks, _ = _block_container(model, 2, replace=False)
+    except WorkerError as e:
+        return str(e).removeprefix("jd.wrap: ")
+    keys = list(blocks._modules)
+    if keys != [str(i) for i in range(len(keys))]:
+        return str(_needs(model, 2, f"names its blocks {keys[:3]}")).removeprefix("jd.wrap: ")
+    return None
 
 
 # ------------------------------------------------------------------------------ ordinary models (a plain loop)
