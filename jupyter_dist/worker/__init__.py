@@ -64,6 +64,7 @@ __all__ = [
     "pipeline",
     "init",
     "wrap",
+    "suggest_tp_plan",
     "cp_shard",
     "cp_unshard",
     "autocast",
@@ -146,6 +147,20 @@ def wrap(model: Any, optimizer: Any = None, *, tp_plan: Any = None,
     ``JD_PRECISION=bf16-true`` casts the model to bfloat16 first (except for DeepSpeed, whose JSON decides).
     """
     return get_runtime().wrap(model, optimizer, tp_plan=tp_plan, pretrained=pretrained)
+
+
+def suggest_tp_plan(model: Any, tp: int | None = None, *, sequence_parallel: bool = False) -> Any:
+    """Propose a tensor-parallel layout for ``model`` from its structure, in its own module names.
+
+    Returns a ``TpLayout`` that prints as a table of (module pattern, style, why); ``layout.plan`` is what
+    ``jd.wrap(model, opt, tp_plan=layout.plan)`` takes, and ``jd.wrap`` uses it by itself for a model with no
+    layout of its own. A fused qkv (or gate-up) Linear is split per part, heads whole. Where the model cannot be
+    split (heads or widths ``tp`` does not divide, a structure it cannot read) ``layout.reason`` says why in one
+    line. Runs one forward on the meta device; needs no process group. See docs/parallelism.md.
+    """
+    from ._tp_layout import suggest_tp_plan as suggest
+
+    return suggest(model, tp, sequence_parallel=sequence_parallel)
 
 
 def cp_shard(*tensors: Any, seq_dim: int = 1) -> Any:

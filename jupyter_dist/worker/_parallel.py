@@ -282,6 +282,9 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             if env.sp and stage_plan.hf:
                 plan = _hf_stage_sequence_boundaries(stage_plan, plan)
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
+        if source and "jd.suggest_tp_plan" in source and env.rank == 0:  # once, in rank 0's log (a notice)
+            _log.warning("jd.wrap: %s has no tp layout of its own; using %s: %s", type(model).__name__, source,
+                         ", ".join(f"{k}: {type(v).__name__}" for k, v in plan.items()))  # fmt: skip
         _log.info("jd.wrap: tensor parallelism tp%d%s from %s", env.tp, " with sequence parallelism" * env.sp, source)
     if env.cp > 1:
         from ._context import apply_context_parallel
@@ -303,7 +306,11 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             dp_mesh = fsdp_mesh(mesh)  # cp ranks shard model states with the dp ranks
         else:
             dp_mesh = mesh.dp_mesh
-        keep = {"reshard_after_forward": env.reshard_after_forward}
+        keep: dict[str, Any] = {"reshard_after_forward": env.reshard_after_forward}
+        if plan is not None and any(hasattr(v, "parts") for v in plan.values()):  # a fused projection's layout
+            from ._tp_layout import fused_placement_fn
+
+            keep["shard_placement_fn"] = fused_placement_fn(dp_mesh.shape[-1])
         if env.zero1_as_fsdp2 and env.rank == 0:  # once, in rank 0's log (a notice: the default handler shows it)
             _log.warning(
                 "jd.wrap: zero1 with model parallelism runs as FSDP2 with reshard_after_forward=False over the "
@@ -312,7 +319,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
                 mesh.describe(),
             )
         if env.ep > 1:
-            shard_experts(model, mesh, mp, **keep)
+            shard_experts(model, mesh, mp, reshard_after_forward=env.reshard_after_forward)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp, **keep)
         for _, view in views:  # each stage is an FSDP root of its own (its edge parts are its direct parameters)

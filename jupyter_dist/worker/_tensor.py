@@ -267,8 +267,13 @@ def resolve_tp_plan(model: torch.nn.Module, tp_plan: Mapping[str, Any] | None, *
         plan = dict(model.tp_plan(sequence_parallel=sequence_parallel))
         source = f"{kind}.tp_plan()"
     else:
+        from ._tp_layout import suggest_tp_plan
+
+        derived = suggest_tp_plan(model, tp, sequence_parallel=sequence_parallel)
+        if derived.ok:
+            return dict(derived.plan), f"the layout derived from {kind}'s structure (jd.suggest_tp_plan)"
         raise WorkerError(
-            f"jd.wrap: tensor parallelism (tp{tp}) needs a layout for {kind}, which has none; pass "
+            f"jd.wrap: tensor parallelism (tp{tp}) needs a layout for {derived.reason}; pass "
             "jd.wrap(model, opt, tp_plan={'layers.*.attn.q_proj': 'colwise', 'layers.*.attn.o_proj': 'rowwise', ...}) "
             f"(styles: {', '.join(HF_STYLES)}), or use a Hugging Face model with a base_model_tp_plan or "
             "jupyter_dist.models.Transformer"
@@ -339,7 +344,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: Map
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = _tied_parameters(model)
-    touched = {n for key in plan for n, _ in _modules_matching(model, key)}
+    keeps = ("PrepareModuleInput", "PrepareModuleOutput", "HeadLocal")  # styles that leave the weights as they are
+    touched = {n for key, s in plan.items() if type(s).__name__ not in keeps for n, _ in _modules_matching(model, key)}
     for a, b in tied:
         if any(a.startswith(t + ".") or b.startswith(t + ".") for t in touched):
             raise WorkerError(
