@@ -15,4 +15,4 @@ quiet pip install -q -e ".[test]"
 if [ "${1:-}" = "--fast" ]; then shift; set -- -m "not slow" "$@"; fi
 # two workers (xdist), one file each at a time: the multi-process tests leave a core idle while they wait on
 # processes; JD_TEST_WORKERS=0 runs in this process
-python -m pytest -n "${JD_TEST_WORKERS:-2}" --dist loadgroup "$@"
+python -m pytest -n "${JD_TEST_WORKERS:-2}" "$@"

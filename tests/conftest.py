@@ -111,12 +111,18 @@ CLUSTER_FILES = frozenset({"test_notebook_folder.py", "test_run_record.py", "tes
 """Files whose tests use the session's one SLURM cluster (its daemons, ports and state): one xdist worker runs them."""
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``-n N --dist loadgroup`` (scripts/test.sh) a worker takes a whole file, so its module fixtures (a real
-    run several tests read) start once; the files that share the SLURM cluster go to one worker together."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("cluster" if name in CLUSTER_FILES else name))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n N`` (scripts/test.sh) a worker takes a whole file, so a module fixture (a real run that several tests
+    read) starts once, and the files that share the SLURM cluster go to one worker together. (xdist's own
+    ``--dist loadgroup`` does not group under pytest 9, whose node ids ignore the suffix it appends.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "cluster" if Path(path).name in CLUSTER_FILES else path
+
+    return FileScheduling(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
