@@ -8,7 +8,8 @@ closes it row-wise (the Megatron-LM pairing, Shoeybi et al. 2019); the block's p
 names every block. A lone column-wise Linear whose output is ``k`` times the row-wise input (3: a fused qkv, 2: a
 fused gate-up) is split per part: its weight becomes a DTensor with ``_StridedShard(0, split_factor=k)`` -- rank
 ``r`` holds the ``r``-th slice of each of q, k and v, heads whole -- the placement FSDP2 uses for its own
-right-to-left sharding, so ``full_tensor()``, state dicts and DCP checkpoints see the weight in its usual order.
+right-to-left sharding, so ``full_tensor()``, state dicts and DCP checkpoints see the weight in its usual order (its
+bias stays whole on every tp rank, which FSDP2 can shard in an order it can name).
 
 Whether the branch's own code (``view``, ``split``, ``reshape``) runs on the local heads is asked of a second meta
 forward of the branch module with each column-wise output narrowed to ``1/tp`` of its width: code that infers the
@@ -53,8 +54,11 @@ def _fused_colwise(parts: int, *, use_local_output: bool, input_layouts: Any = N
             self.parts = parts
 
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+            # the bias stays whole on every tp rank (DTensor slices it to the output's strided columns, and its
+            # gradient is gathered back): a 1-D _StridedShard has no dimension left for FSDP2 to shard in an
+            # expressible order (FSDP2's contiguous chunk of [q_r, k_r, v_r] is no stride of the whole)
             for pname, param in list(module.named_parameters(recurse=False)):
-                placement = _StridedShard(0, split_factor=self.parts)
+                placement = _StridedShard(0, split_factor=self.parts) if param.ndim > 1 else Replicate()
                 dt = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
                 module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
@@ -139,15 +143,14 @@ def fused_placement_fn(dp_size: int) -> Any:
     """``shard_placement_fn`` for ``fully_shard``: a fused projection's weight sharded by its input features.
 
     FSDP2 shards a tensor-parallel weight's dim 0 right-to-left with its own ``_StridedShard``; on top of the
-    fused layout's ``_StridedShard`` that order is not expressible, so the fused weights are sharded on dim 1.
+    fused layout's ``_StridedShard`` that order is not expressible, so the fused weights are sharded on dim 1
+    (a fused bias is whole on the tp ranks, so FSDP2 shards it on dim 0 as any other).
     """
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     def fn(param: Any) -> Any:
         if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
-            if param.ndim < 2:
-                return Shard(0) if param.shape[0] % dp_size == 0 else None
             if param.shape[1] % dp_size:
                 raise WorkerError(
                     f"jd.wrap: the fused projection's {param.shape[1]} input features do not split over "
