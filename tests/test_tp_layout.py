@@ -252,6 +252,59 @@ def test_jd_wrap_refusal_names_the_reason_and_suggest_is_exported() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ a real run
+# -------------------------------------------------------------------------- %dist_plan shows the layout
+def test_dist_plan_of_a_module_shows_the_layout_jd_wrap_derives_for_the_recommended_tp(ip) -> None:  # noqa: ANN001
+    """``%dist_plan --module nanogpt:GPT`` with tp 2 + sp: the text and HTML show jd.suggest_tp_plan's table (module
+    pattern, style, why) for the recommended candidate; it survives to_dict/from_dict; a plan without tp shows none."""
+    from jupyter_dist.plan import Hardware, plan
+    from jupyter_dist.plan.plan import Plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "numerics"))
+    from nanogpt import GPT
+
+    p = ip.run_line_magic("dist_plan", "--module nanogpt:GPT --gpus-per-node 8 --strategy fsdp2 --tp 2 --sp")
+    assert p.recommended == "fsdp2+tp2+sp" and p.tp_layout_for == "fsdp2+tp2+sp"
+    want = suggest_tp_plan(GPT(), 2, sequence_parallel=True)
+    assert p.tp_layout.rows == tuple(want.rows()) and p.tp_layout.reason is None
+    text, page = p.to_text(), p.to_html()
+    assert "Tensor-parallel layout for fsdp2+tp2+sp, derived from GPT's structure (jd.suggest_tp_plan" in text
+    for pattern, style, why in want.rows():
+        assert f"{pattern}  " in text and style in text and why in text
+        assert f"<code>{pattern}</code>" in page
+    assert "FusedColwiseParallel" in text and "HeadLocalOps() + PrepareModuleInput((S(1))->(R))" in text
+    again = Plan.from_dict(p.to_dict())
+    assert again == p and again.to_text() == text
+    plain = plan(GPT(), Hardware.from_names("h100", gpus_per_node=8), strategy="fsdp2", tp=1)
+    assert plain.tp_layout is None and "Tensor-parallel layout" not in plain.to_text()
+
+
+def test_dist_plan_says_in_one_line_why_no_layout_can_be_derived() -> None:
+    """A requested tp for a module the derivation cannot lay out: no recommendation, and the plan's one line says
+    why (the derivation's own reason); a model with a layout of its own gets no derived table."""
+    from jupyter_dist.models import Transformer
+    from jupyter_dist.plan import Hardware, plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "numerics"))
+    from nanogpt import GPT
+
+    class OneLinearMlp(GPT):  # an MLP of one Linear: nothing closes it row-wise
+        def __init__(self) -> None:
+            super().__init__()
+            for block in self.blocks:
+                block.mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+    hw = Hardware.from_names("h100", gpus_per_node=8)
+    p = plan(OneLinearMlp(), hw, strategy="fsdp2", tp=2, sp=False)
+    assert p.recommended is None and p.tp_layout is not None and p.tp_layout.rows == ()
+    (line,) = [x for x in p.to_text().splitlines() if x.startswith("Tensor-parallel layout")]
+    assert line == ("Tensor-parallel layout for fsdp2+tp2: none derived (OneLinearMlp: could not tell how "
+                    "blocks.*.mlp.0 is used (no row-wise projection after it in the block)); jd.wrap needs "
+                    "tp_plan=...")  # fmt: skip
+    assert "none derived (OneLinearMlp: could not tell how" in p.to_html()
+    own = plan(Transformer(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2), hw, strategy="fsdp2", tp=2)
+    assert own.recommended == "fsdp2+tp2+sp" and own.tp_layout is None
+
+
 @pytest.mark.slow
 def test_nanogpt_cell_under_fsdp2_tp2_sp_equals_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
     """The nanoGPT cell, no layout written, under `%%dist_train --nproc 2 --strategy fsdp2+tp2+sp`: its 10 losses

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import MissingDependencyError, PlanInputError
 
-__all__ = ["measure_module"]
+__all__ = ["measure_module", "tp_layout_table"]
 
 
 def _torch() -> Any:
@@ -54,12 +54,42 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
             pass  # a ``config`` that is not a transformer's Hugging Face config: measure the structure instead
         else:
             return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module",
-                              needs=module_needs(mod))  # fmt: skip
+                              needs=module_needs(mod), tp_layout_of=_layout_of(mod))  # fmt: skip
 
     dims = _infer_dims(mod, nn)
     assumed = dims.pop("assumed")
     return cls(name=label, params_override=total, largest_module_override=largest, dims_assumed=assumed,
-               source="module", needs=module_needs(mod), **dims)  # fmt: skip
+               source="module", needs=module_needs(mod), tp_layout_of=_layout_of(mod), **dims)  # fmt: skip
+
+
+def _layout_of(mod: Any) -> Any:
+    """``(tp, sp) -> TpLayoutTable | None`` for ``mod`` (see :func:`tp_layout_table`)."""
+
+    def layout_of(tp: int, sp: bool) -> Any:
+        return tp_layout_table(mod, tp, sp)
+
+    return layout_of
+
+
+def tp_layout_table(mod: Any, tp: int, sp: bool) -> Any:
+    """The layout ``jd.wrap`` derives for ``mod`` at ``tp`` (``sp``: with sequence parallelism) as plan data.
+
+    ``worker/_tp_layout.py``'s ``suggest_tp_plan`` on the meta device, its rows as strings (module pattern, style,
+    why), or its one-line reason. ``None`` where ``jd.wrap`` would not use a derived layout (a Hugging Face tp plan,
+    a ``tp_plan()`` method) or the worker cannot be imported.
+    """
+    from .tp_table import TpLayoutTable
+
+    config = getattr(mod, "config", None)
+    if getattr(config, "base_model_tp_plan", None) or callable(getattr(mod, "tp_plan", None)):
+        return None
+    try:
+        from ..worker._tp_layout import suggest_tp_plan
+    except ImportError:
+        return None
+    got = suggest_tp_plan(mod, tp, sequence_parallel=sp)
+    return TpLayoutTable(model=type(mod).__name__, tp=tp, sp=sp, rows=tuple(got.rows()), notes=tuple(got.notes),
+                         reason=got.reason)  # fmt: skip
 
 
 def module_needs(mod: Any) -> tuple[tuple[str, str], ...]:

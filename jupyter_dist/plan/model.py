@@ -12,7 +12,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import PlanInputError, UnknownModelError
@@ -135,6 +135,10 @@ class ModelSpec:
     needs: tuple[tuple[str, str], ...] = ()
     """What a measured module cannot run, as ``(dim, reason)`` pairs (``("pp", "...")``, ``("tp", "...")``):
     candidates with that dim above 1 are listed as needing it and never recommended."""
+    tp_layout_of: Any = field(default=None, compare=False, repr=False)
+    """A measured module's derived tensor-parallel layout, asked lazily: ``tp_layout_of(tp, sp)`` gives a
+    :class:`~jupyter_dist.plan.plan.TpLayoutTable` (``None`` where the module carries its own layout). Holds the
+    module; not compared, not serialised (the plan keeps the table it asked for)."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
@@ -356,14 +360,14 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Return the dimensions plus derived counts (``params`` etc.), JSON-ready."""
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tp_layout_of"}
         out.update(params=self.params, active_params=self.active_params, params_from_dims=self.params_from_dims)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         """Inverse of :meth:`to_dict` (derived keys are ignored)."""
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"tp_layout_of"}
         kw = {k: v for k, v in data.items() if k in names}
         if "needs" in kw:  # JSON gives lists
             kw["needs"] = tuple((str(d), str(why)) for d, why in kw["needs"])

@@ -12,10 +12,11 @@ from .model import ModelSpec
 from .parallel import ParallelDims
 from .perf import StepTime
 from .strategies import get_strategy
+from .tp_table import TpLayoutTable
 from .training import TrainingShape
 from .units import GiB, fmt_count, fmt_gib
 
-__all__ = ["Candidate", "Plan", "SCHEMA_VERSION"]
+__all__ = ["Candidate", "Plan", "TpLayoutTable", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
@@ -108,6 +109,11 @@ class Plan:
     """Anti-patterns and risks found in the inputs."""
     requested_strategy: str | None = None
     """The strategy the user asked to evaluate alone, if any."""
+    tp_layout: TpLayoutTable | None = None
+    """For a measured module, the derived tensor-parallel layout of :attr:`tp_layout_for` (the recommended
+    candidate, else the requested strategy's first) when its tp > 1."""
+    tp_layout_for: str | None = None
+    """The candidate :attr:`tp_layout` is for."""
 
     # ---- access ---------------------------------------------------------------------------------------------
     @property
@@ -141,6 +147,8 @@ class Plan:
             "reasons": list(self.reasons),
             "warnings": list(self.warnings),
             "requested_strategy": self.requested_strategy,
+            "tp_layout": self.tp_layout.to_dict() if self.tp_layout is not None else None,
+            "tp_layout_for": self.tp_layout_for,
         }
 
     @classmethod
@@ -163,6 +171,8 @@ class Plan:
             reasons=tuple(data.get("reasons", ())),
             warnings=tuple(data.get("warnings", ())),
             requested_strategy=data.get("requested_strategy"),
+            tp_layout=TpLayoutTable.from_dict(data["tp_layout"]) if data.get("tp_layout") else None,
+            tp_layout_for=data.get("tp_layout_for"),
         )
 
     # ---- display --------------------------------------------------------------------------------------------
@@ -226,6 +236,8 @@ class Plan:
             cpu = self.hardware.unit == "process"
             out += [f"  {_CPU_LABELS.get(label, label) if cpu else label:<45} {value / GiB:8.2f}"
                     for label, value in best.memory.rows()]  # fmt: skip
+        if self.tp_layout is not None:
+            out += self.tp_layout.to_text(self.tp_layout_for or "")
         if self.warnings:
             out.append("Warnings:")
             out += [f"  ! {w}" for w in self.warnings]
@@ -251,7 +263,9 @@ class Plan:
             f'<div class="jupyter-dist-plan"><p>{e(self._header())}</p>'
             f"<p>Per-{self.hardware.unit} memory in GiB</p><table><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>"
-            f"<p>{rec}</p><ul>{reasons}</ul>" + (f"<p>Warnings</p><ul>{warns}</ul>" if warns else "") + "</div>"
+            f"<p>{rec}</p><ul>{reasons}</ul>"
+            + (self.tp_layout.to_html(self.tp_layout_for or "") if self.tp_layout is not None else "")
+            + (f"<p>Warnings</p><ul>{warns}</ul>" if warns else "") + "</div>"
         )
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:

@@ -286,10 +286,16 @@ def plan(
         if blocked:
             warnings.append(f"{spec.name} cannot run {dim} > 1 as it is ({blocked} candidate(s) listed, never "
                             f"recommended): {why}")  # fmt: skip
+    # a measured module: the layout jd.wrap derives for the recommended (else the requested) candidate's tp
+    shown_for = best or (candidates[0] if requested is not None and candidates else None)
+    layout = None
+    if shown_for is not None and shown_for.dims.tp > 1 and spec.tp_layout_of is not None:
+        layout = spec.tp_layout_of(shown_for.dims.tp, shown_for.dims.sp)
     return Plan(
         model=spec, hardware=hw, training=shape, assumptions=assume, candidates=candidates,
         recommended=best.name if best else None, reasons=tuple(reasons), warnings=tuple(warnings),
-        requested_strategy=requested.name if requested else None,
+        requested_strategy=requested.name if requested else None, tp_layout=layout,
+        tp_layout_for=shown_for.name if layout is not None and shown_for is not None else None,
     )  # fmt: skip
 
 

@@ -99,7 +99,7 @@ class HeadLocalOps:
                 return module
 
             def __repr__(self) -> str:
-                return "HeadLocalOps()" + (f" + {inner!r}" if inner is not None else "")
+                return "HeadLocalOps()" + (f" + {describe_style(inner)}" if inner is not None else "")
 
         return HeadLocal()
 
