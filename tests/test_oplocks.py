@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_dist.worker._oplocks import STALE_AFTER, clear_stale_locks, extensions_root
+from jupyter_dist.worker._oplocks import STALE_AFTER, clear_stale_locks, extensions_root, stale_lock_guard
 
 
 def _lock(root: Path, op: str, age: float) -> Path:
@@ -49,6 +49,27 @@ def test_an_old_lock_is_kept_while_a_process_builds_in_its_folder(tmp_path: Path
         builder.kill()
         builder.wait()
     assert clear_stale_locks(tmp_path) == [lock] and not lock.exists()
+
+
+def test_the_guard_clears_a_lock_whose_builder_dies_while_the_load_waits(tmp_path: Path) -> None:
+    """The lock looked busy when the load began (a builder in its folder), then the builder was killed: one look
+    before ``deepspeed.initialize`` kept it, and the load waited forever (CI, a killed test run's lock); the guard
+    looks again while the block runs and removes it."""
+    lock = _lock(tmp_path, "deepspeed_shm_comm", STALE_AFTER + 60)
+    builder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=lock.parent)
+    try:
+        time.sleep(0.3)
+        with stale_lock_guard(interval=0.2, root=tmp_path):
+            assert lock.exists()  # kept: a process builds there
+            builder.kill()
+            builder.wait()
+            deadline = time.time() + 10
+            while lock.exists() and time.time() < deadline:  # what torch's FileBaton.wait does
+                time.sleep(0.1)
+            assert not lock.exists(), "the guard did not clear the abandoned lock"
+    finally:
+        builder.kill()
+        builder.wait()
 
 
 def test_no_folder_no_locks_nothing_happens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["STALE_AFTER", "clear_stale_locks", "extensions_root"]
+__all__ = ["STALE_AFTER", "clear_stale_locks", "extensions_root", "stale_lock_guard"]
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -76,3 +79,29 @@ def clear_stale_locks(root: Path | None = None, *, stale_after: float = STALE_AF
             lock, age,
         )  # fmt: skip
     return removed
+
+
+GUARD_INTERVAL = 15.0
+"""Seconds between two looks for stale locks while DeepSpeed loads its ops (:func:`stale_lock_guard`)."""
+
+
+@contextmanager
+def stale_lock_guard(interval: float = GUARD_INTERVAL, root: Path | None = None) -> Iterator[None]:
+    """Clear stale locks now and every ``interval`` s until the block ends (``deepspeed.initialize``).
+
+    One look before the load is not enough: a lock that was young, or that a build was working under, may be
+    abandoned a moment later (its builder killed), and the load that waits on it would then wait forever.
+    """
+    clear_stale_locks(root)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(interval):
+            clear_stale_locks(root)
+
+    thread = threading.Thread(target=watch, name="jd-oplocks", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()

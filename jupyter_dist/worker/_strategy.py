@@ -260,14 +260,14 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
             raise MissingDependencyError(
                 f"JD_STRATEGY={name} needs DeepSpeed: pip install 'jupyter_dist[deepspeed]' ({e})"
             ) from e
-        from ._oplocks import clear_stale_locks
+        from ._oplocks import stale_lock_guard
 
-        clear_stale_locks()  # a killed op load leaves a lock that every later load would wait on forever
         config = _load_ds_config(name, env.ds_config)
         if optimizer is not None:
             optimizer, config = deepspeed_client_optimizer(name, optimizer, config, rank=env.rank)
         kwargs = {"model_parameters": [p for p in model.parameters() if p.requires_grad]} if optimizer is None else {}
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
+        with stale_lock_guard():  # a killed op load leaves a lock that every later load would wait on forever
+            engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
         return engine, ds_optimizer
 
     raise WorkerError(f"JD_STRATEGY={name}: family {family!r} is not supported by jd.wrap")  # pragma: no cover
