@@ -377,7 +377,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 # deepspeed.init_distributed would JIT-build the shared-memory all-reduce op (~75 s the first time); validating a
 # config runs no collective, so that one optimisation is switched off here (the real runs below build and use it).
-deepspeed.comm.torch.build_shm_op = lambda: None
+# Through sys.modules: the attribute ``deepspeed.comm.torch`` is torch itself (deepspeed.comm imports torch).
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 deepspeed.init_distributed(dist_backend="gloo")
 
 
