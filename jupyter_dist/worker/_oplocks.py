@@ -24,10 +24,12 @@ __all__ = ["STALE_AFTER", "clear_stale_locks", "extensions_root", "stale_lock_gu
 
 _log = logging.getLogger("jupyter_dist.worker")
 
-STALE_AFTER = 300.0
-"""Seconds after which a build lock with no process building under its folder is taken as left by a killed process
-(a cold build of DeepSpeed's ``cpu_adam`` takes about 2 minutes on 2 cores, and a building process keeps the folder
-busy anyway)."""
+STALE_AFTER = 60.0
+"""Seconds after which a build lock with no process building under its folder is taken as left by a killed process.
+The lock's holder either builds (ninja and the compilers run with the op's folder as their working directory, which
+:func:`_building_under` sees, however long a cold build of ``cpu_adam`` takes) or only checks the built op and loads
+it, well under a second; a minute leaves room for a loaded machine. (It was 300 s: a lock left by a run stopped while
+its ranks loaded the op then held every DeepSpeed run of the next five minutes.)"""
 
 
 def extensions_root() -> Path:
