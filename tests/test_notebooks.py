@@ -78,44 +78,47 @@ def outputs_text(nb: object) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.slow
-def test_plan_large_models_notebook(tmp_path: Path) -> None:
-    nb = execute(NOTEBOOKS / "plan_large_models.ipynb", tmp_path)
+# ---- each notebook once, all in one folder, then all again in the reverse order ----------------------------------
+# A researcher keeps the example notebooks side by side and re-runs them: each notebook's checks take the folder and
+# the runs that were there before it, so they hold on the first pass and on the second.
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder for every notebook of this file (and the second pass), as a researcher's project folder."""
+    return tmp_path_factory.mktemp("notebooks")
+
+
+def runs_in(folder: Path) -> set[str]:
+    return {p.name for p in (folder / "runs").iterdir()} if (folder / "runs").is_dir() else set()
+
+
+def check_plan_large_models(nb: object, folder: Path, before: set[str]) -> None:
     text = outputs_text(nb)
     assert "DeepSpeed ZeRO-3 + optimizer offload" in text
-    assert (tmp_path / "configs-llama-3-70b" / "job.sbatch").exists()
+    assert (folder / "configs-llama-3-70b" / "job.sbatch").exists()
     assert "#SBATCH --nodes=2" in text
 
 
-@pytest.mark.slow
-def test_communication_health_notebook_finds_the_straggler(tmp_path: Path) -> None:
-    nb = execute(NOTEBOOKS / "communication_health.ipynb", tmp_path)
+def check_communication_health(nb: object, folder: Path, before: set[str]) -> None:
     text = outputs_text(nb)
     assert "straggler: rank 1" in text, text[-2000:]
     assert "HEALTHY" in text.upper()
 
 
-@pytest.mark.slow
-def test_strategies_memory_notebook_measures_what_the_plan_predicts(tmp_path: Path) -> None:
-    nb = execute(NOTEBOOKS / "strategies_memory.ipynb", tmp_path, timeout=900)
+def check_strategies_memory(nb: object, folder: Path, before: set[str]) -> None:
     text = outputs_text(nb)
     assert "within 2% of the plan" in text
     for s in ("ddp", "fsdp2", "zero1", "zero2"):
         assert f"{s}: succeeded" in text
 
 
-@pytest.mark.slow
-def test_tensor_parallel_notebook_rehearses_the_70b_layout_and_matches_the_plan(tmp_path: Path) -> None:
-    nb = execute(NOTEBOOKS / "tensor_parallel.ipynb", tmp_path, timeout=900)
+def check_tensor_parallel(nb: object, folder: Path, before: set[str]) -> None:
     text = outputs_text(nb)
     assert "recommended: fsdp2+tp2+sp" in text
     assert "rehearsal of fsdp2+tp2+sp (planned for 32 processes) on 4: keeps tp2+sp; dp from 16 to 2" in text, text
     assert "every rank holds exactly the bytes the plan predicts" in text
 
 
-@pytest.mark.slow
-def test_parallelism_3d_notebook_runs_fsdp2_tp2_pp2_on_8_processes_as_planned(tmp_path: Path) -> None:
-    nb = execute(NOTEBOOKS / "parallelism_3d.ipynb", tmp_path, timeout=900)
+def check_parallelism_3d(nb: object, folder: Path, before: set[str]) -> None:
     text = outputs_text(nb)
     # the 405B plan: an FSDP2 + tp8 + pipeline candidate recommended, the zero1 one shown beside it with its memory
     assert re.search(r"recommended: fsdp2\+tp8\+pp\d+\+sp\n", text), text[:2000]
@@ -125,8 +128,69 @@ def test_parallelism_3d_notebook_runs_fsdp2_tp2_pp2_on_8_processes_as_planned(tm
     assert "the worst stage holds exactly the planned bytes" in text
 
 
+def check_compare_and_profile(nb: object, folder: Path, before: set[str]) -> None:
+    text = outputs_text(nb)
+    for s in ("ddp: succeeded, 30 steps", "fsdp2: succeeded, 30 steps"):
+        assert s in text, text[-3000:]
+    assert "none: stopped, 0 steps, best loss -, -, peak - per rank" in text, text[-3000:]
+    assert "baseline" in text  # the tag, in the runs table
+    assert "rank 1 is the slowest: rank 0 waits" in text, text[-3000:]
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))  # type: ignore[attr-defined]
+    assert html.count('class="jd-static-dashboard jd-compare"') == 2 and "jd-profile" in html
+    new = sorted(r for r in runs_in(folder) - before if (folder / "runs" / r / "profile").is_dir())
+    assert len(new) == 3 and all((folder / "runs" / r / "profile" / "rank-1.pt.trace.json").is_file() for r in new)
+
+
+def check_quickstart(nb: object, folder: Path, before: set[str]) -> None:
+    text = outputs_text(nb)
+    assert "succeeded" in text and "PyTorch DDP" in text
+
+
+def check_pool_quickstart(nb: object, folder: Path, before: set[str]) -> None:
+    text = outputs_text(nb)
+    assert "rank 1: x * scale = [30.0, 60.0, 90.0]" in text and "stopped" in text
+
+
+CHECKS = {"plan_large_models.ipynb": check_plan_large_models, "communication_health.ipynb": check_communication_health,
+          "strategies_memory.ipynb": check_strategies_memory, "tensor_parallel.ipynb": check_tensor_parallel,
+          "parallelism_3d.ipynb": check_parallelism_3d, "compare_and_profile.ipynb": check_compare_and_profile,
+          "quickstart.ipynb": check_quickstart, "pool_quickstart.ipynb": check_pool_quickstart}  # fmt: skip
+"""Every notebook that runs on this machine without a cluster (the cluster ones run in test_slurm/test_skypilot)."""
+
+
+def run_and_check(name: str, folder: Path) -> None:
+    before = runs_in(folder)
+    nb = execute(NOTEBOOKS / name, folder, timeout=900)
+    CHECKS[name](nb, folder, before)
+
+
 @pytest.mark.slow
-def test_compare_and_profile_notebook_compares_two_strategies_and_finds_the_slow_rank(tmp_path: Path) -> None:
+def test_plan_large_models_notebook(folder: Path) -> None:
+    run_and_check("plan_large_models.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_communication_health_notebook_finds_the_straggler(folder: Path) -> None:
+    run_and_check("communication_health.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_strategies_memory_notebook_measures_what_the_plan_predicts(folder: Path) -> None:
+    run_and_check("strategies_memory.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_notebook_rehearses_the_70b_layout_and_matches_the_plan(folder: Path) -> None:
+    run_and_check("tensor_parallel.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_parallelism_3d_notebook_runs_fsdp2_tp2_pp2_on_8_processes_as_planned(folder: Path) -> None:
+    run_and_check("parallelism_3d.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_compare_and_profile_notebook_compares_two_strategies_and_finds_the_slow_rank(folder: Path) -> None:
     """In a folder whose runs/ already holds what other notebooks leave (a pool session and a check that logged no
     loss, tokens or memory), the notebook still runs: those rows show "-" (it crashed on them before)."""
     import time
@@ -134,18 +198,21 @@ def test_compare_and_profile_notebook_compares_two_strategies_and_finds_the_slow
     from jupyter_dist.launch.record import RunRecord, write_record
 
     for name, status in (("pool-20260101-000000", "stopped"), ("check-20260101-000001", "succeeded")):
-        folder = tmp_path / "runs" / name
-        (folder / "telemetry").mkdir(parents=True)
-        write_record(folder, RunRecord.from_dict({"name": name, "status": status, "world_size": 2, "nproc": 2,
-                                                  "strategy": "none", "started": time.time() - 60}))  # fmt: skip
-    nb = execute(NOTEBOOKS / "compare_and_profile.ipynb", tmp_path)
-    text = outputs_text(nb)
-    for s in ("ddp: succeeded, 30 steps", "fsdp2: succeeded, 30 steps"):
-        assert s in text, text[-3000:]
-    assert "none: stopped, 0 steps, best loss -, -, peak - per rank" in text, text[-3000:]
-    assert "baseline" in text  # the tag, in the runs table
-    assert "rank 1 is the slowest: rank 0 waits" in text, text[-3000:]
-    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
-    assert html.count('class="jd-static-dashboard jd-compare"') == 2 and "jd-profile" in html
-    runs = sorted(p.name for p in (tmp_path / "runs").iterdir() if (p / "profile").is_dir())
-    assert len(runs) == 3 and all((tmp_path / "runs" / r / "profile" / "rank-1.pt.trace.json").is_file() for r in runs)
+        run = folder / "runs" / name
+        (run / "telemetry").mkdir(parents=True, exist_ok=True)
+        write_record(run, RunRecord.from_dict({"name": name, "status": status, "world_size": 2, "nproc": 2,
+                                               "strategy": "none", "started": time.time() - 60}))  # fmt: skip
+    run_and_check("compare_and_profile.ipynb", folder)
+
+
+@pytest.mark.slow
+def test_every_notebook_runs_again_in_the_reverse_order_in_the_same_folder(folder: Path) -> None:
+    """After the tests above ran them in this folder (by name in this file), every local notebook runs again, in the
+    reverse order, beside everything the others left (runs, configs, checkpoints): none fails, each says the same."""
+    if not (folder / "runs").is_dir():
+        pytest.skip("runs alone: the first pass (the tests above) did not run in this folder")
+    for name in sorted(CHECKS, reverse=True):
+        try:
+            run_and_check(name, folder)
+        except Exception as exc:  # name the notebook that failed on its second run
+            raise AssertionError(f"{name}, run again in a folder the other notebooks used: {exc}") from exc
