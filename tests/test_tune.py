@@ -60,20 +60,22 @@ def test_per_collective_latency_lets_the_fit_explain_fsdp_on_gloo(measured: tupl
     """Step times measured by ``%dist_tune`` on 2 CPU processes (ddp, fsdp2, fsdp-full-shard; the last row is a CI
     run whose calibrated ddp plan came out 2.8x off when the model had no per-collective cost). FSDP's per-unit
     all-gathers and reduce-scatters now cost a gloo round trip each, so its communication part is larger than DDP's
-    one bucket, the fit gives it the spread: DDP is predicted within 5 %, each FSDP within 1.6x (the model gives FSDP2
-    and FSDP1 full-shard the same collectives, but on CPU FSDP2's per-parameter copies sometimes cost 1.8x more)."""
+    one bucket, the fit gives it the spread: DDP is predicted within 5 %, each FSDP within 2x (the model gives FSDP2
+    and FSDP1 full-shard the same collectives, but on CPU FSDP2's per-parameter copies sometimes cost 1.8x more, and
+    it hides FSDP's collectives behind the backward as on a GPU, where gloo on CPU shares the cores)."""
     base = plan(TINY, CPU2, SHAPE)
     comm = {n: base.candidate(n).time.breakdown["dp_comm"] for n in ("ddp", "fsdp2", "fsdp-full-shard")}
     lat = CPU2.accelerator.collective_latency_s
     assert comm["ddp"] == pytest.approx(lat + 2 * 0.5 * 4 * TINY.params / 10e9 / 0.8, rel=0.05)  # one bucket
-    assert comm["fsdp2"] > 3 * TINY.layers * lat > comm["ddp"]  # gather, gather again, reduce-scatter per block
+    # gather, gather again, reduce-scatter per unit: what the backward cannot hide is still 3x DDP's one bucket
+    assert comm["fsdp2"] > 3 * comm["ddp"] and comm["fsdp2"] > 3 * lat
     trials = [fake_trial(base, n, t) for n, t in zip(comm, measured, strict=True)]
     cal = fit_calibration(trials, source="test")
     assert cal is not None and cal.comm_scale > 1  # gloo on 2 busy cores is slower than the catalog's loopback
     again = plan(TINY, CPU2, SHAPE, calibration=cal)
     ratios = [again.candidate(t.candidate).time.step_time_s / t.measured.step_time_s for t in trials]  # type: ignore[union-attr]
     assert ratios[0] == pytest.approx(1.0, rel=0.05), ratios
-    assert all(1 / 1.6 < r < 1.6 for r in ratios), ratios
+    assert all(1 / 2 < r < 2 for r in ratios), ratios
 
 
 def test_calibrated_plan_reproduces_the_measured_step() -> None:

@@ -361,6 +361,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         """Return the dimensions plus derived counts (``params`` etc.), JSON-ready."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tp_layout_of"}
+        out["needs"] = [list(n) for n in self.needs]  # JSON's form: a record read back compares equal
         out.update(params=self.params, active_params=self.active_params, params_from_dims=self.params_from_dims)
         return out
 

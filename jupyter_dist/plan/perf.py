@@ -32,7 +32,7 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
 ``dp_comm`` / ``tp_comm`` / ``pp_bubble`` / ``pp_p2p`` / ``cp_comm`` / ``ep_comm`` / ``offload``
     Communication, exposed after overlap. Each collective costs ``Accelerator.collective_latency_s`` (the
     small-message floor: per bucket for DDP, per unit and pass for FSDP/ZeRO-3, per all-reduce for TP) plus its
-    bytes; CPU ranks hide none of it (gloo runs on the cores that compute). Collective times from the volumes
+    bytes. Collective times from the volumes
     nccl-tests uses (all-reduce moves
     ``2 (n-1)/n`` of the buffer per rank, all-gather and reduce-scatter ``(n-1)/n``) at the bus bandwidth of
     :meth:`Hardware.collective_bw`. Data parallel: DDP and ZeRO-1/2 move ``2 Psi`` per step, ZeRO-3/FSDP ``3 Psi``
@@ -284,8 +284,10 @@ def estimate_time(
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
     dense, expert, _ = _stage_params(model, dims, virtual)
     lat = acc.latency_s
-    # CPU ranks run gloo's collectives on the cores that compute: nothing is hidden behind the backward pass
-    overlap = 0.0 if acc.vendor == "cpu" else assumptions.overlap
+    overlap = assumptions.overlap
+    # CPU ranks run gloo on the cores that compute: FSDP/ZeRO-3's per-unit gathers and reduce-scatters, which the
+    # backward waits on, are not hidden (DDP's bucketed all-reduce runs in gloo's own thread as before)
+    sharded_overlap = 0.0 if acc.vendor == "cpu" else overlap
     dp_exposed = 0.0
     dp_bytes = 0.0
     per_node_dp = max(1, gpn // dims.tp)
@@ -326,7 +328,7 @@ def estimate_time(
             t_mb = per_mb / bw + calls * (blocks + 1) * lat
             dp_bytes += per_mb * m
             first_last = t_mb / max(1, blocks)  # the first unit's gather / the last one's reduce-scatter: no cover
-            dp_exposed += m * max(first_last, t_mb - overlap * compute_mb)
+            dp_exposed += m * max(first_last, t_mb - sharded_overlap * compute_mb)
         if outer > 1:  # hybrid: all-reduce of the shard's gradients across replicas, once per step
             cross = _ring(outer, 2) * grads / inner
             t_cross = cross / hardware.collective_bw(outer * inner, ranks_per_node=1) + lat
