@@ -617,6 +617,25 @@ def test_the_quickstart_notebook_runs_on_a_real_kernel(tmp_path: Path, monkeypat
     assert not any(out.get("output_type") == "error" for c in nb.cells for out in c.get("outputs", []))
 
 
+def _execute_after_an_error(kc: Any, code: str, outputs: list[str]) -> dict[str, Any]:
+    """Run `code` right after a cell's error reply, as the next cell of a notebook.
+
+    ipykernel 7 answers an error with stop_on_error, then aborts every execute request that reaches the shell before
+    its own "stop aborting" marker (kernelbase._abort_queues posts it through the shell channel thread): a request
+    sent the instant the error reply arrives is sometimes refused unrun, with status "aborted" (CI saw it once in a
+    few runs). A notebook user is never that fast; the test sends again when, and only when, the kernel never ran it.
+    """
+    for _ in range(5):
+        outputs.clear()
+        reply: dict[str, Any] = kc.execute_interactive(
+            code, timeout=60, output_hook=lambda m: outputs.append(str(m["content"]))
+        )
+        if reply["content"]["status"] != "aborted":
+            return reply
+        time.sleep(0.2)
+    return reply
+
+
 @pytest.mark.slow
 def test_interrupting_a_real_kernel_interrupts_the_ranks_and_the_pool_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -643,9 +662,8 @@ def test_interrupting_a_real_kernel_interrupts_the_ranks_and_the_pool_answers(
         reply = kc.get_shell_msg(timeout=60)
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "PoolInterrupted"
         after: list[str] = []
-        check = kc.execute_interactive("%%dist\nprint('still here', jd.rank, n > 0)", timeout=60,
-                                       output_hook=lambda m: after.append(str(m["content"])))  # fmt: skip
-        assert check["content"]["status"] == "ok"
+        check = _execute_after_an_error(kc, "%%dist\nprint('still here', jd.rank, n > 0)", after)
+        assert check["content"]["status"] == "ok", check["content"]
         assert any("still here 0 True" in a and "still here 1 True" in a for a in after), after
         stop = kc.execute_interactive("%dist_stop", timeout=60)
         assert stop["content"]["status"] == "ok"
