@@ -859,3 +859,21 @@ def test_model_parallel_contract_values_get_one_line(env: dict[str, str], messag
     with pytest.raises(WorkerError) as info:
         WorkerEnv.from_environ(env)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_fsdp2_run_goes_to_parallelize_not_apply_strategy(tmp_path: Path) -> None:
+    """jd.wrap sends each run whose family is FSDP2 (fsdp2, HSDP, zero1 with tp) to ``_parallel.parallelize``: the
+    single-mesh ``apply_strategy`` has no FSDP2 branch, so a strategy sent there would fail."""
+    torch = pytest.importorskip("torch")
+    from jupyter_dist.plan.strategies import STRATEGIES
+
+    model = torch.nn.Linear(2, 2)
+    layouts = [{"strategy": name} for name in STRATEGIES] + [{"strategy": "zero1", "tp": 2, "world_size": 2}]
+    seen = set()
+    for fields in layouts:
+        rt = Runtime(tiny_env(tmp_path, **fields))
+        seen.add(rt.env.family)
+        meshed = rt._needs_mesh(model, None, None)
+        assert meshed == (rt.env.family == "fsdp2" or rt.env.model_parallel), fields
+        rt.emitter.close()
+    assert seen == {s.family for s in STRATEGIES.values()}

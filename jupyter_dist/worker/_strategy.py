@@ -6,7 +6,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..plan.strategies import get_strategy
+from ..plan.strategies import FSDP1_SHARDING, get_strategy
 from ._env import WorkerEnv, WorkerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,13 +24,6 @@ FSDP1_NEEDS_GPU = (
     "trains there with device_id=cpu, but parts such as sync_module_states need a GPU); use JD_STRATEGY=fsdp2 "
     "(fully_shard), which shards the same way over gloo."
 )
-
-_FSDP1_SHARDING = {
-    "fsdp-full-shard": "FULL_SHARD",
-    "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-    "fsdp-hybrid-shard": "HYBRID_SHARD",
-    "fsdp-no-shard": "NO_SHARD",
-}
 
 
 def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -159,7 +152,11 @@ def checkpoint_blocks(env: WorkerEnv, model: torch.nn.Module) -> list[torch.nn.M
 
 def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, device: torch.device,
                    comm_stats: Any = None) -> tuple[Any, Any]:  # fmt: skip
-    """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`."""
+    """Wrap ``model`` (and rebuild or wrap ``optimizer``) for ``env.strategy``; see :func:`jupyter_dist.worker.wrap`.
+
+    The single-mesh wrappers: none, DDP, the FSDP1 wrapper and DeepSpeed. FSDP2 (and anything on a device mesh) is
+    :func:`._parallel.parallelize`'s: :meth:`._training.TrainingVerbs.wrap` sends it there.
+    """
     import torch
 
     name = env.strategy
@@ -183,29 +180,6 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
             ddp.register_comm_hook(None, ddp_timing_hook(comm_stats))
         return ddp, optimizer
 
-    if family == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if get_strategy(name).hybrid:
-            shard = env.local_world_size
-            if shard < 1 or env.world_size % shard:
-                raise WorkerError(f"{name}: world size {env.world_size} is not a multiple of LOCAL_WORLD_SIZE {shard}")
-            mesh = init_device_mesh(
-                device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
-        mixed = _mixed(env.precision)
-        mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
-        old_names = _param_names(model)
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        if optimizer is not None:
-            optimizer = rebuild_optimizer(optimizer, old_names, model)
-        return model, optimizer
-
     if family == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
@@ -226,7 +200,7 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
         try:
             model = FSDP(
                 model,
-                sharding_strategy=getattr(ShardingStrategy, _FSDP1_SHARDING[name]),
+                sharding_strategy=getattr(ShardingStrategy, FSDP1_SHARDING[name]),
                 auto_wrap_policy=policy,
                 mixed_precision=(
                     MixedPrecision(param_dtype=mixed[0], reduce_dtype=mixed[1], buffer_dtype=mixed[0])
@@ -270,7 +244,9 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
             engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, **kwargs)
         return engine, ds_optimizer
 
-    raise WorkerError(f"JD_STRATEGY={name}: family {family!r} is not supported by jd.wrap")  # pragma: no cover
+    raise WorkerError(  # pragma: no cover
+        f"JD_STRATEGY={name}: family {family!r} has no single-mesh wrapper (FSDP2 runs through _parallel.parallelize)"
+    )
 
 
 def _load_ds_config(name: str, path: str) -> dict[str, Any]:
