@@ -6,7 +6,8 @@ Fast: the split (which blocks each stage holds, names kept, stages chained give 
 refusals, the planner's marking over a few module shapes. Slow: a nanoGPT-style model trained under pp2 (1F1B,
 interleaved) and pp2 x dp2 equals one process (losses and parameters, 1e-5), through ``parallel_train.py``'s
 ``gpt`` model and the machinery of ``test_pipeline_parallel.py``; and the same model as a notebook cell under
-``%%dist_train --strategy fsdp2+pp2`` with no hand-written change.
+``%%dist_train --strategy fsdp2+pp2`` with no hand-written change, and under ``%%dist_train --nproc 4 --strategy
+fsdp2+tp2+pp2+sp`` (the derived layout on each stage's blocks; losses and gathered parameters equal one process).
 """
 
 from __future__ import annotations
@@ -305,3 +306,66 @@ def test_a_nanogpt_cell_runs_under_dist_train_fsdp2_pp2_equal_to_one_process(ip,
     assert "mesh pp=2 x dp_shard=1" in run.logs(0)
     assert len(losses["fsdp2"]) == 6
     torch.testing.assert_close(torch.tensor(losses["fsdp2+pp2"]), torch.tensor(losses["fsdp2"]), rtol=1e-5, atol=0)
+
+
+GPT_TP_PP_CELL = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import jupyter_dist.worker as jd
+sys.path.insert(0, NUMERICS)
+from nanogpt import GPT
+
+torch.manual_seed(0)
+model = GPT(vocab=128, block_size=16, dim=32, n_layer=2, n_head=4)
+opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+model, opt = jd.wrap(model, opt)                # no tp_plan, no stage split written: both derived
+losses = []
+for step in range(10):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = (torch.randint(0, 128, (8, 1), generator=g) + 3 * torch.arange(13)
+              + torch.randint(0, 3, (8, 13), generator=g)) % 128
+    local = tokens.chunk(jd.dp_size)[jd.dp_rank]
+    loss = jd.train_step(local[:, :-1], local[:, 1:],
+                         lambda logits, y: F.cross_entropy(logits.reshape(-1, 128), y.reshape(-1)))
+    losses.append(loss.item())
+params = {k.replace("_fsdp_wrapped_module.", ""): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+          for k, p in model.named_parameters()}
+if jd.world_size > 1:                           # each pipeline stage holds its blocks: rank 0 collects them all
+    torch.save(params, f"{OUT}.params{jd.rank}")
+    dist.barrier()
+    for r in range(jd.world_size):
+        params.update(torch.load(f"{OUT}.params{r}"))
+if jd.rank == 0:
+    torch.save({"losses": losses, "params": params, "mesh": str(jd.mesh and jd.mesh.describe())}, OUT)
+"""
+
+
+@pytest.mark.slow
+def test_a_nanogpt_cell_runs_under_dist_train_tp2_x_pp2_sp_equal_to_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
+    """The nanoGPT cell, with neither a layout nor a stage split written, under ``%%dist_train --nproc 4 --strategy
+    fsdp2+tp2+pp2+sp`` (the derived layout on each stage's blocks, the ModuleList cut in two): its 10 losses and
+    every parameter, gathered from the four ranks, equal the same cell run in one plain process (1e-5 relative)."""
+    from conftest import descendants_gone
+    from test_tensor_parallel import assert_equal_math
+    from test_worker import clean_env, run_bounded
+
+    numerics = f"NUMERICS = {str(Path(__file__).resolve().parent / 'numerics')!r}\n"
+    single = tmp_path / "single.py"
+    single.write_text(numerics + f"OUT = {str(tmp_path / 'single.pt')!r}\n" + GPT_TP_PP_CELL)
+    proc = run_bounded([sys.executable, str(single)], clean_env(), 240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ref = torch.load(tmp_path / "single.pt", weights_only=False)
+
+    cell = numerics + f"OUT = {str(tmp_path / 'tp_pp.pt')!r}\n" + GPT_TP_PP_CELL
+    run = ip.run_cell_magic("dist_train", "--nproc 4 --strategy fsdp2+tp2+pp2+sp --name gpt_tp_pp --timeout 240 "
+                            "--no-dashboard", cell)  # fmt: skip
+    assert run.wait(240) == "succeeded", run.logs()
+    assert descendants_gone(run)
+    got = torch.load(tmp_path / "tp_pp.pt", weights_only=False)
+    assert got["mesh"] == "pp=2 x dp_shard=1 x tp=2"
+    assert sorted(got["params"]) == sorted(dict(torch.nn.Module.named_parameters(GPT(dim=32, n_layer=2))))
+    assert_equal_math(ref, got)
+    log = (run.dir / "logs" / "rank-0.log").read_text()  # said once, by rank 0
+    assert log.count("has no tp layout of its own; using the layout derived from GPT's structure") == 1, log[-3000:]
