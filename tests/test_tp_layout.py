@@ -305,6 +305,93 @@ def test_dist_plan_says_in_one_line_why_no_layout_can_be_derived() -> None:
     assert own.recommended == "fsdp2+tp2+sp" and own.tp_layout is None
 
 
+# --------------------------------------------------------------------------- the wizard shows the layout
+def _cells(page: str) -> list[tuple[str, str, str]]:
+    """The (module, style, why) rows of a layout table's HTML, unescaped."""
+    import html
+    import re
+
+    rows = re.findall(r"<tr><td><code>(.*?)</code></td><td><code>(.*?)</code></td><td>(.*?)</td></tr>", page, re.S)
+    return [(html.unescape(a), html.unescape(b), html.unescape(c)) for a, b, c in rows]
+
+
+def test_the_wizard_shows_the_derived_layout_of_the_selected_tp_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Wizard(model=<a nanoGPT>)``: a selected candidate with tp > 1 shows the table ``%dist_plan`` prints for it
+    (jd.suggest_tp_plan's rows at that tp and sp, on the Plan and Configs tabs and in the saved HTML); a tp-1
+    candidate, or a model that is not a measured module, shows none; each (tp, sp) is derived once per module."""
+    pytest.importorskip("ipywidgets")
+    from jupyter_dist.plan import Hardware, plan
+    from jupyter_dist.ui.wizard import Wizard
+    from jupyter_dist.worker import _tp_layout
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "numerics"))
+    from nanogpt import GPT
+
+    derived: list[tuple[int, bool]] = []
+    real = _tp_layout.suggest_tp_plan
+
+    def counted(model: torch.nn.Module, tp: int = 2, *, sequence_parallel: bool = False, **kw: object) -> object:
+        derived.append((tp, sequence_parallel))
+        return real(model, tp, sequence_parallel=sequence_parallel, **kw)
+
+    monkeypatch.setattr(_tp_layout, "suggest_tp_plan", counted)
+    w = Wizard(model=GPT(), gpu="h100-80gb", gpus_per_node=8)
+    assert w.plan.recommended == "ddp" and w.tp_layout.value == ""  # the recommendation has no tp
+    assert w.tp_layout in w.tabs.children[0].children and w.tp_layout in w.tabs.children[2].children
+
+    for name, tp in (("fsdp2+tp2+sp", 2), ("fsdp2+tp4+pp2+sp", 4)):
+        w.candidate.value = name
+        page = w.tp_layout.value
+        assert f"data-candidate='{name}'" in page and "data-layout='derived'" in page
+        want = suggest_tp_plan(GPT(), tp, sequence_parallel=True)
+        assert _cells(page) == list(want.rows()) and len(want.rows()) == 12
+        assert (f"Tensor-parallel layout for {name}, derived from GPT&#x27;s structure (jd.suggest_tp_plan; jd.wrap "
+                "uses it when you pass no tp_plan)") in page  # fmt: skip
+        assert page in w.static_html()
+    # what %dist_plan prints for the same candidate, cell for cell
+    shown = plan(GPT(), Hardware.from_names("h100", gpus_per_node=8), strategy="fsdp2", tp=2, sp=True)
+    assert shown.tp_layout_for == "fsdp2+tp2+sp"
+    w.candidate.value = "fsdp2+tp2+sp"
+    assert shown.tp_layout.to_html("fsdp2+tp2+sp") in w.tp_layout.value
+
+    derived.clear()
+    for seq in (512, 1024, 512):  # re-planning on each change asks the module's layout again: derived once
+        w.set(seq_len=seq)
+    w.candidate.value = "fsdp2+tp4+sp"
+    w.candidate.value = "fsdp2+tp2+sp"
+    assert derived == [], derived
+    assert "data-layout='derived'" in w.tp_layout.value
+
+    w.candidate.value = "fsdp2+pp2"
+    assert w.tp_layout.value == ""
+    w.candidate.value = "fsdp2+tp2+sp"
+    w.controls["source"].value = "preset"  # a preset has no module to lay out
+    assert w.plan.model.name != "GPT" and w.tp_layout.value == "" and "tp_layout" not in w.static_html()
+
+
+def test_the_wizard_says_in_one_line_why_a_module_gets_no_layout() -> None:
+    """A module the derivation cannot lay out, asked for tp 2: nothing is recommended, and the wizard shows the
+    plan's one line (the derivation's own reason) for the requested candidate, as ``%dist_plan`` does."""
+    pytest.importorskip("ipywidgets")
+    from jupyter_dist.ui.wizard import Wizard
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "numerics"))
+    from nanogpt import GPT
+
+    class OneLinearMlp(GPT):  # an MLP of one Linear: nothing closes it row-wise
+        def __init__(self) -> None:
+            super().__init__()
+            for block in self.blocks:
+                block.mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))
+
+    w = Wizard(model=OneLinearMlp(), gpu="h100-80gb", gpus_per_node=8, strategy="fsdp2", tp=2)
+    assert w.plan.recommended is None and w.candidate.value == ""
+    page = w.tp_layout.value
+    assert "data-candidate='fsdp2+tp2+sp'" in page and "data-layout='none'" in page and _cells(page) == []
+    assert ("Tensor-parallel layout for fsdp2+tp2+sp: none derived (OneLinearMlp: could not tell how blocks.*.mlp.0 "
+            "is used (no row-wise projection after it in the block)); jd.wrap needs tp_plan=...") in page  # fmt: skip
+
+
 @pytest.mark.slow
 def test_nanogpt_cell_under_fsdp2_tp2_sp_equals_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
     """The nanoGPT cell, no layout written, under `%%dist_train --nproc 2 --strategy fsdp2+tp2+sp`: its 10 losses

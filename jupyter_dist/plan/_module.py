@@ -63,10 +63,17 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
 
 
 def _layout_of(mod: Any) -> Any:
-    """``(tp, sp) -> TpLayoutTable | None`` for ``mod`` (see :func:`tp_layout_table`)."""
+    """``(tp, sp) -> TpLayoutTable | None`` for ``mod`` (see :func:`tp_layout_table`), each derived once.
+
+    The plan measures a module once, and the wizard asks again on every change (its what-if tables, per value).
+    """
+    known: dict[tuple[int, bool], Any] = {}
 
     def layout_of(tp: int, sp: bool) -> Any:
-        return tp_layout_table(mod, tp, sp)
+        key = (int(tp), bool(sp))
+        if key not in known:
+            known[key] = tp_layout_table(mod, *key)
+        return known[key]
 
     return layout_of
 

@@ -44,6 +44,7 @@ from .wizard_model import (
     evaluate,
     memory_figure,
     summary_html,
+    tp_layout_html,
     whatif,
     whatif_html,
 )
@@ -253,7 +254,10 @@ class Wizard(LaunchTab):
         self.show_all = ipw.Checkbox(value=False, description="all candidates (with TP/PP/CP/EP variants)",
                                      indent=False)  # fmt: skip
         self.show_all.observe(lambda _: self._draw_chart(), names="value")
-        plan_tab = ipw.VBox([self.summary, self.chart, self.show_all])
+        self.tp_layout = ipw.HTML(layout=ipw.Layout(width="100%", overflow="auto"))
+        """The tensor-parallel layout ``jd.wrap`` derives for the selected candidate when it has tp > 1 and the model
+        is a measured module (the table ``%dist_plan`` prints); empty otherwise. Shown on the Plan and Configs tabs."""
+        plan_tab = ipw.VBox([self.summary, self.tp_layout, self.chart, self.show_all])
 
         # what-if
         self.sliders = {}
@@ -289,7 +293,7 @@ class Wizard(LaunchTab):
         self.write_msg = ipw.HTML()
         configs_tab = ipw.VBox([
             ipw.HBox([self.candidate, self.launcher], layout=ipw.Layout(flex_flow="row wrap", width="100%")),
-            self.compile_msg, self.commands, self.files_tab,
+            self.compile_msg, self.tp_layout, self.commands, self.files_tab,
             ipw.HBox([self.folder, self.write_button], layout=ipw.Layout(width="100%")), self.write_msg,
         ])  # fmt: skip
 
@@ -444,6 +448,7 @@ class Wizard(LaunchTab):
     def _on_compile_change(self, change: dict[str, Any]) -> None:
         if not self._holding:
             self._guard(self._compile)
+            self._guard(self._draw_tp_layout)
             self._guard(self._draw_price)
 
     # ---- recompute --------------------------------------------------------------------------------------------
@@ -504,6 +509,7 @@ class Wizard(LaunchTab):
             self.candidate.options = options
             self.candidate.value = keep
         self._compile()
+        self._draw_tp_layout()
         self._draw_price()
         self._whatif_stale = True
         if self.tabs.selected_index == _WHATIF_TAB:
@@ -563,6 +569,11 @@ class Wizard(LaunchTab):
             else:
                 pane.value = _file_pane(fname, text, _DESCRIPTIONS.get(fname, ""))
 
+    def _draw_tp_layout(self) -> None:
+        new = tp_layout_html(self.plan, self._selected()) if self.plan is not None else ""
+        if self.tp_layout.value != new:
+            self.tp_layout.value = new
+
     def _draw_whatif(self) -> None:
         inp = self._read()
         if self.answer is None or self.answer.problems:
@@ -604,7 +615,7 @@ class Wizard(LaunchTab):
         if self.plan is None:
             return "<div class='jd-wizard-static'><i>no valid plan</i></div>"
         return (f"<div class='jd-wizard-static' style='max-width:100%'>{summary_html(self.plan)}"
-                f"{self.chart.value}</div>")  # fmt: skip
+                f"{self.tp_layout.value}{self.chart.value}</div>")  # fmt: skip
 
     def __repr__(self) -> str:
         best = self.plan.recommended if self.plan is not None else None

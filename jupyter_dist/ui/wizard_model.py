@@ -43,6 +43,8 @@ __all__ = [
     "inputs_from_args",
     "memory_figure",
     "summary_html",
+    "tp_layout_html",
+    "tp_layout_of",
     "train_line",
     "whatif",
     "whatif_html",
@@ -406,6 +408,40 @@ def summary_html(p: Plan, *, candidate: str | None = None) -> str:
         + (f"<div class='jd-wiz-warnings'><b>Warnings</b><ul style='margin:2px 0'>{warns}</ul></div>" if warns else "")
         + "</div>"
     )
+
+
+def tp_layout_of(p: Plan, candidate: str | None = None) -> Any:
+    """The tensor-parallel layout ``jd.wrap`` derives for the measured module under ``candidate``, as plan data.
+
+    ``candidate`` defaults to the recommended one, else the requested one the plan's own table is for; the result is
+    a :class:`~jupyter_dist.plan.tp_table.TpLayoutTable`, the one ``%dist_plan`` prints.
+
+    ``None`` where there is none to show: the candidate has tp 1 or is not in the plan, the model is not a measured
+    module (a preset, dimensions, a Hugging Face config), or the module has a layout of its own (a ``tp_plan()``
+    method, a Hugging Face tp plan). The plan's own table is reused when it is for that candidate.
+    """
+    name = candidate or p.recommended or p.tp_layout_for
+    c = next((x for x in p.candidates if x.name == name), None) if name else None
+    if c is None or c.dims.tp <= 1:
+        return None
+    if p.tp_layout is not None and p.tp_layout_for == c.name:
+        return p.tp_layout
+    ask = p.model.tp_layout_of
+    return ask(c.dims.tp, c.dims.sp) if ask is not None else None
+
+
+def tp_layout_html(p: Plan, candidate: str | None = None) -> str:
+    """:func:`tp_layout_of` as HTML in a ``jd-wiz-tp-layout`` box naming its candidate; ``""`` when none to show.
+
+    The title, the module / style / why table and the notes; or the one line saying why none could be derived.
+    """
+    table = tp_layout_of(p, candidate)
+    if table is None:
+        return ""
+    name = candidate or p.recommended or p.tp_layout_for or ""
+    state = "derived" if table.reason is None else "none"
+    return (f"<div class='jd-wiz-tp-layout' data-candidate='{html.escape(name)}' data-layout='{state}' "
+            f"style='margin:6px 0;font-size:0.92em'>{table.to_html(name)}</div>")  # fmt: skip
 
 
 def whatif(inputs: WizardInputs, dim: str, values: Iterable[int] | None = None) -> dict[str, Any]:
