@@ -92,8 +92,13 @@ class HeadLocalOps:
                 forward = module.forward
 
                 def local_forward(*args: Any, **kwargs: Any) -> Any:
-                    with _head_local_mode():
-                        return forward(*args, **kwargs)
+                    try:
+                        with _head_local_mode():
+                            return forward(*args, **kwargs)
+                    except Exception as exc:
+                        if type(exc).__name__ == "OutOfMemoryError":  # not the DTensor path's doing
+                            raise
+                        raise WorkerError(_dtensor_failure(module, exc)) from exc
 
                 module.forward = local_forward  # type: ignore[method-assign]
                 return module
@@ -104,12 +109,45 @@ class HeadLocalOps:
         return HeadLocal()
 
 
+def _dtensor_failure(module: Any, exc: BaseException) -> str:
+    """The one line raised when a branch module's forward fails on DTensors (``HeadLocalOps``).
+
+    What ran how, the error's first line, and the two ways out.
+    """
+    kind = type(module).__name__
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return (
+        f"jd.wrap's derived tp layout runs {kind}'s forward on DTensors (its code uses whole widths, e.g. "
+        f"split(n_embd) or view(B, T, n_head, ...)) and it failed there ({type(exc).__name__}: {first}); "
+        "write its splits and views with the local sizes (chunk(3, dim=-1), view(B, T, -1, head_dim), "
+        "reshape(B, T, -1)) so it runs on plain local tensors, or pass jd.wrap(model, opt, tp_plan=...)"
+    )
+
+
 def _head_local_mode() -> Any:
     import torch
     import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    def replicated(args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Plain tensors meeting a DTensor, as replicated DTensors; ``None`` where the call mixes none.
+
+        A causal-mask buffer, rotary tables, a mask built in the forward: the same tensor on every rank, so a
+        replicated DTensor (and saved as one for the backward).
+        """
+        leaves, spec = tree_flatten((args, kwargs))
+        mesh = next((x.device_mesh for x in leaves if isinstance(x, DTensor)), None)
+        if mesh is None or not any(type(x) is not DTensor and isinstance(x, torch.Tensor) and x.numel() > 1
+                                   for x in leaves):  # fmt: skip
+            return None
+        rep = [Replicate()] * mesh.ndim
+        leaves = [DTensor.from_local(x, mesh, rep, run_check=False)
+                  if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.numel() > 1 else x
+                  for x in leaves]  # fmt: skip
+        return tree_unflatten(leaves, spec)  # type: ignore[no-any-return]
 
     splits = (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk)
 
@@ -134,6 +172,9 @@ def _head_local_mode() -> Any:
                         pieces = t.to_local().chunk(n, dim=dim)
                         return tuple(DTensor.from_local(x, t.device_mesh, (Shard(dim % t.ndim),), run_check=False)
                                      for x in pieces)  # fmt: skip
+            mixed = replicated(args, kwargs)
+            if mixed is not None:
+                args, kwargs = mixed
             return func(*args, **kwargs)
 
     return Mode()
@@ -318,8 +359,8 @@ def _trace(model: torch.nn.Module, tokens: Any, probe: Any = None) -> _Trace:
                 tr.sdpa.append((int(args[0].shape[1]), int(args[1].shape[1])))
             return func(*args, **(kwargs or {}))
 
-    try:
-        with Attn():
+    try:  # tensors the forward makes without a device (a causal mask) are made on the meta device too
+        with torch.device("meta"), Attn():
             tr.last_output = torch.func.functional_call(model, _meta_state(model), (tokens,))
     finally:
         for h in handles:
@@ -364,7 +405,8 @@ def _probe_local(model: torch.nn.Module, parent: str, members: list[_Call], row:
         if k in meta_kwargs:
             meta_kwargs[k] = None
     try:
-        torch.func.functional_call(mod, local, meta_args, meta_kwargs)
+        with torch.device("meta"):
+            torch.func.functional_call(mod, local, meta_args, meta_kwargs)
         return False
     except Reached:
         return True
