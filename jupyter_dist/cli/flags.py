@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import JupyterDistError
+from ..launch.base import BACKENDS
 
 __all__ = ["MAX_LOCAL_NPROC", "MAX_SECONDS", "MAX_COUNT", "int_arg", "float_arg", "add_plan_arguments",
            "add_render_arguments", "render_options_from_args", "plan_from_args", "add_check_arguments",
@@ -411,7 +412,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="save the calibration for this hardware: later plans use the measured speeds")  # fmt: skip
     g.add_argument("--tune-runs-dir", dest="tune_runs_dir", default=None, metavar="DIR",
                    help="where the trials' run directories go (default ./runs)")  # fmt: skip
-    g.add_argument("--backend", choices=("local", "slurm", "skypilot"), default=None,
+    g.add_argument("--backend", choices=tuple(BACKENDS), default=None,
                    help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
 
 

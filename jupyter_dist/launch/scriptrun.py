@@ -14,6 +14,8 @@ import argparse
 import sys
 from typing import Any
 
+from .base import BACKENDS
+
 __all__ = ["add_launch_arguments", "add_ship_arguments", "cmd_launch", "split_script"]
 
 
@@ -98,7 +100,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("script", help="the training script (run as __main__ on every rank)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after the script's name)")
-    p.add_argument("--backend", choices=("local", "slurm", "skypilot"), default="local", help="where it runs")
+    p.add_argument("--backend", choices=tuple(BACKENDS), default="local", help="where it runs")
     p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--strategy", default="none", help="JD_STRATEGY for scripts using jd (default none)")

@@ -31,6 +31,7 @@ from ..cli.flags import (
     plan_from_args,
 )
 from ..errors import JupyterDistError
+from ..launch.base import BACKENDS
 from .args import parse_magic_line, strip_comment
 
 __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -146,7 +147,7 @@ def _train_parser() -> MagicArgumentParser:
 
 def _add_cluster_arguments(p: MagicArgumentParser) -> None:
     """``--backend slurm|skypilot`` and the options of each (see jupyter_dist.launch.backends.cluster)."""
-    p.add_argument("--backend", choices=("local", "slurm", "skypilot"),
+    p.add_argument("--backend", choices=tuple(BACKENDS),
                    help="where the job runs: local torchrun (default: the DistMagics.default_backend setting), a "
                         "SLURM cluster (sbatch) or SkyPilot")  # fmt: skip
     g = p.add_argument_group("SLURM (--backend slurm)")
@@ -264,7 +265,7 @@ class DistMagics(Magics):
 
     runs_dir = traitlets.Unicode("runs", help="Folder for run directories.").tag(config=True)
     default_backend = traitlets.Enum(
-        ["local", "slurm", "skypilot"], "local", help="Back-end of %%dist_train when --backend is not given."
+        list(BACKENDS), "local", help="Back-end of %%dist_train when --backend is not given."
     ).tag(config=True)
     dashboard = traitlets.Enum(
         ["auto", "on", "off"],

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ParallelismError, PlanInputError
 from .parallel import ParallelDims
-from .strategies import STRATEGIES, StrategySpec, get_strategy
+from .strategies import MODEL_PARALLEL, SIMPLEST, STRATEGIES, StrategySpec, get_strategy
 from .units import close_match_hint
 
 __all__ = [
@@ -28,21 +28,22 @@ MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
 """The model-parallel degrees a candidate name can carry, in the order the planner prints them (then ``sp``)."""
 
 RUNNABLE: dict[str, tuple[frozenset[str], str]] = {
-    "tp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1", "none"}),
+    "tp": (MODEL_PARALLEL | {"none"},
            "tensor parallelism with {base} ({deg}) cannot run (torch's DDP cannot take DTensors); run the "
            "fsdp2+{deg} or zero1+{deg} candidate or pass --tp 1"),
-    "pp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1", "none"}),
+    "pp": (MODEL_PARALLEL | {"none"},
            "pipeline parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} or zero1+{deg} candidate or "
            "pass --pp 1"),
-    "cp": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1"}),
+    "cp": (MODEL_PARALLEL,
            "context parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} candidate (model states are "
            "sharded over dp x cp) or pass --cp 1"),
-    "ep": (frozenset({"fsdp2", "fsdp2-hybrid", "zero1"}),
+    "ep": (MODEL_PARALLEL,
            "expert parallelism with {base} ({deg}) cannot run; run the fsdp2+{deg} candidate or pass --ep 1"),
 }  # fmt: skip
 """What the workers can run today: model-parallel dim -> (base strategies it runs with, the refusal).
 
-The one table to flip when the worker learns a composition (``"none"`` is a plain single-mesh run). Data-parallel
+The strategies are the table's model-parallel ones (:data:`~.strategies.MODEL_PARALLEL`; ``"none"`` is a plain
+single-mesh run): flip a strategy's ``model_parallel`` when the worker learns to compose it. Data-parallel
 names alone always run; ``sp`` runs wherever its ``tp`` does. ``zero1`` with model parallelism runs as FSDP2 with
 ``reshard_after_forward=False`` (optimizer states and gradients sharded, parameters kept from forward to backward;
 the planner's memory for it is that layout's)."""
@@ -255,7 +256,7 @@ def resolve_launch(
         if best is not None:
             cand = parse_candidate(best.name)
         else:
-            cand = CandidateName(strategy="ddp" if world > 1 else "none")
+            cand = CandidateName(strategy=SIMPLEST if world > 1 else "none")
     else:
         cand = parse_candidate(strategy, also=("auto",))
     if degrees.get("sp") and degrees.get("tp") is None and cand.tp < 2:

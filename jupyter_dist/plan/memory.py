@@ -29,7 +29,7 @@ from typing import Any
 from .hardware import Hardware
 from .model import ModelSpec
 from .parallel import ParallelDims
-from .strategies import StrategySpec, runs_as
+from .strategies import STRATEGIES, StrategySpec, runs_as
 from .training import Checkpointing, OptimizerKind, Precision, TrainingShape
 from .units import GiB, MiB
 
@@ -772,7 +772,8 @@ def estimate_memory(
             detail["autocast_weight_copies"] = int(2 * local)
     elif strategy.family == "deepspeed":
         detail["comm_buckets"] = 2 * (settings["reduce_bucket_size"] + settings["allgather_bucket_size"])
-        if strategy.name == "zero1" and strategy.shard_grads and not strategy.offload_optimizer:
+        natively = STRATEGIES.get(strategy.name, strategy).shard_grads  # the table's entry, before runs_as
+        if strategy.shard_grads and not natively and not strategy.offload_optimizer:
             # DeepSpeed's ZeRO-1 partitions its gradients in backward (runs_as), but a gradient larger than the reduce
             # bucket is reduced in place and, when it lies in another rank's partition, kept until backward ends
             # (stage 2 frees it: ``clear_grad_attribute``; stage 1 only at the epilogue's ``_clear_param_grad_only``).

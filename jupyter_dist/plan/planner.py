@@ -25,7 +25,7 @@ __all__ = ["plan", "resolve_model", "LONG_SEQUENCE"]
 LONG_SEQUENCE = 16384
 """Sequence length from which context-parallel candidates are considered."""
 
-_DP_ONLY = [s for s in STRATEGIES.values() if not s.model_parallel or s.name in ("zero1", "fsdp2", "fsdp2-hybrid")]
+_DP_ONLY = list(STRATEGIES.values())  # every strategy runs data-parallel only
 _MODEL_PARALLEL = [s for s in STRATEGIES.values() if s.model_parallel]
 
 
@@ -332,7 +332,7 @@ def _reasons(
         f"Sec. 3.1) = {fmt_gib(per_param * model.params)} before sharding, across {hw.units(hw.world_size)}."
     )
     # the decision flow: the least sharding that fits
-    flow = ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-offload-params"]
+    flow = [s.name for s in STRATEGIES.values() if s.family in ("ddp", "deepspeed")]  # DDP, then ZeRO by table order
     for name in flow:
         c = _by_name(cands, name)
         if c is None:

@@ -7,7 +7,10 @@ from dataclasses import dataclass, replace
 from ..errors import PlanInputError
 from .units import close_match_hint
 
-__all__ = ["FSDP1_SHARDING", "StrategySpec", "STRATEGIES", "get_strategy", "runs_as", "strategy_names"]
+__all__ = [
+    "FAMILIES", "FSDP1_SHARDING", "MODEL_PARALLEL", "SIMPLEST", "StrategySpec", "STRATEGIES", "get_strategy", "runs_as",
+    "strategy_names",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +45,15 @@ class StrategySpec:
     """Tie-breaker: among candidates within 3% of the best throughput the simplest wins."""
     summary: str = ""
     """One sentence on what it does."""
+
+    @property
+    def fsdp2_with_model_parallelism(self) -> bool:
+        """With tp/pp/cp/ep it runs as FSDP2 keeping the gathered parameters (``zero1``; see :func:`runs_as`).
+
+        A model-parallel strategy of another family: DeepSpeed's engine cannot take DTensors. Read it on the table's
+        entry (``get_strategy(spec.name)``): the spec :func:`runs_as` answers has the family it runs as.
+        """
+        return self.model_parallel and self.family != "fsdp2"
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -90,6 +102,15 @@ STRATEGIES: dict[str, StrategySpec] = {
 }  # fmt: skip
 
 
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(s.family for s in STRATEGIES.values()))
+"""The strategy families (implementations), in the table's order: ``ddp``, ``deepspeed``, ``fsdp``, ``fsdp2``."""
+
+MODEL_PARALLEL: frozenset[str] = frozenset(s.name for s in STRATEGIES.values() if s.model_parallel)
+"""Strategies that combine with tensor/pipeline/context/expert parallelism (FSDP2, HSDP, and ``zero1`` as FSDP2)."""
+
+SIMPLEST: str = min(STRATEGIES.values(), key=lambda s: s.complexity).name
+"""The strategy of least complexity (DDP): what a run without a plan uses on more than one process."""
+
 FSDP1_SHARDING: dict[str, str] = {s.name: s.fsdp1_sharding for s in STRATEGIES.values() if s.family == "fsdp"}
 """FSDP1 strategy name -> member of ``torch.distributed.fsdp.ShardingStrategy`` (from :data:`STRATEGIES`)."""
 
@@ -113,7 +134,7 @@ def runs_as(spec: StrategySpec, *, model_parallel: bool, grad_accum: int | None 
     stage 1 does not communicate (``engine.allreduce_gradients``: "Communicate only at gradient accumulation
     boundaries"), so with ``grad_accum`` > 1 the gradients accumulate whole, the paper's figure.
     """
-    if spec.name == "zero1" and model_parallel:
+    if spec.fsdp2_with_model_parallelism and model_parallel:
         return replace(spec, family="fsdp2", shard_grads=True, keeps_gathered_params=True)
     if spec.name == "zero1" and spec.family == "deepspeed" and grad_accum == 1:
         return replace(spec, shard_grads=True)

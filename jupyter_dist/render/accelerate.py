@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plan.plan import Plan
+from ..plan.strategies import FSDP1_SHARDING as _FSDP1_SHARDING
 from ..plan.training import Checkpointing, Precision
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .deepspeed import zero_stage
@@ -34,13 +35,8 @@ MIXED_PRECISION: dict[Precision, str] = {
 }
 """Our precision -> accelerate's ``mixed_precision``."""
 
-FSDP1_SHARDING: dict[str, str] = {
-    "fsdp-no-shard": "NO_SHARD",
-    "fsdp-shard-grad-op": "SHARD_GRAD_OP",
-    "fsdp-full-shard": "FULL_SHARD",
-    "fsdp-hybrid-shard": "HYBRID_SHARD",
-}
-"""FSDP1 strategy -> accelerate's (and torch's ``ShardingStrategy``) name."""
+FSDP1_SHARDING: dict[str, str] = _FSDP1_SHARDING
+"""FSDP1 strategy -> accelerate's (and torch's ``ShardingStrategy``) name (the strategy table's)."""
 
 
 def _not_supported(lay: Layout, what: str) -> RenderError:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._atomic import write_atomic
 from ..plan.plan import Candidate, Plan
+from ..plan.strategies import get_strategy
 from .commands import Command, ShellVar, launch_command, render_nccl_env
 from .common import Layout, RenderError, RenderOptions, layout_of, shell_env_line
 
@@ -158,16 +159,18 @@ def render_bundle(plan: Plan, opts: RenderOptions | None = None) -> Bundle:
         files["train.py"] = render_train_script(plan, opts, layout=layout)
     except RenderError as exc:
         notes.append(f"train.py not generated: {exc}")
+    # zero1 with tp/pp/cp/ep runs as FSDP2 (runs_as): the layout's family is not the table's
+    substituted = layout.strategy.family != get_strategy(layout.strategy.name).family
     if layout.strategy.family == "deepspeed":
         files["ds_config.json"] = render_deepspeed_json(plan, opts, layout=layout)
     elif opts.launcher == "deepspeed":
         raise RenderError(
             "the deepspeed launcher needs a DeepSpeed strategy (zero1/2/3...), but the candidate is "
             f"{layout.candidate.name}"
-            + " (zero1 with model parallelism runs as FSDP2)" * (layout.strategy.name == "zero1")
+            + " (zero1 with model parallelism runs as FSDP2)" * substituted
             + "; use --launcher torchrun or pick a zero* candidate"
         )
-    elif layout.strategy.name == "zero1":  # with tp/pp/cp/ep: what runs is FSDP2, so no DeepSpeed config
+    elif substituted:  # zero1 with tp/pp/cp/ep: what runs is FSDP2, so no DeepSpeed config
         notes.append(
             f"ds_config.json not written: {layout.candidate.name} runs as FSDP2 with reshard_after_forward=False over "
             "the data-parallel dims (optimizer states and gradients sharded, parameters gathered once per step and "

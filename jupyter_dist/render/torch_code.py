@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from ..plan.parallel import ParallelDims
 from ..plan.plan import Plan
-from ..plan.strategies import FSDP1_SHARDING
+from ..plan.strategies import FSDP1_SHARDING, MODEL_PARALLEL
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .train import loop_tpl as lt
 from .train import model_tpl as mt
@@ -61,7 +61,7 @@ FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
 """Strategy families the code generator covers (data parallelism, sharded or not; fsdp2 also with tp/pp/cp/ep)."""
 
 
-_MODEL_PARALLEL = ("fsdp2", "fsdp2-hybrid", "zero1")
+_MODEL_PARALLEL = MODEL_PARALLEL
 """Strategies generated with tp/pp/cp/ep: FSDP2 and HSDP, and zero1, which runs as FSDP2 keeping gathered params."""
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import JupyterDistError, PlanInputError
 from ..plan.pipeline import PP_SCHEDULES, stages_per_rank
-from ..plan.strategies import get_strategy
+from ..plan.strategies import STRATEGIES, get_strategy
 from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
@@ -300,7 +300,8 @@ class WorkerEnv:
         (memory at most ZeRO-1's, which keeps them whole); an all-gather plus a reduce-scatter per step, the volume
         of ZeRO-1's all-reduce (Megatron-LM's distributed optimizer, torchtitan's ``reshard_after_forward=False``).
         """
-        return self.strategy == "zero1" and self.model_parallel
+        spec = STRATEGIES.get(self.strategy)
+        return self.model_parallel and spec is not None and spec.fsdp2_with_model_parallelism
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from ...plan.strategies import get_strategy
 from ...plan.training import TORCH_DTYPES, Checkpointing, Precision, precision_names
 from ..commands import deepspeed_command, torchrun_command
 from ..common import Layout, RenderOptions
@@ -130,7 +131,7 @@ class ScriptBase:
     @property
     def zero1_as_fsdp2(self) -> bool:
         """Whether the candidate is zero1 with model parallelism, which runs as FSDP2 keeping gathered parameters."""
-        return self.lay.strategy.name == "zero1" and self.family == "fsdp2"
+        return self.family == "fsdp2" and get_strategy(self.lay.strategy.name).fsdp2_with_model_parallelism
 
     @property
     def group(self) -> int:

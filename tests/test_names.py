@@ -1,0 +1,159 @@
+"""No strategy or back-end name typed outside its table or registry (static, over jupyter_dist/ with ``ast``).
+
+The strategy table (``plan/strategies.py``: ``STRATEGIES``) and the back-end registry (``launch/base.py``:
+``BACKENDS``) are the one place each name is spelled: code elsewhere reads a property from the table
+(``model_parallel``, ``family``, :data:`~jupyter_dist.plan.strategies.MODEL_PARALLEL`, ``SIMPLEST``, ...) or iterates
+the registry, so adding a strategy touches the table and the worker's wrap, and adding a back-end its own module and
+the registry. A string literal equal to a name anywhere else fails here, except in the allow-lists below, each with
+its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from jupyter_dist.launch.base import BACKENDS
+from jupyter_dist.plan.strategies import FAMILIES, STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1] / "jupyter_dist"
+
+TABLES = {"plan/strategies.py": "the strategy table", "launch/base.py": "the back-end registry"}
+"""Files that define the names."""
+
+STRATEGY_ALLOWED = {
+    ("plan/planner.py", "_reasons"): "the plan's sentences about one named strategy (DDP, FSDP FULL_SHARD vs HYBRID)",
+    ("plan/planner.py", "_warnings"): "warnings about one named strategy (DDP, ZeRO-2, NO_SHARD), as their text says",
+}
+"""(file, enclosing function) -> why a strategy name is spelled there."""
+
+BACKEND_DEBT = {
+    "cli/flags.py": 2,
+    "launch/backends/cluster.py": 15,
+    "launch/cost.py": 1,
+    "launch/record.py": 3,
+    "launch/run.py": 2,
+    "launch/runs.py": 2,
+    "launch/scriptrun.py": 2,
+    "launch/session.py": 4,
+    "launch/tune.py": 1,
+    "magics/dist.py": 2,
+    "pool/kernel.py": 1,
+    "ui/wizard.py": 4,
+    "ui/wizard_launch.py": 8,
+}
+"""File -> back-end names still spelled there (``"local"`` as the default back-end, ``start_cluster_run``'s switch on
+the name, the wizard's labels): issue 34's back-end registry refactor moves them behind the registry. The numbers
+only go down: lower one when a name leaves a file."""
+
+
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _is_family_context(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """The literal is a family (``ddp``, ``fsdp2``, ...), not a strategy: compared with, assigned to or passed as
+    something whose name says family (``spec.family == "fsdp2"``, ``fam in ("ddp", "fsdp")``, ``family="fsdp2"``)."""
+    child, up = node, parents.get(node)
+    while up is not None and isinstance(up, (ast.Tuple, ast.List, ast.Set, ast.IfExp, ast.BoolOp)):
+        child, up = up, parents.get(up)
+    if isinstance(up, ast.Compare):
+        others = [up.left, *up.comparators]
+        return any("fam" in ast.unparse(o).lower() for o in others if o is not child)
+    if isinstance(up, ast.keyword):
+        return up.arg == "family"
+    if isinstance(up, (ast.Assign, ast.AnnAssign)):
+        targets = up.targets if isinstance(up, ast.Assign) else [up.target]
+        return any("fam" in ast.unparse(t).lower() for t in targets)
+    if isinstance(up, ast.Return):
+        return "fam" in _enclosing_function(up, parents)
+    if isinstance(up, ast.arguments):  # a parameter's default
+        positional = [*up.posonlyargs, *up.args]
+        defaulted = positional[len(positional) - len(up.defaults) :]
+        pairs = [*zip(defaulted, up.defaults, strict=True), *zip(up.kwonlyargs, up.kw_defaults, strict=True)]
+        return any(default is child and "fam" in arg.arg for arg, default in pairs)
+    return False
+
+
+def _enclosing_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str:
+    up = parents.get(node)
+    while up is not None and not isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        up = parents.get(up)
+    return up.name if up is not None else ""
+
+
+def name_literals(source: str, rel: str) -> list[tuple[int, str, str]]:
+    """(line, name, kind) for each string literal in ``source`` (the file ``rel`` under jupyter_dist/) that spells a
+    strategy or back-end name where it must not; ``kind`` is ``"strategy"``, ``"backend"`` or ``"family"`` (a family
+    context holding a strategy name that is no family)."""
+    if rel in TABLES:
+        return []
+    tree = ast.parse(source, filename=rel)
+    parents = _parents(tree)
+    out: list[tuple[int, str, str]] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        value = node.value
+        if value in BACKENDS and rel != f"launch/backends/{value}.py":  # a back-end's own module names itself
+            out.append((node.lineno, value, "backend"))
+        if value in STRATEGIES:
+            if _is_family_context(node, parents):
+                if value not in FAMILIES:
+                    out.append((node.lineno, value, "family"))
+            elif (rel, _enclosing_function(node, parents)) not in STRATEGY_ALLOWED:
+                out.append((node.lineno, value, "strategy"))
+    return sorted(out)
+
+
+def _scan() -> dict[str, list[tuple[int, str, str]]]:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        hits = name_literals(path.read_text(encoding="utf-8"), rel)
+        if hits:
+            found[rel] = hits
+    return found
+
+
+def test_no_strategy_name_is_typed_outside_the_strategy_table() -> None:
+    bad = {
+        f"{rel}:{line}: {value!r} ({kind})"
+        for rel, hits in _scan().items()
+        for line, value, kind in hits
+        if kind != "backend"
+    }
+    assert not bad, (
+        "strategy names spelled outside jupyter_dist/plan/strategies.py: read a property of the table instead "
+        "(or add a flag to StrategySpec)\n" + "\n".join(sorted(bad))
+    )
+
+
+def test_no_back_end_name_is_typed_outside_the_registry_beyond_the_known_debt() -> None:
+    counts = {rel: n for rel, hits in _scan().items() if (n := sum(k == "backend" for _, _, k in hits))}
+    assert counts == BACKEND_DEBT, (
+        "back-end names spelled outside jupyter_dist/launch/base.py (BACKENDS) and the back-end's own module: use "
+        "the registry; where a name left a file, lower BACKEND_DEBT"
+    )
+
+
+def test_the_scan_tells_strategies_from_families_and_finds_both_kinds() -> None:
+    source = """
+RUNNABLE = {"zero1", "none"}
+def wrap(spec, fam, name, family="fsdp2"):
+    if spec.family == "fsdp2" or fam in ("ddp", "deepspeed") or spec.family == "zero3":
+        return replace(spec, family="ddp")
+    if name == "ddp":
+        return "slurm"
+def family(spec):
+    return "fsdp2"
+"""
+    assert name_literals(source, "plan/x.py") == [
+        (2, "zero1", "strategy"),
+        (4, "zero3", "family"),
+        (6, "ddp", "strategy"),
+        (7, "slurm", "backend"),
+    ]
+    assert name_literals('NAME = "slurm"', "launch/backends/slurm.py") == []  # a back-end's module names itself
+    assert name_literals('X = ("zero1", "local")', "plan/strategies.py") == []  # the table itself
+    assert name_literals('def _warnings():\n    return "zero2"', "plan/planner.py") == []  # allowed, with a reason
