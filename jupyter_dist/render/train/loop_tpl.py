@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from ...plan.training import OptimizerKind
 
-__all__ = ["OPTIMIZERS", "MICRO_BATCHES", "CHECKPOINT_DCP", "CHECKPOINT_DEEPSPEED", "MAIN_TORCH", "MAIN_DEEPSPEED"]
+__all__ = [
+    "OPTIMIZERS", "MICRO_BATCHES", "LATEST_CHECKPOINT", "CHECKPOINT_DCP", "CHECKPOINT_DEEPSPEED", "MAIN_TORCH",
+    "MAIN_DEEPSPEED",
+]  # fmt: skip
 
 OPTIMIZERS = {
     OptimizerKind.ADAMW: '''
@@ -44,7 +47,7 @@ def micro_batches(loader: DataLoader, sampler: DistributedSampler, start: int) -
         epoch, skip = epoch + 1, 0
 '''
 
-CHECKPOINT_DCP = r'''
+LATEST_CHECKPOINT = r'''
 def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint under ``root`` as (step, folder); DCP writes ``.metadata`` last."""
     found = [
@@ -53,7 +56,12 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
         if (match := re.fullmatch(r"step-(\d+)", path.name)) and (path / ".metadata").exists()
     ]
     return max(found) if found else None
+'''
+"""Checkpoint discovery, the same for every DCP checkpoint (:data:`CHECKPOINT_DCP`, the pipeline's)."""
 
+CHECKPOINT_DCP = (
+    LATEST_CHECKPOINT
+    + r'''
 
 def save_checkpoint(
     model: nn.Module, optimizer: torch.optim.Optimizer<<scaler_param>>, step: int, root: Path
@@ -83,6 +91,7 @@ def load_checkpoint(
         print(f"resumed from {path} at step {state['step']}", flush=True)
     return int(state["step"])
 '''
+)
 
 CHECKPOINT_DEEPSPEED = '''
 # DeepSpeed's own checkpoint format: torch.distributed.checkpoint's get_state_dict() does not know ZeRO's partitions.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "PARALLELIZE_DDP", "PARALLELIZE_FSDP", "PARALLELIZE_FSDP2", "HYBRID_MESH", "TP_PLAN", "BUILD_MESH",
-    "PARALLELIZE_FSDP2_TP", "CLIP_MESHES",
+    "PARALLELIZE_FSDP2_TP", "SQUARES_PER_MESH", "CLIP_BY_TOTAL", "CLIP_MESHES",
 ]  # fmt: skip
 
 PARALLELIZE_DDP = '''
@@ -132,7 +132,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 '''
 
-CLIP_MESHES = '''
+SQUARES_PER_MESH = """\
+    squares = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+"""
+"""Gradient clipping over DTensors: each mesh's squared gradient norm, apart (``groups``: mesh -> parameters)."""
+
+CLIP_BY_TOTAL = """\
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+"""
+"""Gradient clipping over DTensors: scale every mesh's gradients by the one ``total`` norm, and return it."""
+
+CLIP_MESHES = (
+    '''
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip to ``max_norm``; return the norm of all gradients over every rank's shards.
 
@@ -144,12 +160,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         if param.grad is not None:
             mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             groups.setdefault(mesh, []).append(param)
-    squares = []
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
 '''
+    + SQUARES_PER_MESH
+    + """    total = torch.stack(squares).sum().sqrt()
+"""
+    + CLIP_BY_TOTAL
+)

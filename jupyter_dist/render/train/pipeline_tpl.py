@@ -5,6 +5,9 @@ The stage split balanced by cost, the schedules, per-stage checkpoints and the p
 
 from __future__ import annotations
 
+from .loop_tpl import LATEST_CHECKPOINT
+from .parallel_tpl import CLIP_BY_TOTAL, SQUARES_PER_MESH
+
 __all__ = ["ARGS_PIPELINE", "HELD", "PIPELINE", "CLIP_PIPELINE", "CHECKPOINT_PIPELINE", "MAIN_PIPELINE"]
 
 ARGS_PIPELINE = """
@@ -131,7 +134,8 @@ def build_schedule(
     return schedule(pipeline[0], args.grad_accum, loss_fn=<<schedule_loss>>)
 '''
 
-CLIP_PIPELINE = '''
+CLIP_PIPELINE = (
+    '''
 def clip_grad_norm(stages: list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup) -> torch.Tensor:
     """Clip to ``max_norm``; return the norm of all gradients over every rank's shards and every pipeline stage.
 
@@ -145,28 +149,18 @@ def clip_grad_norm(stages: list[nn.Module], max_norm: float, pp_group: dist.Proc
             if param.grad is not None:
                 mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
                 groups.setdefault(mesh, []).append(param)
-    squares = []
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum()
+'''
+    + SQUARES_PER_MESH
+    + """    total = torch.stack(squares).sum()
     dist.all_reduce(total, group=pp_group)  # add the other stages' squares
     total = total.sqrt()
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-'''
+"""
+    + CLIP_BY_TOTAL
+)
 
-CHECKPOINT_PIPELINE = r'''
-def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under ``root`` as (step, folder); DCP writes ``.metadata`` last."""
-    found = [
-        (int(match.group(1)), path)
-        for path in root.glob("step-*")
-        if (match := re.fullmatch(r"step-(\d+)", path.name)) and (path / ".metadata").exists()
-    ]
-    return max(found) if found else None
-
+CHECKPOINT_PIPELINE = (
+    LATEST_CHECKPOINT
+    + r'''
 
 # one key per parameter (state.<name>.exp_avg, param_groups.<name>.lr): the stages' optimizer states merge into one
 # dict without clashing, and a stage that resumes reads its own parameters' groups (the nested form keeps one list
@@ -211,6 +205,7 @@ def load_checkpoint(stages: list[nn.Module], optimizers: list[torch.optim.Optimi
         print(f"resumed from {path} at step {state['step']}", flush=True)
     return int(state["step"])
 '''
+)
 
 MAIN_PIPELINE = '''
 def main(argv: list[str] | None = None) -> None:
