@@ -157,3 +157,44 @@ def family(spec):
     assert name_literals('NAME = "slurm"', "launch/backends/slurm.py") == []  # a back-end's module names itself
     assert name_literals('X = ("zero1", "local")', "plan/strategies.py") == []  # the table itself
     assert name_literals('def _warnings():\n    return "zero2"', "plan/planner.py") == []  # allowed, with a reason
+
+
+# ---- the architecture doc's tables, from the table and the registry ------------------------------------------------
+ARCH = ROOT.parent / "docs" / "architecture.md"
+
+
+def strategy_rows() -> list[str]:
+    """The strategy table as docs/architecture.md shows it, from ``STRATEGIES``."""
+    rows = ["| strategy | family | shards | offloads | with tp/pp/cp/ep |", "|---|---|---|---|---|"]
+    for s in STRATEGIES.values():
+        flags = (("optimizer", s.shard_optimizer), ("gradients", s.shard_grads), ("parameters", s.shard_params))
+        shards = ", ".join(k for k, v in flags if v) or "nothing"
+        if s.hybrid:
+            shards += " (inside a node; replicas across)"
+        offloads = ", ".join(k for k, v in (("optimizer", s.offload_optimizer), ("parameters", s.offload_params)) if v)
+        mp = ("yes, as FSDP2" if s.fsdp2_with_model_parallelism else "yes") if s.model_parallel else "no"
+        rows.append(f"| `{s.name}` | `{s.family}` | {shards} | {offloads or '—'} | {mp} |")
+    return rows
+
+
+def backend_rows() -> list[str]:
+    """The back-end table as docs/architecture.md shows it, from ``BACKENDS``."""
+    rows = ["| back-end | launcher |", "|---|---|"]
+    for name, target in BACKENDS.items():
+        module, cls = target.split(":")
+        rows.append(f"| `{name}` | `{cls}` (`{module.replace('.', '/')}.py`) |")
+    return rows
+
+
+def _doc_table(header: str) -> list[str]:
+    text = ARCH.read_text(encoding="utf-8")
+    table = text[text.index(header) :]
+    return table[: table.index("\n\n")].split("\n")
+
+
+def test_the_architecture_docs_strategy_table_is_the_strategy_table() -> None:
+    assert _doc_table("| strategy | family |") == strategy_rows()
+
+
+def test_the_architecture_docs_back_end_table_is_the_registry() -> None:
+    assert _doc_table("| back-end | launcher |") == backend_rows()
