@@ -22,6 +22,7 @@ from .flags import (  # re-exported: these have always been importable from jupy
     add_check_arguments,
     add_output_argument,
     add_plan_arguments,
+    add_rehearse_arguments,
     add_render_arguments,
     add_tune_arguments,
     check_from_args,
@@ -110,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_arguments(t)
     t.add_argument("--script", metavar="FILE", help="the training script (default: the reference transformer)")
     t.add_argument("--json", action="store_true", help="print one JSON object: trials, calibration, plan")
+
+    r = sub.add_parser("rehearse", help="run one rank of a big plan in one process here: its real shards, measured",
+                       description="Plan (same flags as `plan`), then rehearse ranks of the recommended candidate (or "
+                                   "--candidate), each alone in a process of this machine with a fake process group of "
+                                   "the plan's world size: the worker's own wrap and train step for that rank's "
+                                   "coordinates, only its shards materialised, a few real steps; shows its parameter, "
+                                   "gradient, optimizer-state, activation and peak bytes, its step time without "
+                                   "communication and its collectives beside the plan's. The model is the plan's: "
+                                   "--module, --hf-config, or the reference model of a preset's shape.")  # fmt: skip
+    add_plan_arguments(r)
+    add_rehearse_arguments(r)
+    r.add_argument("--json", action="store_true", help="print one JSON object: candidate, notes, each rank's result")
     return parser
 
 

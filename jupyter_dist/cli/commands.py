@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from ..errors import JupyterDistError
-from .flags import check_from_args, plan_from_args, render_options_from_args, tune_from_args
+from .flags import check_from_args, plan_from_args, rehearse_from_args, render_options_from_args, tune_from_args
 
 __all__ = ["COMMANDS"]
 
@@ -125,6 +125,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 0 if result.plan is not None else 1
 
 
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    def progress(rank: Any) -> None:  # a line per finished rank
+        if not args.json:
+            state = "rehearsed" if rank.ok else f"could not be rehearsed: {rank.error}"
+            print(f"  rank {rank.rank}: {state}", flush=True)
+
+    result = rehearse_from_args(args, on_rank=progress)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
+    return 0 if result.ok else 1
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     report: Any = check_from_args(args)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
@@ -142,5 +153,5 @@ def _cmd_log_to(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "config": _cmd_config, "demo": _cmd_demo, "check": _cmd_check, "log-to": _cmd_log_to,
-            "tune": _cmd_tune}  # fmt: skip
+            "tune": _cmd_tune, "rehearse": _cmd_rehearse}  # fmt: skip
 """Sub-command name -> its function (``launch`` is added by :func:`jupyter_dist.cli.main`)."""

@@ -416,6 +416,39 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the trials run, as for %%%%dist_train (default local)")  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# rehearse: flags of ``jupyter-dist rehearse``
+# ---------------------------------------------------------------------------------------------------------------
+def add_rehearse_arguments(p: argparse.ArgumentParser) -> None:
+    """The rehearse flags; the plan flags (``add_plan_arguments``) say what is planned, and its model is rehearsed."""
+    g = p.add_argument_group("rehearse")
+    g.add_argument("--candidate", help="the plan candidate to rehearse (default: the recommendation), e.g. fsdp2+tp8")
+    g.add_argument("--ranks", metavar="R,S,...",
+                   help="global ranks (default: the first of the first and of the last pipeline stage)")  # fmt: skip
+    g.add_argument("--steps", type=int_arg(3, 1000), default=3,
+                   help="steps per rank: one warms up, one is measured, the others are timed (default 3)")  # fmt: skip
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where the ranks run (default: this machine's GPU if it has one, else the CPU)")  # fmt: skip
+    g.add_argument("--rank-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=3600.0, metavar="S",
+                   help="give a rank up after S seconds (default 3600)")  # fmt: skip
+    g.add_argument("--workdir", metavar="DIR", help="where the ranks' specs, results and logs go (default: a temp dir)")
+
+
+def rehearse_from_args(args: argparse.Namespace, *, on_rank: Callable[[Any], None] | None = None) -> Any:
+    """Plan from the flags and rehearse the candidate's ranks.
+
+    The model is the plan's: ``--module``, ``--hf-config``, or the reference model of a preset's or the dimensions'
+    shape.
+    """
+    from ..launch.rehearse import rehearse
+
+    plan = plan_from_args(args)
+    model = args.module or args.hf_config or None
+    ranks = _csv(getattr(args, "ranks", None), "--ranks", int)
+    return rehearse(plan, args.candidate, model=model, ranks=ranks, steps=args.steps, device=args.device,
+                    timeout=args.rank_timeout, workdir=args.workdir, on_rank=on_rank)  # fmt: skip
+
+
 def _csv(text: str | None, what: str, conv: Callable[[str], Any] = str) -> list[Any] | None:
     if not text:
         return None

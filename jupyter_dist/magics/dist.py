@@ -251,6 +251,24 @@ def _tune_parser() -> MagicArgumentParser:
     return p
 
 
+def _rehearse_parser() -> MagicArgumentParser:
+    from ..cli.flags import add_rehearse_arguments
+
+    p = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        prog="%dist_rehearse",
+        add_help=False,
+        description="Rehearse ranks of a plan candidate here, each alone in a process with a fake process group: its "
+                    "real shards, activations and collectives, beside the plan's figures.",
+    )  # fmt: skip
+    add_plan_arguments(p)
+    add_rehearse_arguments(p)
+    p.add_argument("--plan-var", dest="plan_var", metavar="VAR", help="rehearse this Plan from the notebook")
+    p.add_argument("--model-var", dest="model_var", metavar="VAR",
+                   help="the model: a class or factory from the notebook (default: the plan's)")  # fmt: skip
+    p.add_argument("--name", metavar="VAR", help="bind the Rehearsal to this variable")
+    return p
+
+
 def _rank_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%dist_logs", add_help=False)  # type: ignore[no-untyped-call]
     p.add_argument("--rank", type=int_arg(0, MAX_COUNT), help="rank to show (default: the failing rank, else 0)")
@@ -279,6 +297,7 @@ class DistMagics(Magics):
     runs_parser = _runs_parser()
     wizard_parser = _wizard_parser()
     tune_parser = _tune_parser()
+    rehearse_parser = _rehearse_parser()
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell, **kwargs)
@@ -723,6 +742,59 @@ class DistMagics(Magics):
         if args.name:
             ns[args.name] = result
         return result.plan
+
+    @line_magic
+    def dist_rehearse(self, line: str) -> Any:
+        """Rehearse ranks of a big plan on this machine, one process each; returns a :class:`Rehearsal`.
+
+        Takes the flags of ``%dist_plan`` (or ``--plan-var VAR``) plus ``--candidate`` (default the recommended),
+        ``--ranks`` (default the first rank of the first and the last pipeline stage), ``--steps``, ``--device``;
+        the model is ``--model-var VAR`` (a class or factory of the notebook), else the plan's own (``--module``,
+        ``--hf-config``, or the reference model of a preset's shape). Each rank runs alone with a fake process
+        group of the plan's world size: ``jd.wrap`` and ``jd.train_step`` for its coordinates, only its shards
+        materialised; the result sets its bytes, step time and collectives beside the plan's.
+
+        Examples
+        --------
+        ::
+
+            In [1]: r = %dist_rehearse --model llama-3-8b --nodes 8 --strategy fsdp2 --seq-len 256 --precision fp32
+            In [2]: %dist_rehearse --plan-var p --candidate fsdp2+tp8 --ranks 0,7 --model-var MyModel
+        """
+        try:
+            argv = shlex.split(line)
+        except ValueError as exc:
+            raise UsageError(f"%dist_rehearse: {exc}") from None
+        if "-h" in argv or "--help" in argv:
+            print(self.rehearse_parser.format_help())
+            return None
+        args = self.rehearse_parser.parse_args(argv)
+        ns = self.shell.user_ns if self.shell is not None else {}
+        for flag, var in (("--plan-var", args.plan_var), ("--model-var", args.model_var)):
+            if var is not None and var not in ns:
+                raise UsageError(f"{flag} {var}: no variable of that name in the notebook")
+        if args.name is not None and not args.name.isidentifier():
+            raise UsageError(f"--name {args.name!r} must be a valid Python variable name")
+        from ..launch.rehearse import rehearse
+
+        def progress(rank: Any) -> None:  # a line per finished rank
+            print(f"rank {rank.rank}: " + ("rehearsed" if rank.ok else f"could not be rehearsed: {rank.error}"),
+                  flush=True)  # fmt: skip
+
+        try:
+            ranks = [int(v) for v in args.ranks.split(",") if v.strip()] if args.ranks else None
+        except ValueError:
+            raise UsageError(f"--ranks wants comma-separated integers, got {args.ranks!r}") from None
+        try:
+            plan = ns[args.plan_var] if args.plan_var else plan_from_args(args)
+            model = ns[args.model_var] if args.model_var else (args.module or args.hf_config or None)
+            result = rehearse(plan, args.candidate, model=model, ranks=ranks, steps=args.steps, device=args.device,
+                              timeout=args.rank_timeout, workdir=args.workdir, on_rank=progress)  # fmt: skip
+        except JupyterDistError as exc:
+            raise UsageError(str(exc)) from None
+        if args.name:
+            ns[args.name] = result
+        return result
 
     @line_magic
     def dist_wizard(self, line: str) -> Any:
