@@ -277,6 +277,18 @@ def _rank_parser() -> MagicArgumentParser:
     return p
 
 
+def _shell_words(parser: MagicArgumentParser, line: str, magic: str) -> Any:
+    """A magic's line split as a shell would (paths with spaces in quotes) and parsed; None once --help is printed."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{magic}: {exc}") from None
+    if "-h" in argv or "--help" in argv:
+        print(parser.format_help())
+        return None
+    return parser.parse_args(argv)
+
+
 @magics_class
 class DistMagics(Magics):
     """The jupyter-dist magics."""
@@ -674,15 +686,9 @@ class DistMagics(Magics):
             In [3]: p = %dist_plan --hf-config "./my model/config.json" --checkpointing selective
             In [4]: p.best.memory.total
         """
-        # parse_argstring keeps quotes (posix=False); shlex.split handles paths with spaces
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%dist_plan: {exc}") from None
-        if "-h" in argv or "--help" in argv:
-            print(self.plan_parser.format_help())
+        args = _shell_words(self.plan_parser, line, "%dist_plan")
+        if args is None:  # --help was printed
             return None
-        args = self.plan_parser.parse_args(argv)
         try:
             return plan_from_args(args)
         except JupyterDistError as exc:
@@ -705,14 +711,9 @@ class DistMagics(Magics):
             In [2]: %%dist_tune --plan-var p --micro-batches 1,2,4 --name trials
                ...: ...training cell...
         """
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%dist_tune: {exc}") from None
-        if "-h" in argv or "--help" in argv:
-            print(self.tune_parser.format_help())
+        args = _shell_words(self.tune_parser, line, "%dist_tune")
+        if args is None:  # --help was printed
             return None
-        args = self.tune_parser.parse_args(argv)
         from ..cli.flags import tune_from_args
 
         ns = self.shell.user_ns if self.shell is not None else {}
@@ -761,14 +762,9 @@ class DistMagics(Magics):
             In [1]: r = %dist_rehearse --model llama-3-8b --nodes 8 --strategy fsdp2 --seq-len 256 --precision fp32
             In [2]: %dist_rehearse --plan-var p --candidate fsdp2+tp8 --ranks 0,7 --model-var MyModel
         """
-        try:
-            argv = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%dist_rehearse: {exc}") from None
-        if "-h" in argv or "--help" in argv:
-            print(self.rehearse_parser.format_help())
+        args = _shell_words(self.rehearse_parser, line, "%dist_rehearse")
+        if args is None:  # --help was printed
             return None
-        args = self.rehearse_parser.parse_args(argv)
         ns = self.shell.user_ns if self.shell is not None else {}
         for flag, var in (("--plan-var", args.plan_var), ("--model-var", args.model_var)):
             if var is not None and var not in ns:
