@@ -326,6 +326,7 @@ def test_dist_wizard_magic(ip: Any) -> None:
     ip.user_ns["net"] = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
     w2 = ip.run_line_magic("dist_wizard", "--model-var net --gpu cpu --gpus-per-node 2")
     assert w2.plan.model.params == 32 * 32 + 32 + 32 * 8 + 8
+    assert w2.module is ip.user_ns["net"] and w.module is None  # what Rehearse builds: the notebook's object
     with pytest.raises(UsageError, match="no variable of that name"):
         ip.run_line_magic("dist_wizard", "--model-var nope")
     with pytest.raises(UsageError, match="llama-2-7b"):
@@ -486,3 +487,92 @@ def test_launch_tab_prices_the_skypilot_nodes_and_the_run(
                                           f"--steps 4000 --dry-run --runs-dir {tmp_path}", "pass\n")  # fmt: skip
     (line,) = [n for n in dry.notes if n.startswith("price")]
     assert line == price_text(w)
+
+
+# ---------------------------------------------------------------------------------------------------- Rehearse
+def text_of(widget: Any) -> str:
+    return html.unescape(re.sub("<[^>]+>", "", widget.value))
+
+
+def tiny_wizard(**answers: Any) -> Wizard:
+    """A tiny custom-dimension model planned on 2 CPU ranks, fsdp2 alone."""
+    return Wizard(gpu="cpu", gpus_per_node=2, source="dims", layers=2, hidden=32, heads=2, kv_heads=1, ffn=64,
+                  vocab=64, micro_batch=2, seq_len=8, precision="fp32", strategy="fsdp2", **answers)  # fmt: skip
+
+
+def test_rehearse_sits_beside_launch_and_refuses_in_one_line() -> None:
+    w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2)
+    launch_tab = w.tabs.children[wizard_mod._LAUNCH_TAB]
+    row = next(c for c in launch_tab.children if w.launch_button in getattr(c, "children", ()))
+    assert list(row.children) == [w.launch_button, w.rehearse_button] and w.rehearse_button.description == "Rehearse"
+    assert launch_tab.children.index(w.rehearse_out) > launch_tab.children.index(row)  # the table under the buttons
+    w.rehearse_button.click()  # a preset the reference model cannot reproduce: one line, nothing started
+    msg = text_of(w.rehearse_msg)
+    assert "not one the reference model reproduces" in msg and "model=" in msg and "\n" not in msg, msg
+    assert w.rehearsal_thread is None and w.rehearse_out.outputs == () and not w.rehearse_button.disabled
+    # the wizard's own module is what a Module source rehearses; an instance cannot be rebuilt on the meta device
+    torch = pytest.importorskip("torch")
+    from jupyter_dist.models import Transformer
+
+    w = Wizard(model=Transformer, gpu="cpu", gpus_per_node=2)
+    assert w.module is Transformer and w._rehearse_model() is Transformer
+    w.controls["source"].value = "preset"
+    assert w._rehearse_model() is None  # the plan's own model now: the reference of the preset's shape
+    net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    w = Wizard(model=net, gpu="cpu", gpus_per_node=2)
+    assert w.rehearse() is None and "Wizard(model=MyModel)" in text_of(w.rehearse_msg)
+
+
+def test_rehearse_runs_on_a_thread_and_refuses_a_second_click(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from jupyter_dist.launch import rehearse as rehearse_mod
+
+    release, calls = threading.Event(), []
+
+    def fake(plan: Any, candidate: Any = None, **kwargs: Any) -> Any:
+        calls.append((candidate, kwargs))
+        kwargs["on_rank"](rehearse_mod.RankRehearsal(rank=0, params=2**20))
+        assert release.wait(30)
+        return rehearse_mod.Rehearsal(candidate=candidate, world_size=2, plan=plan,
+                                      ranks=(rehearse_mod.RankRehearsal(rank=0, params=2**20),))  # fmt: skip
+
+    monkeypatch.setattr(rehearse_mod, "rehearse", fake)
+    w = tiny_wizard()
+    w.candidate.value = "fsdp2"
+    w.rehearse_button.click()
+    thread = w.rehearsal_thread
+    assert thread is not None and thread.is_alive() and w.rehearse_button.disabled  # the kernel is free meanwhile
+    w.rehearse_button.click()
+    w.rehearse()
+    assert "a rehearsal is running" in text_of(w.rehearse_msg) and len(calls) == 1
+    assert text_of(w.rehearse_log) == "rank 0: rehearsed"
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive() and not w.rehearse_button.disabled
+    candidate, kwargs = calls[0]
+    assert candidate == "fsdp2" and kwargs["model"] is None and kwargs["ranks"] is None  # selected, reference, default
+    assert w.rehearsal is not None and w.rehearsal.candidate == "fsdp2"
+    (out,) = w.rehearse_out.outputs
+    assert "<th>rank 0</th>" in out["data"]["text/html"] and "rehearsed fsdp2" in text_of(w.rehearse_msg)
+
+
+@pytest.mark.slow
+def test_rehearse_button_rehearses_the_selected_candidate_for_real() -> None:
+    """A real rehearsal: rank 0 of a 2-rank fsdp2 plan of a tiny model, in a process of its own."""
+    w = tiny_wizard()
+    assert w.plan.recommended != "fsdp2"  # the selection, not the recommendation, is rehearsed
+    w.candidate.value = "fsdp2"
+    w.rehearse_button.click()
+    thread = w.rehearsal_thread
+    assert thread is not None
+    thread.join(600)
+    assert not thread.is_alive(), text_of(w.rehearse_msg)
+    r = w.rehearsal
+    assert r is not None and r.ok, (text_of(w.rehearse_msg), r)
+    assert r.candidate == "fsdp2" and r.world_size == 2 and [x.rank for x in r.ranks] == [0]
+    assert r.rank(0).params > 0 and r.rank(0).params == r.predicted.memory.params  # fsdp2's shard, to the byte
+    assert text_of(w.rehearse_log) == "rank 0: rehearsed"
+    (out,) = w.rehearse_out.outputs
+    table = out["data"]["text/html"]
+    assert "Rehearsal of fsdp2 (2 ranks)" in table and "<th>rank 0</th>" in table and "dp_shard0" in table

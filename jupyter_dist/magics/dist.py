@@ -826,7 +826,10 @@ class DistMagics(Magics):
 
                 spec = ModelSpec.from_module(_load_module(args.module))
             inputs = inputs_from_args(args, spec)
-            return Wizard(inputs=inputs, plan_var=args.plan_var, runs_dir=self.runs_dir, shell=self.shell)
+            w = Wizard(inputs=inputs, plan_var=args.plan_var, runs_dir=self.runs_dir, shell=self.shell)
+            if spec is not None:  # what Rehearse builds: the notebook's object, or the module's pkg.mod:Factory
+                w.module = ns[args.model_var] if args.model_var else args.module
+            return w
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
 

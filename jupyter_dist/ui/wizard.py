@@ -5,14 +5,16 @@ warnings, a per-GPU memory chart of every strategy against the device limit, spe
 what-if table per slider (nodes, micro-batch, sequence length) showing where each strategy stops fitting; every
 artifact of the compiler's bundle with copy, download and "write to folder"; and a Launch button that runs the plan
 with ``%%dist_train`` semantics and shows the run's live panels (on SkyPilot, the Launch tab first prices the requested
-nodes per hour and the run, the planned step time x Steps, from SkyPilot's price list, as the dry run does).
+nodes per hour and the run, the planned step time x Steps, from SkyPilot's price list, as the dry run does), with a
+Rehearse button beside it that runs the plan's worst ranks on this machine, each alone with a fake process group
+(:mod:`jupyter_dist.launch.rehearse`), and shows their bytes beside the plan's.
 
 Planning and compiling live elsewhere: the handler copies control values into a
 :class:`~jupyter_dist.ui.wizard_model.WizardInputs`, calls :func:`~jupyter_dist.ui.wizard_model.evaluate`
 (the planner) and :func:`~jupyter_dist.render.bundle.render_bundle` (the compiler), and shows what they return.
 Invalid inputs are shown as a one-line message next to their control; the panel never shows a traceback.
 
-What the Launch tab does (start the run through ``%%dist_train``, price it on SkyPilot) is
+What the Launch tab does (start the run through ``%%dist_train``, rehearse it, price it on SkyPilot) is
 :class:`~.wizard_launch.LaunchTab`, in its own module. The rest is one piece: the controls, the one change handler
 and the Plan, What-if and Configs tabs it redraws share the controls' state.
 """
@@ -139,6 +141,12 @@ class Wizard(LaunchTab):
                 spec = model if isinstance(model, ModelSpec) else ModelSpec.from_module(model)
                 inp.source, inp.module_spec = "module", spec
         self.inputs = inp
+        self.module: Any = model if model is not None and not isinstance(model, (str, ModelSpec)) else None
+        """The model object given (a class, a factory or ``"pkg.mod:Factory"``): what Rehearse builds."""
+        self.rehearsal: Any = None
+        """The last :class:`~jupyter_dist.launch.rehearse.Rehearsal` Rehearse finished."""
+        self.rehearsal_thread: Any = None
+        """The thread of the last rehearsal (a second one is refused while it runs)."""
         self.plan_var = plan_var
         self.runs_dir = runs_dir
         self._shell = shell
@@ -316,6 +324,16 @@ class Wizard(LaunchTab):
         self.code.style.description_width = "108px"
         self.launch_button = ipw.Button(description="Launch", icon="play", button_style="success")
         self.launch_button.on_click(lambda _: self.launch())
+        self.rehearse_button = ipw.Button(description="Rehearse", icon="flask",
+                                          tooltip="run the plan's worst ranks here, each alone with a fake process "
+                                                  "group of the plan's world: their real bytes beside the plan's")
+        self.rehearse_button.on_click(lambda _: self.rehearse())
+        self.rehearse_msg = ipw.HTML()
+        self.rehearse_msg.add_class("jd-wiz-rehearse-msg")
+        self.rehearse_log = ipw.HTML()
+        """A line per finished rank of the running rehearsal."""
+        self.rehearse_out = ipw.Output(layout=ipw.Layout(width="100%"))
+        """The last rehearsal's table."""
         self.launch_msg = ipw.HTML()
         self.launch_msg.add_class("jd-wiz-launch-msg")
         self.price = ipw.HTML()
@@ -329,10 +347,13 @@ class Wizard(LaunchTab):
         launch_tab = ipw.VBox([
             ipw.HTML("<small>Runs the selected candidate's strategy with <code>%%dist_train --plan</code>: on this "
                      "machine's processes (CPU/gloo without GPUs), or on a SLURM or SkyPilot cluster, and shows its "
-                     "live panels here.</small>"),
+                     "live panels here. <i>Rehearse</i> runs the plan's worst ranks on this machine instead, each "
+                     "alone in a process with a fake process group of the plan's world, and sets their bytes beside "
+                     "the plan's.</small>"),
             ipw.HBox([self.backend, self.nproc, self.launch_nodes, self.launch_steps, self.run_name],
                      layout=ipw.Layout(flex_flow="row wrap", width="100%")),
-            self.cluster_flags, self.price, self.code, self.launch_button, self.launch_msg, self.launch_line,
+            self.cluster_flags, self.price, self.code, ipw.HBox([self.launch_button, self.rehearse_button]),
+            self.rehearse_msg, self.rehearse_log, self.rehearse_out, self.launch_msg, self.launch_line,
             self.launch_out, self.launch_area,
         ])  # fmt: skip
 

@@ -1,15 +1,19 @@
-"""The wizard's Launch tab: run the selected candidate through ``%%dist_train`` and price it on SkyPilot.
+"""The wizard's Launch tab: run the selected candidate through ``%%dist_train``, rehearse it, price it on SkyPilot.
 
 :class:`LaunchTab` is mixed into :class:`~.wizard.Wizard`; it reads the controls the wizard builds (``nproc``,
 ``launch_nodes``, ``launch_steps``, ``backend``, ``cluster_flags``, ``run_name``, ``code``) and the current plan, and
 writes the tab's outputs (``launch_msg``, ``launch_line``, ``launch_area``, ``price``). The run goes through the
-magic itself with exactly the line the tab prints, so that line reproduces it.
+magic itself with exactly the line the tab prints, so that line reproduces it. Rehearse (beside Launch) runs
+:func:`~jupyter_dist.launch.rehearse.rehearse` for the same candidate on a background thread and writes
+``rehearse_msg``, ``rehearse_log`` and ``rehearse_out``.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import json
+import threading
 from typing import Any
 
 from ..errors import JupyterDistError
@@ -80,6 +84,14 @@ class LaunchTab:
     launch_area: Any
     run_name: Any
     code: Any
+    inputs: Any
+    module: Any
+    rehearse_button: Any
+    rehearse_msg: Any
+    rehearse_log: Any
+    rehearse_out: Any
+    rehearsal: Any
+    rehearsal_thread: threading.Thread | None
 
     @staticmethod
     def _msg(text: str) -> str:
@@ -228,6 +240,89 @@ class LaunchTab:
             if dash.widget is not None:
                 self.launch_area.children = (dash.widget,)
         return run
+
+    # ---- Rehearse ---------------------------------------------------------------------------------------------
+    def _rehearse_model(self) -> Any:
+        """What :func:`~jupyter_dist.launch.rehearse.rehearse` builds: the wizard's own model where it has one.
+
+        The model object given to the wizard (a class, a factory or ``"pkg.mod:Factory"``) when the model source is
+        *Module*, the pasted Hugging Face config when it is *HF config*, else ``None``: the reference model of the
+        plan's shape (a preset or dimensions it does not reproduce are refused in one line).
+        """
+        inp = self.answer.inputs if self.answer is not None else self.inputs
+        if inp.source == "module":
+            model = self.module
+            if model is not None and not isinstance(model, (str, type)) and hasattr(model, "parameters"):
+                raise JupyterDistError("the wizard was given a module instance; Rehearse builds the model again "
+                                       "from its class or factory: Wizard(model=MyModel)")  # fmt: skip
+            return model
+        if inp.source == "hf":
+            return json.loads(inp.hf_config)
+        return None
+
+    def rehearse(self, *, ranks: Any = None, steps: int = 3, device: str = "auto",
+                 timeout: float | None = 1800) -> threading.Thread | None:  # fmt: skip
+        """Rehearse the selected candidate's ranks on this machine (Rehearse), on a background thread.
+
+        :func:`~jupyter_dist.launch.rehearse.rehearse` with the wizard's plan, its selected candidate (else the
+        recommended one), its model (:meth:`_rehearse_model`) and the default ranks: a line per finished rank in
+        ``rehearse_log``, the result's table in ``rehearse_out`` and :attr:`rehearsal`. Returns the thread (``None``
+        when refused: a one-line message in ``rehearse_msg``, e.g. while another rehearsal runs).
+        """
+        from ..launch.rehearse import model_source, rehearse
+
+        running = getattr(self, "rehearsal_thread", None)
+        if running is not None and running.is_alive():
+            self.rehearse_msg.value = self._msg("a rehearsal is running; wait for it to finish")
+            return None
+        p = self.plan
+        if p is None or (self.answer is not None and self.answer.problems):
+            self.rehearse_msg.value = self._msg("fix the inputs marked above first: there is no valid plan to rehearse")
+            return None
+        name = self._selected()
+        if name is None:
+            self.rehearse_msg.value = self._msg("nothing fits on this hardware, so there is no strategy to rehearse")
+            return None
+        try:
+            model = self._rehearse_model()
+            if model is None:  # the reference model's refusal, at once rather than from the thread
+                model_source(None, p)
+        except (JupyterDistError, ValueError) as exc:
+            self.rehearse_msg.value = self._msg(str(exc))
+            return None
+        self.rehearse_log.value = ""
+        self.rehearse_out.outputs = ()
+        self.rehearsal = None
+        lines: list[str] = []
+        self.rehearse_msg.value = (f"<div>rehearsing <b>{html.escape(name)}</b> ({p.world_size} ranks) on this "
+                                   "machine, one process per rank...</div>")  # fmt: skip
+
+        def progress(rank: Any) -> None:
+            lines.append(f"rank {rank.rank}: " + ("rehearsed" if rank.ok else f"could not be rehearsed: {rank.error}"))
+            self.rehearse_log.value = "<div><small>" + "<br>".join(html.escape(x) for x in lines) + "</small></div>"
+
+        def work() -> None:
+            try:
+                result = rehearse(p, name, model=model, ranks=ranks, steps=steps, device=device, timeout=timeout,
+                                  on_rank=progress)  # fmt: skip
+                self.rehearsal = result
+                bundle = result._repr_mimebundle_()
+                self.rehearse_out.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+                self.rehearse_msg.value = (f"<div>rehearsed <b>{html.escape(name)}</b>: "
+                                           + ("every rank ran" if result.ok else "a rank could not be rehearsed")
+                                           + "</div>")  # fmt: skip
+            except JupyterDistError as exc:
+                self.rehearse_msg.value = self._msg(str(exc))
+            except Exception as exc:  # the panel shows one line, never a traceback
+                self.rehearse_msg.value = self._msg(f"rehearsal failed: {type(exc).__name__}: {exc}")
+            finally:
+                self.rehearse_button.disabled = False
+
+        self.rehearse_button.disabled = True
+        thread = threading.Thread(target=work, name="jd-wizard-rehearse", daemon=True)
+        self.rehearsal_thread = thread
+        thread.start()
+        return thread
 
     def _shell_with_magics(self) -> Any:
         """The IPython shell with ``%%dist_train`` registered (loading the extension if needed), or ``None``."""
