@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 from typing import Any
 
 import traitlets
@@ -275,18 +274,6 @@ def _rank_parser() -> MagicArgumentParser:
     p.add_argument("--tail", type=int_arg(0, MAX_COUNT), help="only the last N lines")
     p.add_argument("run", nargs="?", help="a Run variable (default: the last run)")
     return p
-
-
-def _shell_words(parser: MagicArgumentParser, line: str, magic: str) -> Any:
-    """A magic's line split as a shell would (paths with spaces in quotes) and parsed; None once --help is printed."""
-    try:
-        argv = shlex.split(line)
-    except ValueError as exc:
-        raise UsageError(f"{magic}: {exc}") from None
-    if "-h" in argv or "--help" in argv:
-        print(parser.format_help())
-        return None
-    return parser.parse_args(argv)
 
 
 @magics_class
@@ -686,7 +673,7 @@ class DistMagics(Magics):
             In [3]: p = %dist_plan --hf-config "./my model/config.json" --checkpointing selective
             In [4]: p.best.memory.total
         """
-        args = _shell_words(self.plan_parser, line, "%dist_plan")
+        args = self._parse(self.plan_parser, line)
         if args is None:  # --help was printed
             return None
         try:
@@ -711,7 +698,7 @@ class DistMagics(Magics):
             In [2]: %%dist_tune --plan-var p --micro-batches 1,2,4 --name trials
                ...: ...training cell...
         """
-        args = _shell_words(self.tune_parser, line, "%dist_tune")
+        args = self._parse(self.tune_parser, line)
         if args is None:  # --help was printed
             return None
         from ..cli.flags import tune_from_args
@@ -762,7 +749,7 @@ class DistMagics(Magics):
             In [1]: r = %dist_rehearse --model llama-3-8b --nodes 8 --strategy fsdp2 --seq-len 256 --precision fp32
             In [2]: %dist_rehearse --plan-var p --candidate fsdp2+tp8 --ranks 0,7 --model-var MyModel
         """
-        args = _shell_words(self.rehearse_parser, line, "%dist_rehearse")
+        args = self._parse(self.rehearse_parser, line)
         if args is None:  # --help was printed
             return None
         ns = self.shell.user_ns if self.shell is not None else {}
