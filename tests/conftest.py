@@ -20,6 +20,40 @@ if TYPE_CHECKING:
     from jupyter_dist.launch.run import Run
 
 
+DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                                          str(Path.home() / ".cache" / "jupyter-dist" / "torch_extensions")))
+"""Where every test and every rank it starts builds and loads DeepSpeed's C++ ops: one folder for the suite."""
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops() -> Path | None:
+    """DeepSpeed's CPU ops (``deepspeed_shm_comm``, which ``deepspeed.initialize`` loads, and ``cpu_adam`` for
+    offload) built once per worker before its first slow test, outside every run's time budget: on a fresh machine
+    the build takes ~75 s each on 2 cores, and inside a run it ate the run's start limit. Both workers may ask at
+    once; torch's build lock makes the second wait and load. ``None`` without DeepSpeed."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return None
+    DS_EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "for name in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
+            "    get_accelerator().create_op_builder(name).load()\n")  # fmt: skip
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(DS_EXTENSIONS))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, "building DeepSpeed's CPU ops failed:\n" + res.stdout[-3000:] + res.stderr[-3000:]
+    return DS_EXTENSIONS
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_before_slow_tests(request: pytest.FixtureRequest) -> None:
+    """Every slow test (real runs, notebooks, clusters) starts with DeepSpeed's ops built (see ``deepspeed_ops``)."""
+    if request.node.get_closest_marker("slow") is not None:
+        request.getfixturevalue("deepspeed_ops")
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
     """Keep each phase's report on the item (``item.rep_call``) so fixtures can tell whether the test failed."""
