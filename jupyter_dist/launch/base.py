@@ -1,4 +1,4 @@
-"""The one launcher interface every back-end implements, and the registry that rebuilds a launcher from ``run.json``.
+"""The one launcher interface every back-end implements, and the back-end registry (:data:`BACKEND_SPECS`).
 
 A launcher is pure until it starts (ipyparallel's ``BaseLauncher`` split): ``args()`` (the commands it would run),
 ``env()`` (the environment it adds) and ``task()`` (what it submits: the sbatch script, the SkyPilot task dict) can be
@@ -9,6 +9,11 @@ so a run can be reattached after a kernel restart (``%dist_attach``).
 The local launcher (:class:`~.local.LocalLauncher`) watches its own child processes. Remote launchers
 (:class:`RemoteLauncher`: SLURM, SkyPilot) track a job id, and their output arrives as a log stream that
 :meth:`RemoteLauncher.follow` hands, line by line, to a :class:`~.stream.LogRouter`.
+
+The registry says everything the package needs of a back-end (a :class:`BackendSpec`: its launcher class, its
+label, whether it is a cluster, the hooks that start and reattach its runs), so no caller compares a back-end's name:
+they read a property of its spec (``tests/test_names.py`` fails on a name spelled elsewhere). Launchers sit below
+the ``Run``; the code that starts a run (``start_run``, ``start_cluster_run`` and the back-ends' start hooks) above it.
 """
 
 from __future__ import annotations
@@ -18,25 +23,112 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import JupyterDistError
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_SPECS",
+    "CLUSTER_BACKENDS",
+    "DEFAULT_BACKEND",
+    "BackendSpec",
     "JobState",
     "Launcher",
     "RemoteLauncher",
     "Follower",
+    "attach_ref",
+    "backend_spec",
     "launcher_from_dict",
+    "load_target",
+    "runs_here",
 ]
 
-BACKENDS: dict[str, str] = {
-    "local": "jupyter_dist.launch.backends.local:LocalLauncher",
-    "slurm": "jupyter_dist.launch.backends.slurm:SlurmLauncher",
-    "skypilot": "jupyter_dist.launch.backends.skypilot:SkyPilotLauncher",
-}
-"""Back-end name -> ``module:class`` (imported lazily: SkyPilot is an optional extra)."""
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendSpec:
+    """One back-end as the rest of the package sees it: every property a caller reads instead of its name.
+
+    The targets are ``module:attribute`` strings, imported on first use (:func:`load_target`): this module imports
+    nothing heavy, and a reattached run imports only its own back-end (SkyPilot is an optional extra).
+    """
+
+    name: str
+    """What ``--backend`` takes and ``run.json`` saves (the launcher's ``kind``)."""
+    launcher: str
+    """``module:class`` of its :class:`Launcher`, rebuilt from ``run.json`` by :func:`launcher_from_dict`."""
+    label: str
+    """The wizard's "Run on" choice."""
+    where: str
+    """Where a started run is, in the wizard's line ("on SLURM")."""
+    cluster: bool = False
+    """A cluster job: ``ClusterOptions`` apply, ``start_cluster_run`` starts it through :attr:`start`, the Run
+    follows it by job id. ``False``: processes on this machine that the kernel starts and watches."""
+    start: str | None = None
+    """``module:class`` of the hooks ``start_cluster_run`` calls (``ClusterHooks`` in
+    :mod:`.backends.cluster`: the options it accepts, what it adds to the job's environment, how it submits)."""
+    attach: str | None = None
+    """``module:function`` that reopens a job from a reference of its own (``CLUSTER/JOB``) for ``%dist_attach``:
+    ``function(ref, runs_dir=...)`` returns the Run, or ``None`` when the reference is not of its form."""
+    priced: bool = False
+    """Its dry run and the wizard's Launch tab price the nodes from SkyPilot's catalog (:mod:`.cost`)."""
+
+
+BACKEND_SPECS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec(name="local", launcher="jupyter_dist.launch.backends.local:LocalLauncher",
+                    label="this machine (torchrun)", where="on this machine"),
+        BackendSpec(name="slurm", launcher="jupyter_dist.launch.backends.slurm:SlurmLauncher", label="SLURM",
+                    where="on SLURM", cluster=True, start="jupyter_dist.launch.backends.slurm:SlurmStart"),
+        BackendSpec(name="skypilot", launcher="jupyter_dist.launch.backends.skypilot:SkyPilotLauncher",
+                    label="SkyPilot", where="on SkyPilot", cluster=True,
+                    start="jupyter_dist.launch.backends.skypilot:SkyPilotStart",
+                    attach="jupyter_dist.launch.backends.skypilot:attach_ref", priced=True),
+    )
+}  # fmt: skip
+"""The back-end registry: name -> :class:`BackendSpec`. The one place a back-end's name is spelled."""
+
+DEFAULT_BACKEND = "local"
+"""Where a run goes when no ``--backend`` is given (and what a ``run.json`` that names none ran on)."""
+
+BACKENDS: dict[str, str] = {name: spec.launcher for name, spec in BACKEND_SPECS.items()}
+"""Back-end name -> ``module:class`` of its launcher (imported lazily: SkyPilot is an optional extra)."""
+
+CLUSTER_BACKENDS: tuple[str, ...] = tuple(name for name, spec in BACKEND_SPECS.items() if spec.cluster)
+"""The back-ends that take ``ClusterOptions`` and start through ``start_cluster_run``."""
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The registry's entry for ``name``; a one-line error naming the valid ones otherwise."""
+    spec = BACKEND_SPECS.get(name)
+    if spec is None:
+        raise JupyterDistError(f"unknown backend {name!r}; valid: {', '.join(BACKEND_SPECS)}")
+    return spec
+
+
+def runs_here(name: str | None) -> bool:
+    """Whether ``name`` is a registered back-end whose processes run on this machine (not a cluster job)."""
+    spec = BACKEND_SPECS.get(name or "")
+    return spec is not None and not spec.cluster
+
+
+def load_target(target: str) -> Any:
+    """Import ``module:attribute`` (a registry target) and return the attribute."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def attach_ref(ref: str, *, runs_dir: Any = "runs") -> Any:
+    """The Run a back-end's own job reference (SkyPilot's ``CLUSTER/JOB``) names, else ``None``."""
+    for spec in BACKEND_SPECS.values():
+        if spec.attach is not None:
+            run = load_target(spec.attach)(ref, runs_dir=runs_dir)
+            if run is not None:
+                return run
+    return None
+
 
 JobState = str
 """A remote job's state as the Run reports it: pending, running, succeeded, failed, stopped, timed out, unknown."""
@@ -46,7 +138,7 @@ class Launcher(ABC):
     """Pure ``args()/env()/task()``, side-effecting ``start/stop/poll/wait``, ``to_dict/from_dict``."""
 
     kind: str = ""
-    """Back-end name (a key of :data:`BACKENDS`), saved in ``run.json``."""
+    """Back-end name (a key of :data:`BACKEND_SPECS`), saved in ``run.json``."""
     remote: bool = False
     """Whether the job runs outside this kernel's process tree (tracked by job id, output from a log stream)."""
     state: str
@@ -148,11 +240,9 @@ FINAL_STATES = ("succeeded", "failed", "stopped", "timed out")
 
 def launcher_from_dict(data: dict[str, Any]) -> Launcher:
     """Rebuild a launcher from ``run.json``'s ``"launcher"`` entry (``kind`` picks the back-end)."""
-    kind = str(data.get("kind", "local"))
-    target = BACKENDS.get(kind)
-    if target is None:
+    kind = str(data.get("kind", DEFAULT_BACKEND))
+    spec = BACKEND_SPECS.get(kind)
+    if spec is None:
         raise JupyterDistError(f"run.json names an unknown launcher kind {kind!r}; known: {', '.join(BACKENDS)}")
-    module, _, name = target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    launcher: Launcher = cls.from_dict(data)
+    launcher: Launcher = load_target(spec.launcher).from_dict(data)
     return launcher
