@@ -2,10 +2,10 @@
 
 ``resolve_strategy`` / :func:`launch_contract` turn ``--strategy``, ``--plan`` and the degrees into what runs and the
 :class:`~jupyter_dist.worker._env.WorkerEnv` that carries it to the workers, ``PRELUDE`` goes in front of the cell's
-code, ``_ship`` pickles the notebook's objects into the run directory, and ``DryRun`` is what ``--dry-run`` shows
-instead of launching. Shared by the local path (``session.py``) and the cluster back-ends (``cluster.py``,
-``skypilot.py``), which ``session.start_run`` dispatches to: it lives below all three so that no back-end imports the
-session back (docs/architecture.md, "No import circles").
+code, :func:`write_shipped` pickles the notebook's objects into the run directory, and ``DryRun`` is what
+``--dry-run`` shows instead of launching. Shared by the local path (``session.py``) and the cluster back-ends
+(``cluster.py``, ``slurm.py``, ``skypilot.py``), which ``session.start_run`` dispatches to: it lives below them so
+that no back-end imports the session back (docs/architecture.md, "No import circles").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..plan.candidates import LaunchChoice, resolve_launch
 from ..plan.strategies import strategy_names
 from .rundir import RunDir
 
-__all__ = ["PRELUDE", "STRATEGY_CHOICES", "DryRun", "launch_contract", "resolve_strategy"]
+__all__ = ["PRELUDE", "STRATEGY_CHOICES", "DryRun", "launch_contract", "resolve_strategy", "write_shipped"]
 
 STRATEGY_CHOICES = ("auto", "none", *strategy_names())
 """Plain names ``--strategy`` takes; it also takes every candidate name the planner prints (``fsdp2+tp2+sp``,
@@ -105,7 +105,8 @@ import jupyter_dist.worker as jd; __import__("jupyter_dist.integrations", fromli
 :func:`jupyter_dist.integrations.autoattach` (HF ``Trainer`` / Lightning callbacks attach themselves when imported)."""
 
 
-def _ship(rd: RunDir, objects: dict[str, Any]) -> None:
+def write_shipped(rd: RunDir, objects: dict[str, Any]) -> None:
+    """Pickle the notebook's ``--ship`` objects (cloudpickle) into the run directory's ``shipped.pkl``."""
     import pickle
 
     import cloudpickle

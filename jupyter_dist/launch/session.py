@@ -18,12 +18,16 @@ from typing import Any
 from .._atomic import write_atomic
 from ..errors import JupyterDistError
 from .backends.local import LaunchError, LocalLauncher, check_capacity, check_launcher, check_user_env
-from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, _ship, launch_contract, resolve_strategy
+from .base import DEFAULT_BACKEND, backend_spec
+from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, launch_contract, resolve_strategy, write_shipped
 from .record import RunRecord, launch_record
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, removed_on_write_error, scrub_env
 
-__all__ = ["STRATEGY_CHOICES", "DryRun", "launch_contract", "local_gpu_count", "resolve_strategy", "start_run"]
+__all__ = [
+    "STRATEGY_CHOICES", "DryRun", "launch_contract", "local_cpu_plan", "local_gpu_count", "resolve_strategy",
+    "start_run",
+]  # fmt: skip
 
 
 def local_gpu_count() -> int:
@@ -52,20 +56,20 @@ def _not_a_script(path: Path) -> str:
     return f"is {what}, not a script file"
 
 
-def _local_plan(strategy: str, nproc: int, nodes: int) -> Any:
+def local_cpu_plan(strategy: str, nproc: int, nodes: int) -> Any:
     """A plan for the local CPU processes, so a DeepSpeed config can be rendered without a user plan."""
     from ..plan import Hardware, ModelSpec, TrainingShape, plan
     from ..plan.hardware import get_accelerator
 
     hw = Hardware(accelerator=get_accelerator("cpu"), gpus_per_node=nproc, nodes=nodes)
-    return plan(ModelSpec.from_params(1e6, name="local"), hw, TrainingShape(precision="fp32"), strategy=strategy)
+    return plan(ModelSpec.from_params(1e6, name="cell"), hw, TrainingShape(precision="fp32"), strategy=strategy)
 
 
 def start_run(
     code: str, *, nproc: int | None = None, nodes: int = 1, strategy: str = "auto", plan: Any = None,
     launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
     timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = "local",
+    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = DEFAULT_BACKEND,
     cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
     sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
     secrets: Iterable[str] = (), script: str | None = None, script_args: tuple[str, ...] = (),
@@ -124,7 +128,7 @@ def _start_run(
             raise JupyterDistError(f"--script {script}: {_not_a_script(path)}")
         if code.strip():
             raise JupyterDistError("give either the cell's code or --script, not both")
-    if backend != "local":
+    if backend_spec(backend).cluster:
         from .backends.cluster import ClusterOptions, start_cluster_run
 
         if hang_timeout is not None:
@@ -163,7 +167,7 @@ def _start_run(
         from ..render.common import RenderOptions
         from ..render.deepspeed import render_deepspeed_json
 
-        ds_plan = plan if plan is not None else _local_plan(strat, nproc, nodes)
+        ds_plan = plan if plan is not None else local_cpu_plan(strat, nproc, nodes)
         files["ds_config.json"] = render_deepspeed_json(ds_plan, RenderOptions(candidate=strat))
         contract = replace(contract, ds_config="ds_config.json")
     notes = [choice.mesh(), *([choice.note] if choice.note else []), *([capacity_note] if capacity_note else [])]
@@ -193,10 +197,10 @@ def _start_run(
         if files.get("ds_config.json"):
             jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
         if ship:
-            _ship(rd, ship)
+            write_shipped(rd, ship)
         lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
                             port=port, extra_env=jd_env)  # fmt: skip
-        record = launch_record(name=name, backend="local", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
+        record = launch_record(name=name, backend=lau.kind, strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
                                timeout=timeout, hang_timeout=hang_timeout, env=scrub_env(lau.env()), plan=plan,
                                ship=ship)  # fmt: skip
         meta, procs = start_recorded(rd, record, lau)

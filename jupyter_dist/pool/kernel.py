@@ -223,14 +223,14 @@ class Pool:
 
     # ---------------------------------------------------------------- start
     def _jd_env(self) -> dict[str, str]:
-        from ..launch.session import _local_plan
+        from ..launch.session import local_cpu_plan
 
         contract = self._contract
         if self.strategy.startswith("zero"):
             from ..render.common import RenderOptions
             from ..render.deepspeed import render_deepspeed_json
 
-            ds_plan = self.plan if self.plan is not None else _local_plan(self.strategy, self.nproc, 1)
+            ds_plan = self.plan if self.plan is not None else local_cpu_plan(self.strategy, self.nproc, 1)
             assert self.dir is not None
             write_atomic(self.dir / "ds_config.json", render_deepspeed_json(ds_plan, RenderOptions(
                 candidate=self.strategy)))  # fmt: skip
@@ -269,7 +269,7 @@ class Pool:
                           "JD_POOL_KERNEL_PID": str(os.getpid())}  # fmt: skip
             lau = LocalLauncher(run_dir=rd, nproc=self.nproc, extra_env={**jd_env, **secret_env})
             record = RunRecord(
-                name=self.name, kind="pool", backend="local", strategy=self.strategy,
+                name=self.name, kind="pool", backend=lau.kind, strategy=self.strategy,
                 candidate=self.choice.candidate.name, degrees=Degrees.from_choice(self.choice),
                 notes=(self.choice.mesh(),), world_size=self.world_size, nproc=self.nproc, nodes=1,
                 created=time.time(), env=scrub_env({k: v for k, v in lau.env().items() if k not in secret_env}),

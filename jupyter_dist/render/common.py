@@ -31,7 +31,7 @@ SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECR
 LAUNCHERS = ("torchrun", "deepspeed", "accelerate")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SLURM_TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+SLURM_TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +108,7 @@ class RenderOptions:
             raise RenderError("lr must be > 0; weight decay and grad clip must be >= 0")
         if not self.script or self.script.startswith("-"):
             raise RenderError(f"script {self.script!r} must be a file path")
-        if not _SLURM_TIME_RE.match(self.time_limit):
+        if not SLURM_TIME_RE.match(self.time_limit):
             raise RenderError(f"time limit {self.time_limit!r} must look like HH:MM:SS or D-HH:MM:SS")
         if self.nccl_debug.upper() not in ("VERSION", "WARN", "INFO", "TRACE"):
             raise RenderError(f"NCCL debug level {self.nccl_debug!r}; valid: VERSION, WARN, INFO, TRACE")

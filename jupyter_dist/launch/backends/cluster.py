@@ -1,30 +1,31 @@
 """Start a run on a cluster back-end (SLURM, SkyPilot) from a cell's code: the same run directory and Run handle.
 
-``start_run(code, backend="slurm", cluster=ClusterOptions(...))`` lands here. The plan (the user's ``--plan``, or
-one made for the requested hardware) is compiled by the renderers (``render_sbatch``, ``render_skypilot_task``), so
-what is submitted is what ``%dist_plan`` / ``jupyter-dist config`` shows; the launcher of the back-end submits it
-and the :class:`~.run.Run` follows the job by id and its output as a stream.
+``start_run(code, backend=..., cluster=ClusterOptions(...))`` lands here for every back-end whose registry entry is a
+cluster (:data:`~jupyter_dist.launch.base.BACKEND_SPECS`). What every cluster job shares is done here, the same for
+each: the launch contract, the plan (the user's ``--plan``, or one made for the requested hardware), the ``Layout``,
+the kernel's wheel and versions, the DeepSpeed config, the script. What differs is asked of the back-end's own
+:class:`ClusterHooks` (its spec's ``start``): which options it takes, what it adds to the contract and the
+environment, where ``--script`` is on its nodes, and how it submits the :class:`ClusterJob` (``render_sbatch``,
+``render_skypilot_task``, so what is submitted is what ``%dist_plan`` / ``jupyter-dist config`` shows). No back-end
+is named here.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..._atomic import write_atomic
 from ...errors import JupyterDistError
-from ..rundir import RunDir, new_run_dir, scrub_env
+from ..base import BACKEND_SPECS, CLUSTER_BACKENDS, load_target
 
 if TYPE_CHECKING:
     from ...render.common import Layout
 
-__all__ = ["CLUSTER_BACKENDS", "ClusterOptions", "parse_gpus", "start_cluster_run"]
+__all__ = ["CLUSTER_BACKENDS", "ClusterHooks", "ClusterJob", "ClusterOptions", "parse_gpus", "start_cluster_run"]
 
-CLUSTER_BACKENDS = ("slurm", "skypilot")
 _GPUS_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)(?::(\d+))?$")
 _CLUSTER_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -107,7 +108,7 @@ class ClusterOptions:
                 "--managed jobs run on clusters SkyPilot creates and tears down itself: drop --cluster, "
                 "--idle-minutes and --down"
             )
-        from ...render.common import _SLURM_TIME_RE
+        from ...render.common import SLURM_TIME_RE
         from ..project import parse_mount, parse_size
 
         for spec in self.mounts:
@@ -121,7 +122,7 @@ class ClusterOptions:
             raise JupyterDistError(f"--requirements {self.requirements}: no such file here")
         if self.setup is not None and self.requirements is not None:
             raise JupyterDistError("--setup and --requirements both replace the version pins: give one")
-        if self.time_limit is not None and not _SLURM_TIME_RE.match(self.time_limit):
+        if self.time_limit is not None and not SLURM_TIME_RE.match(self.time_limit):
             raise JupyterDistError(f"--time {self.time_limit!r}: write HH:MM:SS, MM, HH:MM or D-HH:MM:SS")
         for flag, value in (("--partition", self.partition), ("--account", self.account)):
             if value is not None and not re.match(r"^[A-Za-z0-9_.-]+$", value):
@@ -171,6 +172,87 @@ def _plan_for(plan: Any, strategy: str, nproc: int, nodes: int, gpus: tuple[str,
     return make_plan(model, hw, shape, strategy=None if strategy in ("none",) else strategy)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterJob:
+    """What :func:`start_cluster_run` resolved for one run, handed to the back-end's :meth:`ClusterHooks.start`."""
+
+    script: str
+    """The job's ``script.py``: the prelude and the cell, or the ``--script`` runner."""
+    files: dict[str, str]
+    """Other files the job needs, by name (``ds_config.json``)."""
+    plan: Any
+    """The plan compiled for this run (the user's, or one made for the requested hardware)."""
+    user_plan: Any
+    """The user's ``--plan`` (``None`` if none), saved in ``run.json``."""
+    candidate: str | None
+    cluster: ClusterOptions
+    nproc: int
+    nodes: int
+    job: str
+    """The scheduler-safe job name."""
+    name: str
+    """The run's name (its directory's prefix)."""
+    strat: str
+    """The base strategy the ranks apply."""
+    contract: Any
+    """The launch contract (``WorkerEnv``) after the back-end's :meth:`ClusterHooks.contract`."""
+    extras: dict[str, str]
+    """Environment beyond the contract: the user's ``--env`` and what the back-end adds."""
+    ship: dict[str, Any] | None
+    timeout: float | None
+    runs_dir: str | Path
+    port: int | None
+    dry_run: bool
+    max_restarts: int
+    layout: Layout
+    """The one ``Layout`` of this run: every renderer gets it."""
+    renv: Any = None
+    """The ``RemoteEnv`` that travels with the job (the kernel's wheel and versions), or ``None``."""
+    script_copy: Path | None = None
+    """A ``--script`` file to copy next to the job's script (outside the workdir the nodes see)."""
+    choice: Any = None
+    """The resolved ``LaunchChoice``."""
+
+    @property
+    def jd_env(self) -> dict[str, str]:
+        """The job's environment: the contract's ``JD_*`` variables and the extras."""
+        return {**self.contract.to_environ(), **self.extras}
+
+
+class ClusterHooks(Protocol):
+    """What a cluster back-end tells :func:`start_cluster_run` (a class named by its registry entry's ``start``)."""
+
+    def check(self, cluster: ClusterOptions) -> None:
+        """Refuse, in one line, the options this back-end does not take."""
+
+    def ships_env(self, cluster: ClusterOptions) -> bool:
+        """Whether the kernel's jupyter-dist wheel and versions travel with the job."""
+
+    def wheel_site(self, site: str) -> str:
+        """Where the shipped wheel is unpacked on a node (``site``: the wheel's folder name)."""
+
+    def contract(self, contract: Any) -> Any:
+        """The launch contract as the job's ranks see it (e.g. the run directory where the job runs)."""
+
+    def extras(self, cluster: ClusterOptions, renv: Any) -> dict[str, str]:
+        """Environment variables the back-end adds to the job's (after the user's ``--env``)."""
+
+    def script_path(self, script_file: str, cluster: ClusterOptions) -> tuple[str, Path | None]:
+        """``--script``'s path as the job sees it, and the file to copy next to the job's script (or ``None``)."""
+
+    def start(self, job: ClusterJob) -> Any:
+        """Submit the job (or describe it, for a dry run): a :class:`~jupyter_dist.launch.run.Run` or a ``DryRun``."""
+
+
+def cluster_hooks(backend: str) -> ClusterHooks:
+    """The hooks of a cluster back-end (its registry entry's ``start``); a one-line error for any other name."""
+    spec = BACKEND_SPECS.get(backend)
+    if spec is None or not spec.cluster or spec.start is None:
+        raise JupyterDistError(f"unknown backend {backend!r}; valid: {', '.join(BACKEND_SPECS)}")
+    hooks: ClusterHooks = load_target(spec.start)()
+    return hooks
+
+
 def start_cluster_run(
     code: str, *, backend: str, cluster: ClusterOptions, nproc: int | None, nodes: int, strategy: str, plan: Any,
     launcher: str, name: str, ship: dict[str, Any] | None, max_restarts: int, timeout: float | None,
@@ -186,33 +268,15 @@ def start_cluster_run(
     from dataclasses import replace
 
     from ...render.common import SECRET_NAMES, RenderOptions
-    from ..prepare import PRELUDE, DryRun, _ship, launch_contract
-    from ..run import Run
+    from ..prepare import PRELUDE, launch_contract
 
-    if backend not in CLUSTER_BACKENDS:
-        raise JupyterDistError(f"unknown backend {backend!r}; valid: local, {', '.join(CLUSTER_BACKENDS)}")
+    hooks = cluster_hooks(backend)
     if launcher != "torchrun":
         raise JupyterDistError(
             f"--launcher {launcher}: cluster back-ends start torchrun on every node (DeepSpeed strategies run "
             "under it); drop --launcher"
         )
-    if backend == "slurm" and (cluster.gpus or cluster.cluster or cluster.infra or cluster.spot or cluster.managed
-                               or cluster.idle_minutes is not None or cluster.down or cluster.image
-                               or cluster.mounts or cluster.checkpoint_dir is not None):  # fmt: skip
-        raise JupyterDistError(
-            "--gpus/--cluster/--infra/--spot/--idle-minutes/--down/--managed/--image/--mount/--checkpoint-dir are "
-            "SkyPilot options; with "
-            "--backend slurm use --partition/--account/--time (and --nproc for processes per node)"
-        )
-    if backend == "slurm" and not cluster.ship_env and (cluster.setup is not None or cluster.requirements):
-        raise JupyterDistError("--setup/--requirements on SLURM install on the nodes: add --ship-env (the nodes "
-                               "do not share this kernel's environment)")  # fmt: skip
-    if backend == "skypilot" and (cluster.partition or cluster.account or cluster.time_limit):
-        raise JupyterDistError(
-            "--partition/--account/--time are SLURM options; SkyPilot on a SLURM cluster takes --infra slurm"
-        )
-    if backend == "skypilot" and cluster.ship_env:
-        raise JupyterDistError("--ship-env is a SLURM option: SkyPilot jobs always install the shipped environment")
+    hooks.check(cluster)
     gpus = parse_gpus(cluster.gpus) if cluster.gpus else None
     if gpus is not None:
         if nproc is not None and nproc != gpus[1]:
@@ -252,17 +316,16 @@ def start_cluster_run(
     layout = layout_of(the_plan, RenderOptions(candidate=candidate))  # once per run: every artifact below uses it
     files: dict[str, str] = {}
     renv = None
-    if backend == "skypilot" or cluster.ship_env:  # the kernel's jupyter-dist and versions travel with the job
+    if hooks.ships_env(cluster):  # the kernel's jupyter-dist and versions travel with the job
         from ..remote_env import DIST_NAME, RemoteEnv, kernel_pins, package_wheel, torch_variant, versions_env
 
         wheel = package_wheel()
         pins = kernel_pins(strategy=strat)
         acc = the_plan.hardware.accelerator
-        site = wheel.site if backend == "skypilot" else f"{wheel.site}-node${{SLURM_NODEID}}"
         variant = torch_variant(pins.get("torch", ""), acc.name, acc.vendor)
         renv = RemoteEnv(wheel=wheel, pins=pins, torch_variant=variant,
                          requirements=".jd/requirements.txt" if cluster.requirements else None, image=cluster.image,
-                         site=site)  # fmt: skip
+                         site=hooks.wheel_site(wheel.site))  # fmt: skip
         import platform
 
         checked = {**pins, DIST_NAME: wheel.version, "python": platform.python_version()}
@@ -276,108 +339,19 @@ def start_cluster_run(
 
         files["ds_config.json"] = render_deepspeed_json(the_plan, RenderOptions(candidate=strat), layout=layout)
         contract = replace(contract, ds_config="ds_config.json")
-    if backend == "skypilot":  # the job runs in its workdir and its records travel on the log stream
-        contract = replace(contract, run_dir=".", telemetry_stdout=True)
+    contract = hooks.contract(contract)
     extras = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
-    if renv is not None and backend == "skypilot":
-        extras["JD_SITE"] = renv.site  # relative to the job's workdir; jd_bootstrap.py puts it first on sys.path
-    if cluster.workdir is not None and backend == "slurm":  # a shared filesystem: import from the folder itself
-        path = str(Path(cluster.workdir).expanduser().resolve())
-        extras["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH", "")]))
-    if backend == "slurm":  # the ranks start in the notebook's folder (or --workdir), as local ranks do
-        from .local import project_paths
-
-        extras["JD_CWD"] = str(Path(cluster.workdir).expanduser().resolve()) if cluster.workdir else os.getcwd()
-        if project_paths():
-            extras["JD_PATH"] = os.pathsep.join(project_paths())
-    jd_env = {**contract.to_environ(), **extras}
+    extras.update(hooks.extras(cluster, renv))
     script = PRELUDE + code
     script_copy = None
     if script_file is not None:  # --script: an existing script runs as the job's __main__ (project.script_runner)
-        from ..project import RESERVED, script_runner
+        from ..project import script_runner
 
-        src = Path(script_file).expanduser().resolve()
-        job_path = str(src)
-        if backend == "skypilot":  # the nodes see the workdir: a path inside it, else the file copied in
-            root = Path(cluster.workdir).expanduser().resolve() if cluster.workdir else None
-            if root is not None and src.is_relative_to(root):
-                job_path = src.relative_to(root).as_posix()
-            elif src.name in RESERVED:
-                raise JupyterDistError(
-                    f"--script {script_file}: rename it ({src.name} is the name of the job's own file)"
-                )
-            else:
-                job_path, script_copy = src.name, src
+        job_path, script_copy = hooks.script_path(script_file, cluster)
         script = script_runner(job_path, script_args)
-    if backend == "slurm":
-        return _start_slurm(
-            script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster,
-            nproc=nproc, nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship,
-            timeout=timeout, runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, run_cls=Run,
-            dry_cls=DryRun, ship_fn=_ship, layout=layout, renv=renv, choice=choice,
-        )  # fmt: skip
-    from .skypilot import start_skypilot
-
-    return start_skypilot(
+    return hooks.start(ClusterJob(
         script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
-        nodes=nodes, job=job, name=name, strat=strat, jd_env=jd_env, ship=ship, timeout=timeout, runs_dir=runs_dir,
-        port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout, renv=renv, script_copy=script_copy,
-        choice=choice,
-    )  # fmt: skip
-
-
-def _start_slurm(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
-                 cluster: ClusterOptions, nproc: int, nodes: int, job: str, name: str, strat: str, contract: Any,
-                 extras: dict[str, str], ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path,
-                 port: int | None, dry_run: bool, max_restarts: int, run_cls: Any, dry_cls: Any,
-                 ship_fn: Any, layout: Layout, renv: Any = None, choice: Any = None) -> Any:  # fmt: skip
-    from ...render.common import RenderOptions
-    from ...render.slurm import render_sbatch
-    from .local import _free_port
-    from .slurm import SlurmLauncher
-
-    rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
-    from dataclasses import replace
-
-    if contract.ds_config and not dry_run:
-        contract = replace(contract, ds_config=str(rd.path / "ds_config.json"))
-    run_env = {**replace(contract, run_dir=str(rd.path)).to_environ(), **extras}
-    opts = RenderOptions(
-        candidate=candidate, name=job, script=str(rd.path / "jd_bootstrap.py"), script_args=(str(rd.script),),
-        rdzv="static", master_port=port or (29500 if dry_run else _free_port()), max_restarts=max_restarts,
-        checkpoint_dir=str(rd.checkpoints), partition=cluster.partition, account=cluster.account,
-        time_limit=cluster.time_limit or "24:00:00", env=tuple(run_env.items()), secrets=cluster.secrets,
-        nccl_debug="WARN", node_setup=renv.setup_script(cluster.setup) if renv is not None else "",
-    )  # fmt: skip
-    try:
-        sbatch = render_sbatch(plan, opts, layout=layout)
-    except JupyterDistError:
-        raise
-    lau = SlurmLauncher(run_dir=rd, script=sbatch, job_name=job, nodes=nodes, nproc=nproc,
-                        partition=cluster.partition)  # fmt: skip
-    if dry_run:
-        notes = renv.notes() if renv is not None else ["the nodes share this kernel's environment (no --ship-env)"]
-        return dry_cls(script=script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **files}, notes=notes)
-    write_atomic(rd.script, script)
-    if renv is not None:
-        from ..remote_env import stage_files
-
-        stage_files(renv, rd.path, cluster.requirements)
-    for fname, text in files.items():
-        write_atomic(rd.path / fname, text)
-    if ship:
-        ship_fn(rd, ship)
-    from ..record import launch_record
-
-    record = launch_record(name=name, backend="slurm", strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
-                           timeout=timeout, env=scrub_env(run_env), plan=user_plan, ship=ship,
-                           secrets=cluster.secrets)  # fmt: skip
-    rd.write_meta(record)
-    try:
-        lau.start()
-    except JupyterDistError:
-        rd.write_meta(replace(record, status="failed", error="submission failed"))
-        raise
-    record = replace(record, started=time.time(), launcher=lau.to_dict(), extra={"job_id": lau.job_id})
-    meta = rd.write_meta(record).to_dict()
-    return run_cls(rd, meta, launcher=lau, timeout=timeout, plan=user_plan)
+        nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship, timeout=timeout,
+        runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout, renv=renv,
+        script_copy=script_copy, choice=choice,
+    ))  # fmt: skip

@@ -47,6 +47,7 @@ __all__ = [
     "check_user_env",
     "find_launcher",
     "find_torchrun",
+    "free_port",
     "local_cores",
     "port_is_free",
 ]
@@ -168,7 +169,8 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel picks it; torchrun's rendezvous binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -293,7 +295,7 @@ class LocalLauncher(Launcher):
             exe = self.executable
         if self.nodes > 1 or self.launcher != "torchrun" or self.port is not None:
             if self.port is None:
-                self.port = _free_port()
+                self.port = free_port()
             elif not port_is_free(self.port):
                 raise LaunchError(
                     f"port {self.port} on 127.0.0.1 is already in use; pick another --port or leave it out to get "

@@ -45,7 +45,10 @@ from .slurm import BOOTSTRAP_STUB
 if TYPE_CHECKING:
     from ...render.common import Layout
 
-__all__ = ["SkyPilotLauncher", "SkyPilotError", "attach_job", "down", "import_sky", "job_state", "start_skypilot"]
+__all__ = [
+    "SkyPilotLauncher", "SkyPilotError", "SkyPilotStart", "attach_job", "attach_ref", "down", "import_sky", "job_state",
+    "start_skypilot",
+]  # fmt: skip
 
 INSTALL_HINT = 'SkyPilot is not installed: pip install "jupyter-dist[sky]" (then `sky check` to enable a cloud)'
 
@@ -368,6 +371,60 @@ def down(cluster: str, timeout: float = 300.0) -> float:
     return time.monotonic() - t0
 
 
+# ---- starting a run from a cell (the hooks start_cluster_run calls; the registry names SkyPilotStart) ----------
+class SkyPilotStart:
+    """SkyPilot's part of ``start_cluster_run`` (:class:`~.cluster.ClusterHooks`): a workdir synced to the nodes."""
+
+    def check(self, cluster: Any) -> None:
+        """SLURM's options are refused (SkyPilot on a SLURM cluster takes ``--infra slurm``)."""
+        if cluster.partition or cluster.account or cluster.time_limit:
+            raise JupyterDistError(
+                "--partition/--account/--time are SLURM options; SkyPilot on a SLURM cluster takes --infra slurm"
+            )
+        if cluster.ship_env:
+            raise JupyterDistError("--ship-env is a SLURM option: SkyPilot jobs always install the shipped environment")
+
+    def ships_env(self, cluster: Any) -> bool:
+        """Always: the nodes are new machines."""
+        return True
+
+    def wheel_site(self, site: str) -> str:
+        """In the job's own workdir on each node."""
+        return site
+
+    def contract(self, contract: Any) -> Any:
+        """The job runs in its workdir and its records travel on the log stream."""
+        from dataclasses import replace
+
+        return replace(contract, run_dir=".", telemetry_stdout=True)
+
+    def extras(self, cluster: Any, renv: Any) -> dict[str, str]:
+        """``JD_SITE``: the shipped wheel, relative to the job's workdir (``jd_bootstrap.py`` puts it first)."""
+        return {"JD_SITE": renv.site} if renv is not None else {}
+
+    def script_path(self, script_file: str, cluster: Any) -> tuple[str, Path | None]:
+        """The nodes see the workdir: a path inside it, else the file copied in."""
+        from ..project import RESERVED
+
+        src = Path(script_file).expanduser().resolve()
+        root = Path(cluster.workdir).expanduser().resolve() if cluster.workdir else None
+        if root is not None and src.is_relative_to(root):
+            return src.relative_to(root).as_posix(), None
+        if src.name in RESERVED:
+            raise JupyterDistError(f"--script {script_file}: rename it ({src.name} is the name of the job's own file)")
+        return src.name, src
+
+    def start(self, job: Any) -> Any:
+        """:func:`start_skypilot` with the job ``start_cluster_run`` resolved."""
+        return start_skypilot(
+            script=job.script, files=job.files, plan=job.plan, user_plan=job.user_plan, candidate=job.candidate,
+            cluster=job.cluster, nproc=job.nproc, nodes=job.nodes, job=job.job, name=job.name, strat=job.strat,
+            jd_env=job.jd_env, ship=job.ship, timeout=job.timeout, runs_dir=job.runs_dir, port=job.port,
+            dry_run=job.dry_run, max_restarts=job.max_restarts, layout=job.layout, renv=job.renv,
+            script_copy=job.script_copy, choice=job.choice,
+        )  # fmt: skip
+
+
 def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: Any, candidate: str | None,
                    cluster: Any, nproc: int, nodes: int, job: str, name: str, strat: str, jd_env: dict[str, str],
                    ship: dict[str, Any] | None, timeout: float | None, runs_dir: str | Path, port: int | None,
@@ -376,7 +433,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
     """Write the workdir and ``task.yaml``, launch through the SDK, return a Run (``start_cluster_run`` calls it)."""
     from ...render.common import RenderOptions
     from ...render.skypilot import dump_yaml, render_skypilot_task
-    from ..prepare import DryRun, _ship
+    from ..prepare import DryRun, write_shipped
     from ..run import Run
 
     rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN") if dry_run else new_run_dir(runs_dir, name)
@@ -427,7 +484,7 @@ def start_skypilot(*, script: str, files: dict[str, str], plan: Any, user_plan: 
         write_atomic(workdir / fname, text)
     write_atomic(rd.script, script)
     if ship:
-        _ship(rd, ship)
+        write_shipped(rd, ship)
         os.replace(rd.path / "shipped.pkl", workdir / "shipped.pkl")
     write_atomic(lau.task_yaml, dump_yaml(task))
     from dataclasses import replace
@@ -473,6 +530,11 @@ def _price_note(plan: Any, opts: Any, cluster: Any, nodes: int, layout: Any = No
 
 
 _REF = re.compile(r"^([a-z][a-z0-9-]*)/(\d+)$")
+
+
+def attach_ref(ref: str, *, runs_dir: str | Path = "runs") -> Any:
+    """:func:`attach_job` for a ``CLUSTER/JOB`` reference; ``None`` for anything else (``%dist_attach`` asks)."""
+    return attach_job(ref, runs_dir=runs_dir) if _REF.match(ref.strip()) else None
 
 
 def attach_job(ref: str, *, runs_dir: str | Path = "runs") -> Any:

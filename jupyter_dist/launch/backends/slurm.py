@@ -30,7 +30,7 @@ from ...errors import JupyterDistError
 from ..base import Follower, JobState, RemoteLauncher
 from ..rundir import RunDir
 
-__all__ = ["SlurmLauncher", "SlurmError", "slurm_state", "find_slurm_tool", "BOOTSTRAP_STUB"]
+__all__ = ["SlurmLauncher", "SlurmError", "SlurmStart", "slurm_state", "find_slurm_tool", "BOOTSTRAP_STUB"]
 
 SLURM_INSTALL_HINT = (
     "install the SLURM client tools (Debian/Ubuntu: apt-get install slurm-client) or run the notebook on a login "
@@ -325,3 +325,106 @@ def wait_for_state(launcher: SlurmLauncher, states: tuple[str, ...], timeout: fl
         time.sleep(0.5)
         state = launcher.poll()
     return state
+
+
+# ---- starting a run from a cell (the hooks start_cluster_run calls; the registry names SlurmStart) -------------
+class SlurmStart:
+    """SLURM's part of ``start_cluster_run`` (:class:`~.cluster.ClusterHooks`): a shared filesystem, ``sbatch``."""
+
+    def check(self, cluster: Any) -> None:
+        """SkyPilot's options are refused; ``--setup``/``--requirements`` need ``--ship-env``."""
+        if (cluster.gpus or cluster.cluster or cluster.infra or cluster.spot or cluster.managed
+                or cluster.idle_minutes is not None or cluster.down or cluster.image or cluster.mounts
+                or cluster.checkpoint_dir is not None):  # fmt: skip
+            raise JupyterDistError(
+                "--gpus/--cluster/--infra/--spot/--idle-minutes/--down/--managed/--image/--mount/--checkpoint-dir are "
+                "SkyPilot options; with "
+                "--backend slurm use --partition/--account/--time (and --nproc for processes per node)"
+            )
+        if not cluster.ship_env and (cluster.setup is not None or cluster.requirements):
+            raise JupyterDistError("--setup/--requirements on SLURM install on the nodes: add --ship-env (the nodes "
+                                   "do not share this kernel's environment)")  # fmt: skip
+
+    def ships_env(self, cluster: Any) -> bool:
+        """Only with ``--ship-env``: the nodes otherwise share this kernel's environment."""
+        return bool(cluster.ship_env)
+
+    def wheel_site(self, site: str) -> str:
+        """One folder per node: they share the run directory."""
+        return f"{site}-node${{SLURM_NODEID}}"
+
+    def contract(self, contract: Any) -> Any:
+        """Unchanged: the ranks write the run directory itself (a shared filesystem)."""
+        return contract
+
+    def extras(self, cluster: Any, renv: Any) -> dict[str, str]:
+        """The ranks start in the notebook's folder (or ``--workdir``, importable from where it is), as local ranks."""
+        from .local import project_paths
+
+        out: dict[str, str] = {}
+        if cluster.workdir is not None:  # a shared filesystem: import from the folder itself
+            path = str(Path(cluster.workdir).expanduser().resolve())
+            out["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH", "")]))
+        out["JD_CWD"] = str(Path(cluster.workdir).expanduser().resolve()) if cluster.workdir else os.getcwd()
+        if project_paths():
+            out["JD_PATH"] = os.pathsep.join(project_paths())
+        return out
+
+    def script_path(self, script_file: str, cluster: Any) -> tuple[str, Path | None]:
+        """The script where it is (the nodes see this filesystem)."""
+        return str(Path(script_file).expanduser().resolve()), None
+
+    def start(self, job: Any) -> Any:
+        """Write the run directory and ``job.sbatch`` (``render_sbatch``), submit it; a Run (or a DryRun)."""
+        from dataclasses import replace
+
+        from ...render.common import RenderOptions
+        from ...render.slurm import render_sbatch
+        from ..prepare import DryRun, write_shipped
+        from ..record import launch_record
+        from ..run import Run
+        from ..rundir import new_run_dir, scrub_env
+        from .local import free_port
+
+        cluster, renv, contract, dry_run = job.cluster, job.renv, job.contract, job.dry_run
+        rd = RunDir(Path(job.runs_dir).expanduser().resolve() / f"{job.name}-DRYRUN") if dry_run else new_run_dir(
+            job.runs_dir, job.name)  # fmt: skip
+        if contract.ds_config and not dry_run:
+            contract = replace(contract, ds_config=str(rd.path / "ds_config.json"))
+        run_env = {**replace(contract, run_dir=str(rd.path)).to_environ(), **job.extras}
+        opts = RenderOptions(
+            candidate=job.candidate, name=job.job, script=str(rd.path / "jd_bootstrap.py"),
+            script_args=(str(rd.script),), rdzv="static", master_port=job.port or (29500 if dry_run else free_port()),
+            max_restarts=job.max_restarts, checkpoint_dir=str(rd.checkpoints), partition=cluster.partition,
+            account=cluster.account, time_limit=cluster.time_limit or "24:00:00", env=tuple(run_env.items()),
+            secrets=cluster.secrets, nccl_debug="WARN",
+            node_setup=renv.setup_script(cluster.setup) if renv is not None else "",
+        )  # fmt: skip
+        sbatch = render_sbatch(job.plan, opts, layout=job.layout)
+        lau = SlurmLauncher(run_dir=rd, script=sbatch, job_name=job.job, nodes=job.nodes, nproc=job.nproc,
+                            partition=cluster.partition)  # fmt: skip
+        if dry_run:
+            notes = renv.notes() if renv is not None else ["the nodes share this kernel's environment (no --ship-env)"]
+            return DryRun(script=job.script, argv=lau.args(), env=run_env, files={"job.sbatch": sbatch, **job.files},
+                          notes=notes)  # fmt: skip
+        write_atomic(rd.script, job.script)
+        if renv is not None:
+            from ..remote_env import stage_files
+
+            stage_files(renv, rd.path, cluster.requirements)
+        for fname, text in job.files.items():
+            write_atomic(rd.path / fname, text)
+        if job.ship:
+            write_shipped(rd, job.ship)
+        record = launch_record(name=job.name, backend=SlurmLauncher.kind, strategy=job.strat, choice=job.choice,
+                               nproc=job.nproc, nodes=job.nodes, timeout=job.timeout, env=scrub_env(run_env),
+                               plan=job.user_plan, ship=job.ship, secrets=cluster.secrets)  # fmt: skip
+        rd.write_meta(record)
+        try:
+            lau.start()
+        except JupyterDistError:
+            rd.write_meta(replace(record, status="failed", error="submission failed"))
+            raise
+        record = replace(record, started=time.time(), launcher=lau.to_dict(), extra={"job_id": lau.job_id})
+        meta = rd.write_meta(record).to_dict()
+        return Run(rd, meta, launcher=lau, timeout=job.timeout, plan=job.user_plan)
