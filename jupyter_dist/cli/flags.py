@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import JupyterDistError
-from ..launch.base import BACKENDS
+from ..launch.base import BACKENDS, DEFAULT_BACKEND, backend_spec
 
 __all__ = ["MAX_LOCAL_NPROC", "MAX_SECONDS", "MAX_COUNT", "int_arg", "float_arg", "add_plan_arguments",
            "add_render_arguments", "render_options_from_args", "plan_from_args", "add_check_arguments",
@@ -501,9 +501,9 @@ def tune_from_args(
 
     if plan is None:
         plan = plan_from_args(args)
-    backend = args.backend or "local"
+    backend = args.backend or DEFAULT_BACKEND
     acc = plan.hardware.accelerator
-    if backend == "local":
+    if not backend_spec(backend).cluster:
         gpus = local_gpu_count()
         if acc.vendor == "cpu" and gpus:
             pass  # CPU processes on a GPU machine are fine: the plan is for them

@@ -34,6 +34,7 @@ from typing import Any
 
 from .._atomic import write_atomic
 from ..errors import JupyterDistError
+from .base import DEFAULT_BACKEND, runs_here
 
 __all__ = [
     "HPARAMS_FILE",
@@ -258,8 +259,8 @@ class RunRecord:
     """``run`` (``%%dist_train``, ``start_run``, ``jupyter-dist launch``) or ``pool`` (``%dist_start``)."""
     status: str = "pending"
     """pending, running, succeeded, failed, stopped, timed out or hung."""
-    backend: str = "local"
-    """``local``, ``slurm`` or ``skypilot``."""
+    backend: str = DEFAULT_BACKEND
+    """A key of the back-end registry (``launch/base.py``: ``BACKEND_SPECS``)."""
     strategy: str | None = None
     """The base strategy the ranks apply (``JD_STRATEGY``)."""
     candidate: str | None = None
@@ -369,7 +370,7 @@ class RunRecord:
             return tuple(str(x) for x in value) if isinstance(value, (list, tuple)) else ()
 
         kind = data.get("kind") if data.get("kind") in ("run", "pool") else "run"
-        backend = data.get("backend") or launcher.get("kind") or "local"
+        backend = data.get("backend") or launcher.get("kind") or DEFAULT_BACKEND
         return cls(
             name=str(data.get("name") or ""), kind=str(kind), status=str(data.get("status") or "pending"),
             backend=str(backend), strategy=str(data["strategy"]) if data.get("strategy") else None,
@@ -525,7 +526,7 @@ def settle_stale(folder: str | os.PathLike[str], record: RunRecord, *, now: floa
     code 0, else ``failed``, with the exit codes and a reason saying it ended while no kernel watched it. The
     caller writes it (:func:`write_record`) when it may.
     """
-    if not record.active or record.backend != "local":
+    if not record.active or not runs_here(record.backend):
         return record
     if not record.pids:  # nothing to check: a run being started, or one only a pending record says was ever tried
         stuck = record.status == "pending" and record.created and (now or time.time()) - record.created > 60

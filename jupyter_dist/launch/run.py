@@ -31,7 +31,7 @@ from ..errors import JupyterDistError
 from ..telemetry.reader import read_run_records
 from .backends.local import LocalLauncher
 from .backends.stream import LogRouter
-from .base import RemoteLauncher
+from .base import RemoteLauncher, runs_here
 from .rundir import RunDir
 from .watch import (  # re-exported: the states and kill_tree have always been importable from here
     FAILED,
@@ -121,7 +121,7 @@ class Run(RunWatching):
     def remote(self) -> bool:
         """Whether the run is a cluster job (SLURM, SkyPilot) followed through its log stream."""
         kind = (self._meta.get("launcher") or {}).get("kind")
-        return isinstance(self._launcher, RemoteLauncher) or kind not in (None, "local")
+        return isinstance(self._launcher, RemoteLauncher) or (kind is not None and not runs_here(kind))
 
     @property
     def job_id(self) -> str | None:
@@ -751,7 +751,7 @@ def open_run(path: str | Path) -> Run:
             plan = None
     launcher = None
     saved = meta.get("launcher") or {}
-    if saved.get("kind") not in (None, "local") and meta.get("status") not in FINAL:
+    if saved.get("kind") is not None and not runs_here(saved["kind"]) and meta.get("status") not in FINAL:
         from .base import launcher_from_dict
 
         launcher = launcher_from_dict(saved)  # a cluster job: follow it again by id

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import JupyterDistError
 from ..telemetry.reader import FileFollower, RecordSet
 from ..telemetry.summary import SummaryBuilder, read_summary, summarize_dir, write_summary
+from .base import DEFAULT_BACKEND, runs_here
 from .record import settle_stale
 from .rundir import RunDir
 
@@ -160,7 +161,7 @@ def _row(path: Path, now: float) -> RunRow | None:
     peaks = summary.get("peak_mem") or {}
     world = int(meta.get("world_size") or summary.get("ranks") or 0)
     return RunRow(
-        name=path.name, path=str(path), backend=str(launcher.get("kind") or "local"),
+        name=path.name, path=str(path), backend=str(launcher.get("kind") or DEFAULT_BACKEND),
         strategy=str(meta.get("strategy") or "none"),
         candidate=str(meta.get("candidate") or meta.get("strategy") or ""),
         mesh=notes[0] if notes else "", status=status, world_size=world, steps=int(summary.get("steps") or 0),
@@ -241,7 +242,7 @@ def orphans(folder: str | os.PathLike[str] | None = None) -> list[Orphan]:
             record = RunDir(path).read_record()
         except (JupyterDistError, OSError):
             continue
-        if record.backend != "local" or not record.active or not record.pids:
+        if not runs_here(record.backend) or not record.active or not record.pids:
             continue
         kernel = record.extra.get("kernel") if isinstance(record.extra.get("kernel"), dict) else {}
         pid = kernel.get("pid") if isinstance(kernel.get("pid"), int) else None

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-from .base import BACKENDS
+from .base import BACKENDS, DEFAULT_BACKEND, backend_spec
 
 __all__ = ["add_launch_arguments", "add_ship_arguments", "cmd_launch", "split_script"]
 
@@ -100,7 +100,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("script", help="the training script (run as __main__ on every rank)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script (after the script's name)")
-    p.add_argument("--backend", choices=tuple(BACKENDS), default="local", help="where it runs")
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND, help="where it runs")
     p.add_argument("--nproc", type=int, help="processes per node (default: local GPU count, else 2)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--strategy", default="none", help="JD_STRATEGY for scripts using jd (default none)")
@@ -139,7 +139,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise JupyterDistError(f"--env wants NAME=VALUE, got {item!r}")
         env[key] = value
     cluster: Any = None
-    if args.backend != "local":
+    if backend_spec(args.backend).cluster:
         cluster = ClusterOptions(
             partition=args.partition, account=args.account, time_limit=args.time_limit, gpus=args.gpus,
             cluster=args.cluster, infra=args.infra, spot=args.spot, idle_minutes=args.idle_minutes, down=args.down,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JupyterDistError
+from .base import DEFAULT_BACKEND
 from .measure import WARMUP_STEPS, Measured, Trial, fit_calibration, measure_run
 
 __all__ = [
@@ -262,7 +263,7 @@ def tune(
     steps: int = 8,
     nproc: int | None = None,
     nodes: int | None = None,
-    backend: str = "local",
+    backend: str = DEFAULT_BACKEND,
     cluster: Any = None,
     runs_dir: str = "runs",
     name: str = "tune",

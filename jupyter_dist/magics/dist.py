@@ -11,7 +11,6 @@ parser (:mod:`.args`) are apart.
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 import traitlets
@@ -30,7 +29,7 @@ from ..cli.flags import (
     plan_from_args,
 )
 from ..errors import JupyterDistError
-from ..launch.base import BACKENDS
+from ..launch.base import BACKENDS, CLUSTER_BACKENDS, DEFAULT_BACKEND, backend_spec
 from .args import parse_magic_line, strip_comment
 
 __all__ = ["DistMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -282,7 +281,7 @@ class DistMagics(Magics):
 
     runs_dir = traitlets.Unicode("runs", help="Folder for run directories.").tag(config=True)
     default_backend = traitlets.Enum(
-        list(BACKENDS), "local", help="Back-end of %%dist_train when --backend is not given."
+        list(BACKENDS), DEFAULT_BACKEND, help="Back-end of %%dist_train when --backend is not given."
     ).tag(config=True)
     dashboard = traitlets.Enum(
         ["auto", "on", "off"],
@@ -487,9 +486,9 @@ class DistMagics(Magics):
                                 ("--ship-env", args.ship_env), ("--steps", args.steps),
                                 ("--secret", [] if args.log_to else args.secret))  # --log-to's sinks read them here
                  if v not in (None, False, [])]  # fmt: skip
-        if backend == "local":
+        if not backend_spec(backend).cluster:
             if given:
-                raise JupyterDistError(f"{', '.join(given)} need --backend slurm or skypilot")
+                raise JupyterDistError(f"{', '.join(given)} need --backend {' or '.join(CLUSTER_BACKENDS)}")
             return None
         from ..launch.backends.cluster import ClusterOptions
 
@@ -616,11 +615,12 @@ class DistMagics(Magics):
         if not path:
             raise UsageError("usage: %dist_attach RUN_DIR  or  %dist_attach CLUSTER/JOB (SkyPilot)")
         try:
-            if not Path(path).expanduser().exists() and re.match(r"^[a-z][a-z0-9-]*/\d+$", path):
-                from ..launch.backends.skypilot import attach_job
+            run = None
+            if not Path(path).expanduser().exists():  # a back-end's own reference (SkyPilot's CLUSTER/JOB)?
+                from ..launch.base import attach_ref
 
-                run = attach_job(path, runs_dir=self.runs_dir)
-            else:
+                run = attach_ref(path, runs_dir=self.runs_dir)
+            if run is None:
                 run = open_run(path)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None

@@ -306,10 +306,11 @@ class Wizard(LaunchTab):
         ])  # fmt: skip
 
         # launch
+        from ..launch.base import BACKEND_SPECS, DEFAULT_BACKEND
         from ..launch.examples import DEMO_CELL
 
-        self.backend = _row(ipw.Dropdown(options=[("this machine (torchrun)", "local"), ("SLURM", "slurm"),
-                                                  ("SkyPilot", "skypilot")], value="local", description="Run on"))
+        self.backend = _row(ipw.Dropdown(options=[(s.label, s.name) for s in BACKEND_SPECS.values()],
+                                         value=DEFAULT_BACKEND, description="Run on"))  # fmt: skip
         self.nproc = _row(ipw.IntText(value=2, description="Procs per node"))
         self.launch_nodes = _row(ipw.IntText(value=1, description="Nodes"))
         steps_tip = "optimizer steps the run takes: SkyPilot's cost estimate"

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from ..errors import JupyterDistError
+from ..launch.base import BACKEND_SPECS, backend_spec
 from .wizard_model import train_line
 
 __all__ = ["LaunchTab", "cost_flags"]
@@ -107,7 +108,7 @@ class LaunchTab:
         """
         from ..launch.cost import price_for, price_line
 
-        if self.backend.value != "skypilot":
+        if not backend_spec(self.backend.value).priced:
             self.price.value = ""
             return
         p, name = self.plan, self._selected()
@@ -171,20 +172,22 @@ class LaunchTab:
             self.launch_msg.value = self._msg(str(exc))
             return None
         backend = self.backend.value
+        spec = backend_spec(backend)
         try:
             flags = shlex.split(self.cluster_flags.value)
         except ValueError as exc:
             self.launch_msg.value = self._msg(f"cluster flags: {exc}")
             return None
-        if flags and backend == "local":
-            self.launch_msg.value = self._msg("cluster flags need Run on: SLURM or SkyPilot")
+        if flags and not spec.cluster:
+            clusters = " or ".join(s.label for s in BACKEND_SPECS.values() if s.cluster)
+            self.launch_msg.value = self._msg(f"cluster flags need Run on: {clusters}")
             return None
         extra = [] if strategy == "auto" else ["--strategy", strategy]
         if nodes > 1:
             extra += ["--nodes", str(nodes)]
-        if backend != "local":
+        if spec.cluster:
             extra += ["--backend", backend]
-        if backend == "skypilot" and "--steps" not in " ".join(flags):  # the dry run of the line prices the same run
+        if spec.priced and "--steps" not in " ".join(flags):  # the dry run of the line prices the same run
             extra += ["--steps", str(self.launch_steps.value)]
         line = train_line(self.plan_var, nproc=nproc, name=run_name, extra=shlex.join(extra + flags))
         shell = self._shell_with_magics()
@@ -204,7 +207,7 @@ class LaunchTab:
                                                    + " --no-dashboard --output none", self.code.value)  # fmt: skip
                     except UsageError as exc:
                         raise JupyterDistError(str(exc)) from None
-            elif backend == "local":
+            elif not spec.cluster:
                 run = start_run(self.code.value, nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
                                 runs_dir=self.runs_dir, timeout=timeout, output="none")  # fmt: skip
             else:
@@ -217,7 +220,7 @@ class LaunchTab:
         if ns is not None:
             ns[run_name] = run
         notes = list(getattr(run, "notes", []))  # the mesh, and a rehearsal note when the plan was for more GPUs
-        where = {"local": "on this machine", "slurm": "on SLURM", "skypilot": "on SkyPilot"}[backend]
+        where = spec.where
         what = html.escape(run.candidate or cand.name)
         self.launch_msg.value = (f"<div>started <b>{html.escape(run.name)}</b> {where} ({what}, "
                                  f"{nodes} x {nproc} processes) in <code>{html.escape(str(run.dir))}</code>"
