@@ -1,26 +1,29 @@
-"""A hardware calibration measured by ``%dist_tune``: the achieved matmul rate, per-operator cost, memory offset.
+"""A hardware calibration: the achieved matmul rate, per-operator cost, memory offset, per-candidate memory.
 
-Stored per hardware in a user-level JSON file, ``~/.cache/jupyter-dist/calibration/<hardware-key>.json`` (the folder
-is ``$JD_CALIBRATION_DIR`` when set), and used by later plans on the same hardware (``%dist_plan``, ``jupyter-dist
+``%dist_tune`` measures the rates and one memory offset per rank; ``%dist_rehearse --save`` measures one candidate's
+step peak for one plan (:attr:`Calibration.memory_by_candidate`, for the plan :func:`plan_shape` names). Stored per
+hardware in a user-level JSON file, ``~/.cache/jupyter-dist/calibration/<hardware-key>.json`` (the folder is
+``$JD_CALIBRATION_DIR`` when set), and used by later plans on the same hardware (``%dist_plan``, ``jupyter-dist
 plan``), which say so in their reasons. The key is the accelerator's catalog name for GPUs (an H100 is an H100) and
 ``cpu-<host name>`` for CPU processes, whose speed is the machine's (stdlib only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanInputError
 from .hardware import Hardware
 
-__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "published", "ENV_DIR"]
+__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "plan_shape", "published", "ENV_DIR"]
 
 ENV_DIR = "JD_CALIBRATION_DIR"
 """Environment variable naming the calibration folder (tests point it at a temporary one)."""
@@ -62,23 +65,46 @@ class Calibration:
     """Measured over modelled communication time (> 1: the links or the collective library are slower than the
     catalog's bus bandwidth; applied as a lower link efficiency)."""
     trials: int
-    """Measured trials behind the fit."""
+    """Measured trials behind the fit (0: no speed was measured, only :attr:`memory_by_candidate`; the published
+    rates stay)."""
     step_error: float = 0.0
     """Mean relative error of the predicted step time over the trials *before* calibration."""
     measured_at: float = 0.0
     """Unix time of the measurement."""
     source: str = ""
     """Where the measurements are (the tune's or run's directory)."""
+    memory_by_candidate: dict[str, int] = field(default_factory=dict)
+    """Candidate name (``"fsdp2+tp8"``) -> the rehearsed step peak of its worst rehearsed rank minus the planned one,
+    bytes (``%dist_rehearse --save``). Used for that candidate, in a plan of the shape :attr:`rehearsed_for` names,
+    instead of :attr:`memory_offset_bytes`: its planned peak is then the rehearsed one."""
+    rehearsed_for: dict[str, str] = field(default_factory=dict)
+    """Candidate name -> the plan its entry of :attr:`memory_by_candidate` was rehearsed for (:func:`plan_shape`)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1:
             raise PlanInputError(f"calibration matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
-        if self.op_overhead_s < 0 or self.trials < 1 or self.comm_scale <= 0:
-            raise PlanInputError("calibration op_overhead_s must be >= 0, comm_scale > 0 and trials >= 1")
+        if self.op_overhead_s < 0 or self.trials < 0 or self.comm_scale <= 0:
+            raise PlanInputError("calibration op_overhead_s must be >= 0, comm_scale > 0 and trials >= 0")
+        if self.trials == 0 and not self.memory_by_candidate:
+            raise PlanInputError("a calibration measures something: trials >= 1, or a rehearsed candidate's memory")
+        if set(self.rehearsed_for) != set(self.memory_by_candidate):
+            raise PlanInputError("calibration: every rehearsed candidate's memory says which plan it was measured for")
+
+    def memory_for(self, shape: str) -> dict[str, int]:
+        """The rehearsed candidates' memory corrections (bytes) for a plan of this :func:`plan_shape`."""
+        return {c: v for c, v in self.memory_by_candidate.items() if self.rehearsed_for.get(c) == shape}
+
+    def with_rehearsal(self, candidate: str, offset_bytes: int, shape: str) -> Calibration:
+        """A copy with ``candidate``'s memory entry set (replaced) for a plan of ``shape``; the rest kept."""
+        return replace(self, memory_by_candidate={**self.memory_by_candidate, candidate: int(offset_bytes)},
+                       rehearsed_for={**self.rehearsed_for, candidate: shape})  # fmt: skip
 
     def describe(self) -> str:
         """One line: what was measured, when, and from how many trials."""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at)) if self.measured_at else "?"
+        if not self.trials:
+            return (f"no speed measured; the memory of {len(self.memory_by_candidate)} candidate(s) rehearsed "
+                    f"({', '.join(sorted(self.memory_by_candidate))}) ({self.path()})")  # fmt: skip
         return (
             f"{self.trials} measured trial(s) on {when}: matmul efficiency {self.matmul_efficiency:.3g}, "
             f"{1e6 * self.op_overhead_s:.3g} us per operator, communication x{self.comm_scale:.3g} the model's, "
@@ -87,7 +113,9 @@ class Calibration:
         )
 
     def apply(self, hardware: Hardware) -> Hardware:
-        """``hardware`` with the measured rates (the plan then says it uses them)."""
+        """``hardware`` with the measured rates (the plan then says it uses them); unchanged without trials."""
+        if not self.trials:
+            return hardware
         acc = replace(hardware.accelerator, matmul_efficiency=self.matmul_efficiency,
                       op_overhead_s=self.op_overhead_s, comm_scale=self.comm_scale,
                       calibration=self.describe())  # fmt: skip
@@ -98,22 +126,53 @@ class Calibration:
         return calibration_dir() / f"{self.hardware_key}.json"
 
     def save(self) -> Path:
-        """Write it to :meth:`path` (atomically); returns the path."""
+        """Write it to :meth:`path` (atomically); returns the path.
+
+        The rehearsed candidates' memory entries of the file already there are kept unless this calibration has its
+        own for the same candidate (a tune measures speed, a rehearsal one candidate's memory: neither drops the
+        other's); everything else is this calibration's.
+        """
         path = self.path()
         path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict()
+        old = load_calibration(self.accelerator)
+        if old is not None and old.hardware_key == self.hardware_key:
+            data["memory_by_candidate"] = {**old.memory_by_candidate, **self.memory_by_candidate}
+            data["rehearsed_for"] = {**old.rehearsed_for, **self.rehearsed_for}
         from .._atomic import write_atomic
 
-        return write_atomic(path, json.dumps(self.to_dict(), indent=1))
+        return write_atomic(path, json.dumps(data, indent=1))
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready dict."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["memory_by_candidate"] = dict(self.memory_by_candidate)
+        out["rehearsed_for"] = dict(self.rehearsed_for)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict` (a file written before a field existed loads with its default)."""
         fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "memory_by_candidate" in fields:
+            fields["memory_by_candidate"] = {str(k): int(v) for k, v in dict(fields["memory_by_candidate"]).items()}
+            fields["rehearsed_for"] = {str(k): str(v) for k, v in dict(fields.get("rehearsed_for", {})).items()}
         return cls(**fields)
+
+
+def plan_shape(model: Any, training: Any, hardware: Hardware, assumptions: Any = None) -> str:
+    """The plan a rehearsed candidate's memory entry is for, said briefly and pinned by a digest.
+
+    The digest covers the model, the world, the training shape and the memory model's assumptions (another plan gets
+    another string); the accelerator's rates (a tune's calibration) are left out: they do not change its memory.
+    """
+    t = training
+    world = [hardware.accelerator.name, hardware.nodes, hardware.gpus_per_node]
+    whole = [model.to_dict(), t.to_dict(), world, assumptions.to_dict() if assumptions is not None else None]
+    digest = hashlib.sha256(json.dumps(whole, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return (f"{model.name} on {hardware.nodes} x {hardware.gpus_per_node} {hardware.accelerator.name}, micro-batch "
+            f"{t.micro_batch}, seq {t.seq_len}, {t.precision.value}, {t.optimizer.value}, checkpointing "
+            f"{t.checkpointing_name} [{digest}]")  # fmt: skip
 
 
 def load_calibration(accelerator: str) -> Calibration | None:

@@ -151,6 +151,7 @@ class MemoryBreakdown:
             "gathered_params": "FSDP/ZeRO-3 gathered units + reduce-scatter", "comm_buckets": "communication buckets",
             "autocast_weight_copies": "autocast weight copies", "optimizer_step_excess": "optimizer step temporaries",
             "cuda_context": "CUDA context + NCCL", "allocator_reserve": "caching-allocator reserve",
+            "rehearsal_correction": "rehearsed peak - modelled (calibration)",
         }  # fmt: skip
         parts += [(label, d[k]) for k, label in labels.items() if d.get(k)]
         known = sum(d.get(k, 0) for k in labels)

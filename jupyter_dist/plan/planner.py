@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ParallelismError, PlanInputError
-from .calibration import Calibration
+from .calibration import Calibration, plan_shape
 from .hardware import Hardware
 from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per_param
 from .model import ModelSpec, get_preset
@@ -130,7 +130,7 @@ def _enumerate(
 
 def _evaluate(
     model: ModelSpec, training: TrainingShape, hardware: Hardware, strategy: StrategySpec, dims: ParallelDims,
-    assumptions: Assumptions, memory_offset: int = 0,
+    assumptions: Assumptions, memory_offset: int = 0, rehearsed: Mapping[str, int] | None = None,
 ) -> Candidate | None:
     try:
         grad_accum = training.accumulation_for(dims.dp)
@@ -140,11 +140,16 @@ def _evaluate(
         return None  # PyTorch's interleaved 1F1B needs micro-batches in whole rounds (a multiple of m // pp)
     memory = estimate_memory(model, training, hardware, strategy, dims, grad_accum=grad_accum,
                              assumptions=assumptions)  # fmt: skip
-    if memory_offset:  # measured by %dist_tune on this hardware: what the model left out (or counted twice)
+    suffix = dims.label()
+    name = f"{strategy.name}+{suffix}" if suffix else strategy.name
+    if rehearsed and name in rehearsed:  # this candidate of this plan rehearsed: its peak is the rehearsed one
+        correction = rehearsed[name]
+        memory = replace(memory, overhead=memory.overhead + correction,
+                         detail={**memory.detail, "calibration": correction, "rehearsal_correction": correction})
+    elif memory_offset:  # measured by %dist_tune on this hardware: what the model left out (or counted twice)
         memory = replace(memory, overhead=max(0, memory.overhead + memory_offset),
                          detail={**memory.detail, "calibration": memory_offset})  # fmt: skip
     time = estimate_time(model, training, hardware, strategy, dims, grad_accum=grad_accum, assumptions=assumptions)
-    suffix = dims.label()
     settings: dict[str, Any] = dict(comm_settings(model, strategy))
     settings["shard_group_size"] = (
         dims.shard_size // dims.hybrid_replicas(hardware.gpus_per_node) if strategy.hybrid
@@ -164,7 +169,7 @@ def _evaluate(
     if dims.pp > 1 and model.layers % dims.pp:
         notes.append(f"{model.layers} layers do not split evenly into {dims.pp} stages")
     return Candidate(
-        name=f"{strategy.name}+{suffix}" if suffix else strategy.name, strategy=strategy.name, dims=dims,
+        name=name, strategy=strategy.name, dims=dims,
         grad_accum=grad_accum, memory=memory, time=time, settings=settings, notes=tuple(notes),
         needs=_needs(model, dims),
     )  # fmt: skip
@@ -225,17 +230,19 @@ def plan(
     assumptions
         Calibration of the memory/time model.
     calibration
-        Rates and memory measured on this hardware by ``%dist_tune`` (see :mod:`.calibration`); the plan uses them
-        and says so.
+        Rates and memory measured on this hardware by ``%dist_tune`` (see :mod:`.calibration`), and the memory of
+        candidates rehearsed for this very plan (``%dist_rehearse --save``); the plan uses them and says so.
     """
     spec = resolve_model(model)
     hw = Hardware.from_names(hardware) if isinstance(hardware, str) else hardware
     shape = training or TrainingShape()
     assume = assumptions or Assumptions()
     offset = 0
+    rehearsed: dict[str, int] = {}
     if calibration is not None:
         hw = calibration.apply(hw)
         offset = calibration.memory_offset_bytes
+        rehearsed = calibration.memory_for(plan_shape(spec, shape, hw, assume))
     requested = get_strategy(strategy) if strategy else None
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v is not None}
     for k, v in fixed.items():
@@ -243,7 +250,7 @@ def plan(
             raise ParallelismError(f"{k} must be a positive integer, got {v!r}")
 
     pairs = _enumerate(spec, shape, hw, fixed, sp)
-    evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume, offset)) is not None]
+    evaluated = [c for s, d in pairs if (c := _evaluate(spec, shape, hw, s, d, assume, offset, rehearsed)) is not None]
     if not evaluated:
         dp = hw.world_size // math.prod(fixed.values() or [1])
         shape.accumulation_for(dp)  # raises the explanatory error
@@ -256,7 +263,7 @@ def plan(
             )
         shown = [c for c in evaluated if c.strategy == requested.name]
         if not shown:  # e.g. a hybrid strategy on one node: evaluate it anyway on the base dims
-            c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume, offset)
+            c = _evaluate(spec, shape, hw, requested, ParallelDims(dp=hw.world_size), assume, offset, rehearsed)
             shown = [c] if c else []
         if not shown and requested.hybrid and requested.family == "fsdp":
             raise ParallelismError(
@@ -274,12 +281,14 @@ def plan(
     candidates = tuple(ranked + rest)
     best = ranked[0] if ranked else None
     reasons = _reasons(spec, shape, hw, assume, evaluated, best, ranked, requested)
-    if calibration is not None:
+    if calibration is not None and calibration.trials:
         reasons.append(
             f"Calibrated on this hardware by %dist_tune: {calibration.describe()}; planned memory includes the "
             f"measured {calibration.memory_offset_bytes / 2**20:+,.0f} MiB per rank (from {calibration.path()}; "
             "--no-calibration, or deleting that file, plans with the published figures)."
         )
+    if calibration is not None:
+        reasons += _rehearsed_reasons(calibration, rehearsed, shown)
     warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
     for dim, why in spec.needs:
         blocked = sum(1 for c in shown if getattr(c.dims, dim) > 1)
@@ -302,6 +311,22 @@ def plan(
 # ---------------------------------------------------------------------------------------------------------------
 # Explanations
 # ---------------------------------------------------------------------------------------------------------------
+def _rehearsed_reasons(calibration: Calibration, rehearsed: Mapping[str, int], shown: list[Candidate]) -> list[str]:
+    """A sentence per shown candidate whose memory a rehearsal calibrated, or was rehearsed for another plan."""
+    out = []
+    for c in shown:
+        if c.name in rehearsed:
+            out.append(
+                f"Memory of {c.name} calibrated by a rehearsal of this plan (%dist_rehearse --save): its planned peak "
+                f"is the rehearsed one, {rehearsed[c.name] / 2**20:+,.2f} MiB against the model per rank (from "
+                f"{calibration.path()}; --no-calibration, or deleting that file, plans with the published figures)."
+            )
+        elif c.name in calibration.memory_by_candidate:
+            out.append(f"The rehearsed memory of {c.name} in {calibration.path()} is for another plan "
+                       f"({calibration.rehearsed_for[c.name]}): not applied here.")  # fmt: skip
+    return out
+
+
 def _fit_sentence(c: Candidate, unit: str = "GPU") -> str:
     mem = c.memory
     if mem.fits:
