@@ -1,6 +1,7 @@
 """What a run measured (the one measurement, with the candidate that ran) and the calibration fitted from it.
 
-The measurement itself is :mod:`jupyter_dist.telemetry.measurement`.
+The measurement itself is :mod:`jupyter_dist.telemetry.measurement`. A rehearsal's ranks (:mod:`.rehearse`)
+calibrate one candidate's memory here too (:func:`rehearsal_calibration`).
 
 Shared by the :class:`~.run.Run` handle (its summary compares a finished run with its plan) and ``%dist_tune``
 (:mod:`.tune`), which measures several candidates. Reads a run's telemetry through ``run.records(kind)``.
@@ -16,7 +17,8 @@ from typing import Any
 
 from ..telemetry.measurement import WARMUP_STEPS, Measured, measure_records
 
-__all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak"]
+__all__ = ["COMM_PARTS", "Measured", "Trial", "WARMUP_STEPS", "fit_calibration", "measure_run", "planned_peak",
+           "rehearsal_calibration", "rehearsal_correction", "rehearsal_problem"]  # fmt: skip
 
 
 def measure_run(run: Any, *, warmup: int = WARMUP_STEPS) -> Measured:
@@ -159,6 +161,77 @@ def fit_calibration(trials: Sequence[Trial], *, source: str = "") -> Any:
         comm_scale=z, memory_offset_bytes=int(max(offsets, default=0)), trials=len(ok),
         step_error=statistics.fmean(errors), measured_at=time.time(), source=source,
     )  # fmt: skip
+
+
+def rehearsal_problem(plan: Any, predicted: Any, ranks: Sequence[Any]) -> str | None:
+    """Why rehearsed ``ranks`` cannot calibrate ``plan``'s candidate ``predicted``, one line; ``None`` when they can.
+
+    Only a rehearsal on the plan's own device stands for its memory: CPU ranks for a CPU plan, ranks on the plan's GPU
+    (the rule ``%dist_tune`` applies: an ``h100-80gb`` plan and a device named H100) for a GPU plan.
+    """
+    if plan is None or predicted is None:
+        return "it has no plan to calibrate (rehearse a Plan's candidate)"
+    failed = [r for r in ranks if not r.ok]
+    if failed:
+        return f"rank {failed[0].rank} could not be rehearsed, and the worst rank decides the peak"
+    if not ranks:
+        return "no rank was rehearsed"
+    acc = plan.hardware.accelerator
+    devices = {r.device for r in ranks}
+    if acc.vendor == "cpu":
+        if devices != {"cpu"}:
+            gpu = next((str(r.raw.get("device_name") or r.device) for r in ranks if r.device != "cpu"), "")
+            return (f"a rehearsal on {gpu} cannot calibrate a plan for cpu processes: its memory is the CUDA "
+                    "allocator's, not a CPU process's; rehearse with --device cpu, or plan for this GPU "
+                    "(--gpu)")  # fmt: skip
+        return None
+    if "cpu" in devices:
+        return (f"a rehearsal on cpu cannot calibrate a plan for {acc.name}: its memory is for that GPU's CUDA "
+                "allocator (its kernels, workspaces and autocast copies), not a CPU process's; rehearse on that "
+                "GPU, or plan with --gpu cpu")  # fmt: skip
+    family = acc.name.split("-")[0].lower()
+    other = [n for n in (str(r.raw.get("device_name", "")) for r in ranks) if family not in n.lower().replace(" ", "")]
+    if other:
+        return (f"a rehearsal on {other[0] or 'this GPU'} cannot calibrate a plan for {acc.name}: its memory is "
+                f"this GPU's; rehearse on a {acc.label}, or plan for this GPU (--gpu)")  # fmt: skip
+    return None
+
+
+def rehearsal_correction(predicted: Any, ranks: Sequence[Any]) -> int:
+    """The worst rehearsed rank's step peak minus the plan's, bytes, as the rehearsal's table compares them.
+
+    The plan's peak is taken without any calibration it already carried, so a new rehearsal replaces an older
+    correction rather than adding to it.
+    """
+    mem = predicted.memory
+    worst = max(r.measured_peak for r in ranks)
+    return int(worst - (planned_peak(mem, "cuda") - mem.detail.get("calibration", 0)))
+
+
+def rehearsal_calibration(plan: Any, candidate: str, predicted: Any, ranks: Sequence[Any]) -> Any:
+    """The calibration of ``plan``'s hardware with ``candidate``'s memory as rehearsed, for this plan's shape.
+
+    An existing calibration of that hardware (``%dist_tune``'s speed fit, other candidates' rehearsals) is kept and
+    this candidate's entry replaced; without one, the calibration holds this entry alone (no trials: the published
+    rates stay). Refused in one line (:class:`~jupyter_dist.errors.PlanInputError`) where :func:`rehearsal_problem`
+    says why. Not saved here.
+    """
+    from ..errors import PlanInputError
+    from ..plan.calibration import Calibration, hardware_key, load_calibration, plan_shape, published
+
+    problem = rehearsal_problem(plan, predicted, ranks)
+    if problem:
+        raise PlanInputError(f"no calibration from this rehearsal: {problem}")
+    acc = plan.hardware.accelerator
+    shape = plan_shape(plan.model, plan.training, plan.hardware, plan.assumptions)
+    key, correction = hardware_key(acc.name), rehearsal_correction(predicted, ranks)
+    base = load_calibration(acc.name)
+    if base is not None and base.hardware_key == key:
+        return base.with_rehearsal(candidate, correction, shape)
+    rates = published(plan.hardware).accelerator  # kept for the file's shape; no trials: never applied
+    return Calibration(hardware_key=key, accelerator=acc.name, matmul_efficiency=rates.matmul_efficiency,
+                       op_overhead_s=rates.op_overhead_s, memory_offset_bytes=0, trials=0, measured_at=time.time(),
+                       memory_by_candidate={candidate: correction}, rehearsed_for={candidate: shape})  # fmt: skip
 
 
 LOW, HIGH = 1e-2, 1e4

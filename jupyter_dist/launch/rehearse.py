@@ -11,7 +11,10 @@ for). The launch contract is the one ``%%dist_train --plan`` hands the workers
 (:func:`~.prepare.launch_contract`), for the plan's whole world.
 
 The :class:`Rehearsal` it returns shows, per rank and part, the plan's figure beside the rehearsed one. On a CPU the
-step times say nothing about a GPU's: the numbers are for memory.
+step times say nothing about a GPU's: the numbers are for memory. With consent (``Rehearsal.save_calibration()``,
+``--save``; never by itself) the rehearsed peak calibrates that candidate's memory in later plans of the same shape
+on the same hardware (:attr:`~jupyter_dist.plan.calibration.Calibration.memory_by_candidate`); a rehearsal on
+another device than the plan's (a CPU rehearsal of an H100 plan) is refused in one line.
 """
 
 from __future__ import annotations
@@ -128,6 +131,8 @@ class Rehearsal:
     """The plan (``None`` for a rehearsal of a launch contract alone)."""
     notes: tuple[str, ...] = ()
     """What the reader should know: the device, what was stood in for, ranks added."""
+    calibration_path: str = field(default="", compare=False)
+    """Where :meth:`save_calibration` saved the calibration (``""``: not saved)."""
 
     @property
     def predicted(self) -> Any:
@@ -150,6 +155,35 @@ class Rehearsal:
             if r.rank == rank:
                 return r
         raise KeyError(f"rank {rank} was not rehearsed; rehearsed: {', '.join(str(r.rank) for r in self.ranks)}")
+
+    # ---- calibration (launch/measure.py) -------------------------------------------------------------------
+    def calibration_problem(self) -> str | None:
+        """Why this rehearsal cannot calibrate its plan, one line; ``None`` when it can."""
+        from .measure import rehearsal_problem
+
+        return rehearsal_problem(self.plan, self.predicted, self.ranks)
+
+    def memory_correction(self) -> int:
+        """The worst rehearsed rank's step peak minus the plan's (without the calibration it carried), bytes."""
+        from .measure import rehearsal_correction
+
+        return rehearsal_correction(self.predicted, self.ranks)
+
+    def calibration(self) -> Any:
+        """The plan hardware's calibration with this candidate's memory as rehearsed (not saved).
+
+        A tune's fit and other candidates' entries are kept; refused in one line (``PlanInputError``) where
+        :meth:`calibration_problem` says why.
+        """
+        from .measure import rehearsal_calibration
+
+        return rehearsal_calibration(self.plan, self.candidate, self.predicted, self.ranks)
+
+    def save_calibration(self) -> str:
+        """Save :meth:`calibration` for the plan's hardware; returns the file (later plans of this shape use it)."""
+        path = str(self.calibration().save())
+        object.__setattr__(self, "calibration_path", path)  # frozen: the one field saving fills in
+        return path
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         """Header and rows (MiB, seconds): each part, the plan's figure, each rank's."""
@@ -209,7 +243,18 @@ class Rehearsal:
             if not r.ok:
                 lines.append(f"rank {r.rank}: could not be rehearsed: {r.error}")
         lines += [f"- {n}" for n in self.notes]
+        lines += [f"- {n}" for n in self._calibration_lines()]
         return "\n".join(lines)
+
+    def _calibration_lines(self) -> list[str]:
+        """Where the calibration went, or how to save it (nothing where this rehearsal cannot calibrate)."""
+        if self.calibration_path:
+            return [f"calibration saved to {self.calibration_path}: later plans of this shape on this hardware plan "
+                    f"{self.candidate}'s peak as rehearsed"]  # fmt: skip
+        if self.calibration_problem() is None:
+            return [f"not saved as a calibration: --save, or .save_calibration(), makes later plans of this shape "
+                    f"plan {self.candidate}'s peak as rehearsed"]  # fmt: skip
+        return []
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         header, rows = self.table()
@@ -217,7 +262,7 @@ class Rehearsal:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in rows)
         extra = "".join(f"<li>rank {r.rank}: could not be rehearsed: {html.escape(r.error)}</li>"
                         for r in self.ranks if not r.ok)  # fmt: skip
-        extra += "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
+        extra += "".join(f"<li>{html.escape(n)}</li>" for n in (*self.notes, *self._calibration_lines()))
         text = (f"<b>Rehearsal of {html.escape(self.candidate)} ({self.world_size} ranks)</b>"
                 f"<table><tr>{head}</tr>{body}</table><ul>{extra}</ul>")  # fmt: skip
         return {"text/plain": self.to_text(), "text/html": text}
@@ -228,7 +273,8 @@ class Rehearsal:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the candidate, world size, notes and each rank's whole result."""
         return {"candidate": self.candidate, "world_size": self.world_size, "notes": list(self.notes),
-                "ranks": [{"rank": r.rank, **r.raw} for r in self.ranks]}  # fmt: skip
+                "ranks": [{"rank": r.rank, **r.raw} for r in self.ranks],
+                "calibration_path": self.calibration_path or None}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------- the model
@@ -359,6 +405,8 @@ def rehearse(
         The interpreter of the rank processes (default this one).
     on_rank
         Called with each rank's result as it arrives.
+
+    Nothing is saved: ``result.save_calibration()`` (``--save``) makes later plans use the rehearsed peak.
     """
     if plan is None or not hasattr(plan, "candidates"):
         raise JupyterDistError(f"rehearse: give a Plan (from %dist_plan or jupyter_dist.plan.plan), got {plan!r}")
