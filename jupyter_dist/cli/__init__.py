@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(r)
     add_rehearse_arguments(r)
     r.add_argument("--json", action="store_true", help="print one JSON object: candidate, notes, each rank's result")
+    r.add_argument("--save", action="store_true",
+                   help="save the rehearsed peak as this candidate's memory calibration: later plans of this shape on "
+                        "this hardware use it (refused for a rehearsal on another device than the plan's)")  # fmt: skip
     return parser
 
 

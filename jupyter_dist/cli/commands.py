@@ -132,7 +132,15 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
             print(f"  rank {rank.rank}: {state}", flush=True)
 
     result = rehearse_from_args(args, on_rank=progress)
+    refused = None
+    if getattr(args, "save", False):  # consent given: later plans of this shape use the rehearsed peak
+        try:
+            result.save_calibration()
+        except JupyterDistError as exc:  # said after the table: the rehearsal took its minutes
+            refused = exc
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.to_text())
+    if refused is not None:
+        raise refused
     return 0 if result.ok else 1
 
 

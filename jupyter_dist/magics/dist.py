@@ -264,6 +264,9 @@ def _rehearse_parser() -> MagicArgumentParser:
     p.add_argument("--model-var", dest="model_var", metavar="VAR",
                    help="the model: a class or factory from the notebook (default: the plan's)")  # fmt: skip
     p.add_argument("--name", metavar="VAR", help="bind the Rehearsal to this variable")
+    p.add_argument("--save", action="store_true",
+                   help="save the rehearsed peak as this candidate's memory calibration: later plans of this shape "
+                        "on this hardware use it")  # fmt: skip
     return p
 
 
@@ -736,7 +739,8 @@ class DistMagics(Magics):
         """Rehearse ranks of a big plan on this machine, one process each; returns a :class:`Rehearsal`.
 
         Takes the flags of ``%dist_plan`` (or ``--plan-var VAR``) plus ``--candidate`` (default the recommended),
-        ``--ranks`` (default the first rank of the first and the last pipeline stage), ``--steps``, ``--device``;
+        ``--ranks`` (default the first rank of the first and the last pipeline stage), ``--steps``, ``--device``,
+        ``--save`` (the rehearsed peak calibrates this candidate's memory in later plans of the same shape);
         the model is ``--model-var VAR`` (a class or factory of the notebook), else the plan's own (``--module``,
         ``--hf-config``, or the reference model of a preset's shape). Each rank runs alone with a fake process
         group of the plan's world size: ``jd.wrap`` and ``jd.train_step`` for its coordinates, only its shards
@@ -777,6 +781,14 @@ class DistMagics(Magics):
             raise UsageError(str(exc)) from None
         if args.name:
             ns[args.name] = result
+        if args.save:  # consent given: this candidate's memory in later plans of this shape is the rehearsed peak
+            try:
+                result.save_calibration()
+            except JupyterDistError as exc:  # the rehearsal is still shown: it took its minutes
+                from IPython.display import display
+
+                display(result)
+                raise UsageError(str(exc)) from None
         return result
 
     @line_magic
