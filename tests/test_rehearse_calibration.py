@@ -22,6 +22,7 @@ from jupyter_dist.launch.measure import planned_peak
 from jupyter_dist.launch.rehearse import RankRehearsal, Rehearsal, rehearse
 from jupyter_dist.plan import Hardware, ModelSpec, TrainingShape, get_accelerator, plan
 from jupyter_dist.plan.calibration import Calibration, hardware_key, load_calibration, plan_shape
+from jupyter_dist.plan.plan import REHEARSED_MARK
 
 DENSE = ModelSpec(name="tiny", layers=4, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128)
 SHAPE = TrainingShape(micro_batch=2, seq_len=16, precision="fp32")
@@ -91,6 +92,12 @@ def test_a_rehearsed_candidates_peak_is_the_planned_one_plus_its_offset_exactly_
         assert f"Memory of {CANDIDATE} calibrated by a rehearsal" in text and str(cal.path()) in text
         assert "--no-calibration" in text and "by %dist_tune" not in text  # no tune: no speed calibration said
         assert used.hardware.accelerator.calibration == ""
+        table = used.to_text(limit=None)  # the table marks the rehearsed total, and says what the mark means
+        marked = [ln for ln in table.splitlines() if ln.strip().lstrip("* ").startswith(CANDIDATE + " ")]
+        assert len(marked) == 1 and f"{REHEARSED_MARK} " in marked[0] + " ", marked
+        assert f"{REHEARSED_MARK} the step peak a rehearsal of this plan measured" in table
+        assert "a rehearsal of this plan measured" in used.to_html(limit=None)
+        assert REHEARSED_MARK + " " not in base.to_text(limit=None).split("Recommended")[0]
 
 
 def test_the_offset_is_for_the_plan_it_was_rehearsed_for_and_wins_over_a_tunes_offset_for_that_candidate() -> None:

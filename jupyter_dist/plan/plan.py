@@ -16,9 +16,13 @@ from .tp_table import TpLayoutTable
 from .training import TrainingShape
 from .units import GiB, fmt_count, fmt_gib
 
-__all__ = ["Candidate", "Plan", "TpLayoutTable", "SCHEMA_VERSION"]
+__all__ = ["Candidate", "Plan", "TpLayoutTable", "REHEARSED_MARK", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
+
+REHEARSED_MARK = "^"
+"""After a candidate's total in the table: its peak is the one a rehearsal measured (a saved calibration)."""
+_REHEARSED_NOTE = f"{REHEARSED_MARK} the step peak a rehearsal of this plan measured (%dist_rehearse --save; see below)"
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -196,7 +200,8 @@ class Plan:
             rows.append([
                 ("* " if c.name == self.recommended else "  ") + c.name,
                 f"{mem.params / GiB:.1f}", f"{mem.grads / GiB:.1f}", f"{mem.optimizer / GiB:.1f}",
-                f"{mem.activations / GiB:.1f}", f"{mem.overhead / GiB:.1f}", f"{mem.total / GiB:.1f}",
+                f"{mem.activations / GiB:.1f}", f"{mem.overhead / GiB:.1f}",
+                f"{mem.total / GiB:.1f}" + (REHEARSED_MARK if "rehearsal_correction" in mem.detail else ""),
                 self._fit_word(c), f"{c.time.step_time_s:.3g}", f"{c.time.tokens_per_s:,.0f}",
                 f"{100 * c.time.mfu:.0f}%",
             ])  # fmt: skip
@@ -227,6 +232,8 @@ class Plan:
             out.append(_row(r, widths))
         if limit and len(self.candidates) > limit:
             out.append(f"... {len(self.candidates) - limit} more candidates (all of them with --json / to_dict())")
+        if any(r[6].endswith(REHEARSED_MARK) for r in rows):
+            out.append(_REHEARSED_NOTE)
         out.append("")
         best = self.best
         out.append(f"Recommended: {best.label} ({best.name})" if best else "Recommended: nothing fits")
@@ -257,12 +264,14 @@ class Plan:
             body.append(f"<tr{style}>{cells}</tr>")
         best = self.best
         rec = f"<b>Recommended: {e(best.label)}</b> (<code>{e(best.name)}</code>)" if best else "<b>Nothing fits</b>"
+        marked = any(r[6].endswith(REHEARSED_MARK) for r in self.table_rows(limit))
+        note = f"<p><small>{e(_REHEARSED_NOTE)}</small></p>" if marked else ""
         reasons = "".join(f"<li>{e(r)}</li>" for r in self.reasons)
         warns = "".join(f'<li style="color:#b26a00">{e(w)}</li>' for w in self.warnings)
         return (
             f'<div class="jupyter-dist-plan"><p>{e(self._header())}</p>'
             f"<p>Per-{self.hardware.unit} memory in GiB</p><table><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<tbody>{''.join(body)}</tbody></table>{note}"
             f"<p>{rec}</p><ul>{reasons}</ul>"
             + (self.tp_layout.to_html(self.tp_layout_for or "") if self.tp_layout is not None else "")
             + (f"<p>Warnings</p><ul>{warns}</ul>" if warns else "") + "</div>"
