@@ -178,6 +178,42 @@ def test_hybrid_with_tp_replicates_across_nodes() -> None:
     assert env["JD_DP_REPLICATE"] == "4" and env["JD_TP"] == "2" and env["JD_STRATEGY"] == "fsdp2-hybrid"
 
 
+def test_the_degrees_divide_the_world_check_is_one_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: the planner, a launch and the worker (its contract and its mesh) ask ``ParallelDims.split`` whether
+    tp x pp x cp divides the processes; each words the same refusal for its reader, from the numbers it carries."""
+    pytest.importorskip("torch")
+    from jupyter_dist.plan.parallel import DegreesDoNotDivide, ParallelDims
+    from jupyter_dist.worker._env import WorkerError
+    from jupyter_dist.worker._parallel import build_mesh
+
+    calls: list[tuple[int, int]] = []
+    real = ParallelDims.split
+
+    def spy(world_size: int, **degrees: Any) -> int:
+        calls.append((world_size, degrees.get("tp", 1)))
+        return real(world_size, **degrees)
+
+    monkeypatch.setattr(ParallelDims, "split", staticmethod(spy))
+    torchrun = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    sites: list[tuple[Any, type[Exception], str]] = [
+        (lambda: ParallelDims.from_world(4, tp=3), DegreesDoNotDivide,
+         "tp (3) x pp (1) x cp (1) = 3 does not divide world size 4; choose degrees whose product divides 4"),
+        (lambda: parse_candidate("fsdp2+tp3").dims_for(4), ParallelismError,
+         "fsdp2+tp3 needs a multiple of tp x pp x cp = 3 processes; 4 given"),
+        (lambda: WorkerEnv.from_environ({**torchrun, "JD_TP": "3"}), WorkerError,
+         "pp (1) x dp_replicate (1) x cp (1) x tp (3) = 3 does not divide WORLD_SIZE=4; launch a multiple of 3 "
+         "processes"),
+        (lambda: build_mesh(WorkerEnv(distributed=False, world_size=4, tp=3, strategy="fsdp2-hybrid"), "cpu"),
+         WorkerError, "fsdp2-hybrid: LOCAL_WORLD_SIZE 1 does not divide WORLD_SIZE 4, or pp x cp x tp (3) does not"),
+    ]  # fmt: skip
+    for site, kind, message in sites:
+        calls.clear()
+        with pytest.raises(kind) as info:
+            site()
+        assert str(info.value) == message and calls == [(4, 3)], (message, calls)
+    assert WorkerEnv.from_environ({**torchrun, "JD_TP": "2", "JD_SP": "1"}).dims == ParallelDims(dp=2, tp=2, sp=True)
+
+
 # --------------------------------------------------------------------------- item 2: one owner per list
 def test_to_environ_is_read_back_by_from_environ_and_writes_only_what_differs() -> None:
     env = WorkerEnv.for_launch(world_size=8, strategy="fsdp2", precision="bf16-mixed", tp=2, pp=2, sp=True,

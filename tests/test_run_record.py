@@ -28,7 +28,6 @@ import pytest
 from jupyter_dist.errors import JupyterDistError
 from jupyter_dist.launch.record import (
     RECORD_VERSION,
-    Degrees,
     HparamError,
     RunRecord,
     check_hparams,
@@ -36,6 +35,7 @@ from jupyter_dist.launch.record import (
     settle_stale,
     write_record,
 )
+from jupyter_dist.plan.parallel import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,14 +77,33 @@ def test_every_old_layout_reads_and_round_trips(old: dict[str, Any], tmp_path: P
 
 def test_degrees_come_from_the_record_else_the_environment_else_the_candidate() -> None:
     rec = RunRecord.from_dict(LOCAL_V1)
-    assert rec.degrees == Degrees(dp=2, tp=2, sp=True) and rec.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert rec.degrees == ParallelDims(dp=2, tp=2, sp=True) and rec.exit_codes == {0: 0, 1: 0, 2: 0, 3: 0}
     by_name = RunRecord.from_dict({**LOCAL_V1, "env": {}, "candidate": "fsdp2+pp2", "world_size": 8})
-    assert by_name.degrees == Degrees(dp=4, pp=2)
+    assert by_name.degrees == ParallelDims(dp=4, pp=2)
     assert RunRecord.from_dict(SKY_ATTACHED_V1).degrees is None
     explicit = RunRecord.from_dict({**LOCAL_V1, "degrees": {"dp": 1, "tp": 4}})
-    assert explicit.degrees == Degrees(dp=1, tp=4)
-    with pytest.raises(ValueError, match="Degrees.tp must be a positive integer"):
-        Degrees(tp=0)
+    assert explicit.degrees == ParallelDims(dp=1, tp=4)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        ParallelDims(tp=0)
+
+
+def test_the_record_degrees_are_the_plans_parallel_dims_and_keep_the_json_keys() -> None:
+    """One degrees type from the plan to run.json: the written keys are the seven run.json always had (HSDP's
+    dp_replicate included), a written record reads back equal, and the old name still imports."""
+    from jupyter_dist.launch import record
+    from jupyter_dist.plan.candidates import resolve_launch
+
+    assert record.Degrees is ParallelDims
+    choice = resolve_launch("fsdp2-hybrid+tp2", None, 8, nproc_per_node=4)
+    rec = RunRecord(name="r", degrees=choice.degrees, world_size=8)
+    written = rec.to_dict()["degrees"]
+    assert list(written) == ["dp", "tp", "pp", "cp", "ep", "sp", "dp_replicate"]
+    assert written == {"dp": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "sp": False, "dp_replicate": 2}
+    assert RunRecord.from_dict(json.loads(json.dumps(rec.to_dict()))).degrees == choice.degrees
+    assert RunRecord.from_dict({"name": "r", "degrees": {"dp": "2", "tp": 2, "sp": 1}}).degrees == ParallelDims(
+        dp=2, tp=2, sp=True
+    )
+    assert ParallelDims(dp=4).to_dict() == {"dp": 4, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "sp": False}  # a plan's
 
 
 def test_a_damaged_record_is_one_line_and_a_damaged_hparam_is_dropped(tmp_path: Path) -> None:
@@ -185,7 +204,7 @@ def test_a_slurm_run_records_its_candidate_and_plan_check_compares_with_it(tmp_p
     assert run.wait(240) == "succeeded", run.summary() + run.launcher_log()[-3000:]
     rec = read_record(run.dir)
     assert rec.backend == "slurm" and rec.candidate == ran and rec.strategy == ran
-    assert rec.degrees == Degrees(dp=2) and rec.world_size == 2 and rec.exit_codes == {0: 0, 1: 0}
+    assert rec.degrees == ParallelDims(dp=2) and rec.world_size == 2 and rec.exit_codes == {0: 0, 1: 0}
     assert rec.launcher["kind"] == "slurm" and rec.launcher["job_id"] == run.job_id
     assert rec.versions["python"] and rec.plan == p.to_dict()
     check = run.plan_check()

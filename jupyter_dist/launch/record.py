@@ -34,6 +34,7 @@ from typing import Any
 
 from .._atomic import write_atomic
 from ..errors import JupyterDistError
+from ..plan.parallel import ParallelDims
 from .base import DEFAULT_BACKEND, runs_here
 
 __all__ = [
@@ -167,56 +168,12 @@ def kernel_versions() -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Degrees:
-    """How the run's processes are split (the candidate's degrees on the processes it ran on)."""
-
-    dp: int = 1
-    """Data-parallel ranks (replicas times shards)."""
-    tp: int = 1
-    """Tensor-parallel degree."""
-    pp: int = 1
-    """Pipeline stages."""
-    cp: int = 1
-    """Context-parallel degree."""
-    ep: int = 1
-    """Expert-parallel degree (borrowed from ``dp x cp``)."""
-    sp: bool = False
-    """Sequence parallelism inside the tensor-parallel regions."""
-    dp_replicate: int = 1
-    """HSDP replicas of the data-parallel ranks (1: no replicate dimension)."""
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "dp_replicate"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Degrees.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.sp, bool):
-            raise ValueError(f"Degrees.sp must be a bool, got {self.sp!r}")
-
-    @property
-    def world_size(self) -> int:
-        """``dp * tp * pp * cp`` (``ep`` borrows its ranks)."""
-        return self.dp * self.tp * self.pp * self.cp
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Degrees:
-        """Inverse of :meth:`to_dict` (unknown keys ignored, missing ones default)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: (bool(v) if k == "sp" else int(v)) for k, v in data.items() if k in names and v is not None})
-
-    @classmethod
-    def from_choice(cls, choice: Any) -> Degrees:
-        """From a :class:`~jupyter_dist.plan.candidates.LaunchChoice` (its ``dims`` and ``dp_replicate``)."""
-        d = choice.dims
-        return cls(dp=d.dp, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, sp=bool(d.sp), dp_replicate=choice.dp_replicate)
+Degrees = ParallelDims
+"""The run's degrees are a :class:`~jupyter_dist.plan.parallel.ParallelDims` (with ``dp_replicate``); this name is
+kept so that older imports of ``launch.record.Degrees`` still work."""
 
 
-def _degrees_of(data: Mapping[str, Any], world: int | None) -> Degrees | None:
+def _degrees_of(data: Mapping[str, Any], world: int | None) -> ParallelDims | None:
     """The degrees of an older record: from its candidate name, else from its ``JD_*`` environment."""
     env = data.get("env") if isinstance(data.get("env"), Mapping) else {}
     try:
@@ -233,7 +190,7 @@ def _degrees_of(data: Mapping[str, Any], world: int | None) -> Degrees | None:
             return None
         if not world or world % (tp * pp * cp):
             return None
-        return Degrees(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, dp_replicate=rep)
+        return ParallelDims(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, dp_replicate=rep)
     except (ValueError, TypeError, JupyterDistError):
         return None
 
@@ -265,7 +222,7 @@ class RunRecord:
     """The base strategy the ranks apply (``JD_STRATEGY``)."""
     candidate: str | None = None
     """The candidate that ran, with its degrees (``fsdp2+tp2+sp``): what ``plan_check`` compares with."""
-    degrees: Degrees | None = None
+    degrees: ParallelDims | None = None
     """The candidate's degrees on the processes it ran on."""
     world_size: int | None = None
     """Ranks (``None``: a job attached by id whose size is not known yet)."""
@@ -332,7 +289,7 @@ class RunRecord:
                 continue
             value = getattr(self, f.name)
             if f.name == "degrees":
-                value = value.to_dict() if value is not None else None
+                value = value.to_dict(replicas=True) if value is not None else None
             elif f.name == "exit_codes":
                 if not value:
                     continue
@@ -352,7 +309,7 @@ class RunRecord:
         launcher = data.get("launcher") if isinstance(data.get("launcher"), Mapping) else {}
         world = _int(data.get("world_size"))
         raw_deg = data.get("degrees")
-        degrees = Degrees.from_dict(raw_deg) if isinstance(raw_deg, Mapping) else _degrees_of(data, world)
+        degrees = ParallelDims.from_dict(raw_deg) if isinstance(raw_deg, Mapping) else _degrees_of(data, world)
         codes: dict[int, int | None] = {}
         for k, v in (data.get("exit_codes") or {}).items() if isinstance(data.get("exit_codes"), Mapping) else ():
             if str(k).isdigit():
@@ -409,7 +366,7 @@ def launch_record(*, name: str, backend: str, strategy: str, choice: Any, nproc:
     notes = (choice.mesh(), *([choice.note] if choice.note else [])) if choice is not None else ()
     return RunRecord(
         name=name, backend=backend, strategy=strategy, candidate=choice.candidate.name if choice is not None else None,
-        degrees=Degrees.from_choice(choice) if choice is not None else None, notes=notes, world_size=nproc * nodes,
+        degrees=choice.degrees if choice is not None else None, notes=notes, world_size=nproc * nodes,
         nproc=nproc, nodes=nodes, timeout=timeout, hang_timeout=hang_timeout, env=dict(env), created=time.time(),
         plan=plan.to_dict() if plan is not None else None, shipped=tuple(sorted(ship or {})),
         hparams=shipped_hparams(ship or {}), secrets=tuple(secrets), versions=kernel_versions(),

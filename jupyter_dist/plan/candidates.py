@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ParallelismError, PlanInputError
-from .parallel import ParallelDims
+from .parallel import DegreesDoNotDivide, ParallelDims, check_degree, degrees_label
 from .strategies import MODEL_PARALLEL, SIMPLEST, STRATEGIES, StrategySpec, get_strategy
 from .units import close_match_hint
 
@@ -86,9 +86,7 @@ class CandidateName:
         if self.strategy != "none" and self.strategy not in STRATEGIES:
             raise PlanInputError(f"unknown strategy {self.strategy!r}; {_valid_forms()}")
         for dim in MODEL_PARALLEL_DIMS:
-            value = getattr(self, dim)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ParallelismError(f"{dim} must be a positive integer, got {value!r}")
+            check_degree(dim, getattr(self, dim))
         if self.sp and self.tp < 2:
             raise ParallelismError("sequence parallelism (sp) splits tensor-parallel regions: it needs tp >= 2")
         if self.model_parallel and self.strategy not in composable_strategies():
@@ -113,9 +111,8 @@ class CandidateName:
         return self.tp * self.pp * self.cp
 
     def degrees(self) -> str:
-        """The model-parallel part, e.g. ``"tp2+sp"`` (empty for pure data parallel)."""
-        parts = [f"{d}{getattr(self, d)}" for d in MODEL_PARALLEL_DIMS if getattr(self, d) > 1]
-        return "+".join(parts + (["sp"] if self.sp else []))
+        """The model-parallel part, e.g. ``"tp2+sp"`` (empty for pure data parallel): :meth:`ParallelDims.label`'s."""
+        return degrees_label(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp)
 
     @property
     def name(self) -> str:
@@ -131,12 +128,16 @@ class CandidateName:
         return replace(self, **given)  # type: ignore[arg-type]
 
     def dims_for(self, world: int) -> ParallelDims:
-        """The degrees on ``world`` processes (dp fills the rest); an error names both numbers when they don't fit."""
-        if world % self.model_size:
+        """The degrees on ``world`` processes (dp fills the rest); an error names both numbers when they don't fit.
+
+        The check is :meth:`ParallelDims.split`'s, worded for a launch (the candidate's name, the processes given).
+        """
+        try:
+            return ParallelDims.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp)
+        except DegreesDoNotDivide as exc:
             raise ParallelismError(
-                f"{self.name} needs a multiple of tp x pp x cp = {self.model_size} processes; {world} given"
-            )
-        return ParallelDims.from_world(world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp)
+                f"{self.name} needs a multiple of tp x pp x cp = {exc.model} processes; {world} given"
+            ) from None
 
 
 def parse_candidate(name: str, *, also: tuple[str, ...] = ()) -> CandidateName:
@@ -214,6 +215,11 @@ class LaunchChoice:
         extra = [f"ep={d.ep} (borrowed from dp x cp)"] if d.ep > 1 else []
         sp = ", sequence parallel on" if d.sp else ""
         return f"mesh: {' x '.join(shown + extra)} ({d.world_size} processes){sp}"
+
+    @property
+    def degrees(self) -> ParallelDims:
+        """:attr:`dims` with this launch's HSDP replicas (``dp_replicate``): what a run record keeps."""
+        return replace(self.dims, dp_replicate=self.dp_replicate)
 
     def worker_fields(self) -> dict[str, Any]:
         """The :class:`~jupyter_dist.worker._env.WorkerEnv` fields this choice sets."""

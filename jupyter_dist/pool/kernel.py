@@ -43,7 +43,7 @@ import psutil
 
 from .._atomic import write_atomic
 from ..launch.backends.local import LocalLauncher
-from ..launch.record import Degrees, RunRecord, kernel_versions
+from ..launch.record import RunRecord, kernel_versions
 from ..launch.run import STOPPED, Run, kill_tree
 from ..launch.rundir import new_run_dir, scrub_env
 from ..launch.session import start_recorded
@@ -270,7 +270,7 @@ class Pool:
             lau = LocalLauncher(run_dir=rd, nproc=self.nproc, extra_env={**jd_env, **secret_env})
             record = RunRecord(
                 name=self.name, kind="pool", backend=lau.kind, strategy=self.strategy,
-                candidate=self.choice.candidate.name, degrees=Degrees.from_choice(self.choice),
+                candidate=self.choice.candidate.name, degrees=self.choice.degrees,
                 notes=(self.choice.mesh(),), world_size=self.world_size, nproc=self.nproc, nodes=1,
                 created=time.time(), env=scrub_env({k: v for k, v in lau.env().items() if k not in secret_env}),
                 plan=self.plan.to_dict() if self.plan is not None else None, versions=kernel_versions(),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import JupyterDistError, PlanInputError
+from ..plan.parallel import DegreesDoNotDivide, ParallelDims
 from ..plan.pipeline import PP_SCHEDULES, stages_per_rank
 from ..plan.strategies import STRATEGIES, get_strategy
 from ..plan.training import AC_NAMES, Precision, parse_checkpointing
@@ -179,12 +180,15 @@ class WorkerEnv:
             value = getattr(self, dim)
             if value < 1:
                 raise WorkerError(f"JD_{dim.upper()}={value} must be >= 1")
-        model = self.pp * self.dp_replicate * self.cp * self.tp
-        if self.distributed and self.world_size % model:
-            raise WorkerError(
-                f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = {model} "
-                f"does not divide WORLD_SIZE={self.world_size}; launch a multiple of {model} processes"
-            )
+        if self.distributed:
+            try:  # the one "the degrees divide the world" check, worded for the worker's environment
+                ParallelDims.split(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=self.dp_replicate)
+            except DegreesDoNotDivide as exc:
+                raise WorkerError(
+                    f"pp ({self.pp}) x dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = "
+                    f"{exc.model} does not divide WORLD_SIZE={self.world_size}; launch a multiple of {exc.model} "
+                    "processes"
+                ) from None
         if self.profile:
             try:
                 parse_window(self.profile)
@@ -265,6 +269,16 @@ class WorkerEnv:
                 continue
             out[var] = "1" if value is True else repr(value) if isinstance(value, float) else str(value)
         return out
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees this process runs with, as the plan names them (``dp``: what ``WORLD_SIZE`` leaves; at least 1).
+
+        Raises ``ParallelismError`` for degrees no plan can have (``ep`` that does not divide ``dp x cp``).
+        """
+        dp = max(1, self.world_size // (self.tp * self.pp * self.cp))
+        return ParallelDims(dp=dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp,
+                            dp_replicate=self.dp_replicate)  # fmt: skip
 
     @property
     def dp_shard(self) -> int:

@@ -119,15 +119,19 @@ def build_mesh(env: WorkerEnv, device_type: str) -> Mesh:
     if env.strategy != "none" and get_strategy(env.strategy).hybrid and replicate == 1:
         # fsdp2-hybrid started without the launch contract's JD_DP_REPLICATE: shard inside a node, replicate across
         # nodes, counted as the planner and the launch count it
-        from ..plan.parallel import ParallelDims
+        from ..plan.parallel import DegreesDoNotDivide, ParallelDims
 
-        if env.world_size % env.local_world_size or env.world_size % (env.pp * env.cp * env.tp):
+        try:  # the one "the degrees divide the world" check
+            ParallelDims.split(env.world_size, tp=env.tp, pp=env.pp, cp=env.cp)
+            divides = env.world_size % env.local_world_size == 0
+        except DegreesDoNotDivide:
+            divides = False
+        if not divides:
             raise WorkerError(
                 f"{env.strategy}: LOCAL_WORLD_SIZE {env.local_world_size} does not divide WORLD_SIZE "
                 f"{env.world_size}, or pp x cp x tp ({env.pp * env.cp * env.tp}) does not"
             )
-        dims = ParallelDims.from_world(env.world_size, tp=env.tp, pp=env.pp, cp=env.cp)
-        replicate = dims.hybrid_replicas(env.local_world_size)
+        replicate = env.dims.hybrid_replicas(env.local_world_size)
     shard = env.world_size // (env.pp * replicate * env.cp * env.tp)
     sizes = {"pp": env.pp, "dp_replicate": replicate, "dp_shard": shard, "cp": env.cp, "tp": env.tp}
     total = 1
