@@ -75,3 +75,37 @@ def test_unload_removes_the_magic() -> None:
     assert "dist_plan" not in shell.magics_manager.magics["line"]
     shell.run_line_magic("load_ext", "jupyter_dist")
     assert "dist_plan" in shell.magics_manager.magics["line"]
+
+
+def test_dist_train_hands_start_run_one_run_options(
+    ip: InteractiveShell, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 34: the magic passes its flags to start_run whole, as one RunOptions; the same options given as
+    start_run's keywords make the same value, and each option is checked once, where the value is made."""
+    from jupyter_dist.launch import session
+    from jupyter_dist.launch.options import RunOptions
+
+    got: list[tuple[str, RunOptions]] = []
+    monkeypatch.setattr(session, "start_run", lambda code, options: got.append((code, options)) or "dry")
+    line = (f"--nproc 4 --strategy fsdp2+tp2 --pp 1 --sp --env A=1 --checkpoint-every 5 --timeout 60 --dry-run "
+            f"--runs-dir {tmp_path} --no-auto-ship")  # fmt: skip
+    assert ip.run_cell_magic("dist_train", line, "x = 1\n") == "dry"
+    code, opts = got[0]
+    assert code == "x = 1\n" and isinstance(opts, RunOptions)
+    assert (opts.nproc, opts.strategy, opts.tp, opts.pp, opts.sp, opts.timeout) == (4, "fsdp2+tp2", None, 1, True, 60)
+    assert opts.degrees() == {"pp": 1, "sp": True} and opts.env == {"A": "1"}
+    assert opts.worker == {"checkpoint_every": 5} and opts.dry_run and opts.output == "none"
+    kwargs = {f: getattr(opts, f) for f in RunOptions.__dataclass_fields__}
+    assert RunOptions.from_kwargs(**kwargs) == opts == RunOptions.from_kwargs(RunOptions(), **kwargs)
+    with pytest.raises(UsageError, match="--env name 'A B' is not a valid environment variable name"):
+        ip.run_cell_magic("dist_train", "--dry-run --nproc 1 --env 'A B=1'", "x = 1\n")
+    from jupyter_dist.errors import JupyterDistError
+
+    with pytest.raises(JupyterDistError, match="--timeout must be positive seconds, got -1"):
+        RunOptions(timeout=-1)
+    with pytest.raises(JupyterDistError, match="--tp must be >= 1, got 0"):  # argparse refuses it in the magic
+        RunOptions(tp=0)
+    with pytest.raises(JupyterDistError, match="--hang-timeout watches local ranks only; drop it with --backend slurm"):
+        RunOptions(backend="slurm", hang_timeout=5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nprocs'"):
+        RunOptions.from_kwargs(nprocs=2)

@@ -127,6 +127,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """Start the script, follow it to the end (unless ``--detach``), print the summary; 0 when it succeeded."""
     from ..errors import JupyterDistError
     from .backends.cluster import ClusterOptions
+    from .options import RunOptions
     from .session import start_run
 
     script_args = list(args.args)
@@ -147,10 +148,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
             requirements=args.requirements, image=args.image, workdir=args.workdir, workdir_limit=args.workdir_limit,
             mounts=tuple(args.mount), ship_env=args.ship_env, steps=args.steps,
         )  # fmt: skip
-    result = start_run("", script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
-                       strategy=args.strategy, name=args.name, timeout=args.timeout, env=env, runs_dir=args.runs_dir,
-                       dry_run=args.dry_run, backend=args.backend, cluster=cluster,
-                       output="none" if args.detach else args.output, oversubscribe=args.oversubscribe)  # fmt: skip
+    options = RunOptions(script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
+                         strategy=args.strategy, name=args.name, timeout=args.timeout, env=env,
+                         runs_dir=args.runs_dir, dry_run=args.dry_run, backend=args.backend, cluster=cluster,
+                         output="none" if args.detach else args.output, oversubscribe=args.oversubscribe)  # fmt: skip
+    result = start_run("", options)
     if args.dry_run:
         print(result.to_text())  # type: ignore[union-attr]
         return 0

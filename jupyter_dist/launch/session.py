@@ -10,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,16 @@ from typing import Any
 from .._atomic import write_atomic
 from ..errors import JupyterDistError
 from .backends.local import LaunchError, LocalLauncher, check_capacity, check_launcher, check_user_env
-from .base import DEFAULT_BACKEND, backend_spec
+from .base import backend_spec
+from .options import RunOptions
 from .prepare import PRELUDE, STRATEGY_CHOICES, DryRun, launch_contract, resolve_strategy, write_shipped
 from .record import RunRecord, launch_record
 from .run import RUNNING, Run
 from .rundir import RunDir, new_run_dir, removed_on_write_error, scrub_env
 
 __all__ = [
-    "STRATEGY_CHOICES", "DryRun", "launch_contract", "local_cpu_plan", "local_gpu_count", "resolve_strategy",
-    "start_run",
+    "STRATEGY_CHOICES", "DryRun", "RunOptions", "launch_contract", "local_cpu_plan", "local_gpu_count",
+    "resolve_strategy", "start_run",
 ]  # fmt: skip
 
 
@@ -65,18 +65,11 @@ def local_cpu_plan(strategy: str, nproc: int, nodes: int) -> Any:
     return plan(ModelSpec.from_params(1e6, name="cell"), hw, TrainingShape(precision="fp32"), strategy=strategy)
 
 
-def start_run(
-    code: str, *, nproc: int | None = None, nodes: int = 1, strategy: str = "auto", plan: Any = None,
-    launcher: str = "torchrun", name: str = "run", ship: dict[str, Any] | None = None, max_restarts: int = 0,
-    timeout: float | None = None, env: dict[str, str] | None = None, runs_dir: str | os.PathLike[str] = "runs",
-    port: int | None = None, dry_run: bool = False, hang_timeout: float | None = None, backend: str = DEFAULT_BACKEND,
-    cluster: Any = None, tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
-    sp: bool | None = None, worker: dict[str, Any] | None = None, log_to: str | Iterable[str] | None = None,
-    secrets: Iterable[str] = (), script: str | None = None, script_args: tuple[str, ...] = (),
-    output: str | Iterable[int] | None = "0", oversubscribe: bool = False,
-) -> Run | DryRun:  # fmt: skip
+def start_run(code: str, options: RunOptions | None = None, /, **kwargs: Any) -> Run | DryRun:
     """Run ``code`` as the training script on ``nodes x nproc`` fresh processes; returns at once with a Run.
 
+    The options are one :class:`~.options.RunOptions` (``options``), or its fields as keywords (``nproc=2``,
+    ``strategy="fsdp2+tp2"``, ...; keywords given with ``options`` replace its fields); each is checked there.
     ``strategy`` is ``auto`` (the plan's recommended candidate), ``none``, a strategy or any candidate name the
     planner prints (``fsdp2+tp2+sp``); ``tp``/``pp``/``cp``/``ep``/``sp`` override its degrees. ``worker`` sets
     other :class:`~jupyter_dist.worker._env.WorkerEnv` fields (``checkpoint_every``, ``heartbeat_s``, ...).
@@ -89,78 +82,51 @@ def start_run(
     A local run refuses more ranks than the machine holds (:func:`~.backends.local.check_capacity`) unless
     ``oversubscribe``.
     """
-    from ..telemetry.sinks import check_sinks, parse_log_to
+    from ..telemetry.sinks import parse_log_to
     from .output import parse_output
 
-    shown = parse_output(output)
-    if nproc is not None:  # a rank the run will not have is refused before anything starts
-        shown.resolve(nproc * nodes)
-    sinks = parse_log_to(log_to)
-    secrets = tuple(secrets)
-    check_sinks(sinks, secrets)
-    result = _start_run(
-        code, nproc=nproc, nodes=nodes, strategy=strategy, plan=plan, launcher=launcher, name=name, ship=ship,
-        max_restarts=max_restarts, timeout=timeout, env=env, runs_dir=runs_dir, port=port, dry_run=dry_run,
-        hang_timeout=hang_timeout, backend=backend, cluster=cluster, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, worker=worker,
-        script=script, script_args=tuple(script_args), oversubscribe=oversubscribe,
-    )  # fmt: skip
+    opts = RunOptions.from_kwargs(options, **kwargs)
+    sinks = parse_log_to(opts.log_to)
+    result = _start_run(code, opts)
     if sinks and isinstance(result, DryRun):
         result.notes.append(f"metrics forwarded from this kernel to: {', '.join(sinks)}")
     elif sinks:
-        result.log_to(sinks, secrets=secrets)
+        result.log_to(sinks, secrets=opts.secrets)
     if not isinstance(result, DryRun):
-        result.show_output(shown)
+        result.show_output(parse_output(opts.output))
     return result
 
 
-def _start_run(
-    code: str, *, nproc: int | None, nodes: int, strategy: str, plan: Any, launcher: str, name: str,
-    ship: dict[str, Any] | None, max_restarts: int, timeout: float | None, env: dict[str, str] | None,
-    runs_dir: str | os.PathLike[str], port: int | None, dry_run: bool, hang_timeout: float | None, backend: str,
-    cluster: Any, tp: int | None, pp: int | None, cp: int | None, ep: int | None, sp: bool | None,
-    worker: dict[str, Any] | None, script: str | None, script_args: tuple[str, ...], oversubscribe: bool = False,
-) -> Run | DryRun:  # fmt: skip
-    degrees = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "sp": sp}
-    check_user_env(dict(env or {}))  # RANK, MASTER_PORT, ...: the launcher would silently override them
+def _start_run(code: str, opts: RunOptions) -> Run | DryRun:
+    check_user_env(opts.env)  # RANK, MASTER_PORT, ...: the launcher would silently override them
+    script = opts.script
     if script is not None:  # an existing script instead of a cell (project.script_runner is the job's script.py)
         path = Path(script).expanduser()
         if not path.is_file():
             raise JupyterDistError(f"--script {script}: {_not_a_script(path)}")
         if code.strip():
             raise JupyterDistError("give either the cell's code or --script, not both")
-    if backend_spec(backend).cluster:
-        from .backends.cluster import ClusterOptions, start_cluster_run
+    if backend_spec(opts.backend).cluster:
+        from .backends.cluster import start_cluster_run
 
-        if hang_timeout is not None:
-            raise JupyterDistError("--hang-timeout watches local ranks only; drop it with --backend " + backend)
-        result: Run | DryRun = start_cluster_run(
-            code, backend=backend, cluster=cluster or ClusterOptions(), nproc=nproc, nodes=nodes, strategy=strategy,
-            plan=plan, launcher=launcher, name=name, ship=ship, max_restarts=max_restarts, timeout=timeout,
-            env=dict(env or {}), runs_dir=runs_dir, port=port, dry_run=dry_run, degrees=degrees, worker=worker,
-            script_file=script, script_args=tuple(script_args),
-        )  # fmt: skip
+        result: Run | DryRun = start_cluster_run(code, opts)
         return result
-    check_launcher(launcher, nodes=nodes, max_restarts=max_restarts)  # before anything is written
+    nproc, nodes, launcher, plan, name = opts.nproc, opts.nodes, opts.launcher, opts.plan, opts.name
+    check_launcher(launcher, nodes=nodes, max_restarts=opts.max_restarts)  # before anything is written
     gpus = local_gpu_count()
     if nproc is None:
         nproc = gpus or 2
     capacity_note = ""
     try:
-        check_capacity(nproc, nodes, gpus=gpus, oversubscribe=oversubscribe)
+        check_capacity(nproc, nodes, gpus=gpus, oversubscribe=opts.oversubscribe)
     except LaunchError as exc:
-        if not dry_run:  # a dry run starts nothing: it says what a real run would refuse
+        if not opts.dry_run:  # a dry run starts nothing: it says what a real run would refuse
             raise
         capacity_note = f"a real run here refuses this: {exc}"
-    if timeout is not None and timeout <= 0:
-        raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
-    if hang_timeout is not None and hang_timeout <= 0:
-        raise JupyterDistError(f"--hang-timeout must be positive seconds, got {hang_timeout}")
-    choice, contract = launch_contract(strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker)
+    choice, contract = launch_contract(opts.strategy, plan, nproc=nproc, nodes=nodes, degrees=opts.degrees(),
+                                       worker=opts.worker)  # fmt: skip
     strat = choice.strategy
-    extra_env = dict(env or {})
-    for key in extra_env:
-        if not key.replace("_", "a").isalnum() or key[0].isdigit():
-            raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
+    extra_env = dict(opts.env)
     files: dict[str, str] = {}
     d = choice.dims
     if strat.startswith("zero") and max(d.tp, d.pp, d.cp, d.ep) == 1:  # zero1 with tp/pp/cp/ep runs as FSDP2
@@ -180,31 +146,31 @@ def _start_run(
     if script is not None:
         from .project import script_runner
 
-        script = script_runner(str(Path(script).expanduser().resolve()), tuple(script_args))
+        script = script_runner(str(Path(script).expanduser().resolve()), opts.script_args)
     else:
         script = PRELUDE + code
-    if dry_run:
-        rd = RunDir(Path(runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
-        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
-                            port=port, extra_env=jd_env)  # fmt: skip
+    if opts.dry_run:
+        rd = RunDir(Path(opts.runs_dir).expanduser().resolve() / f"{name}-DRYRUN")
+        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=opts.max_restarts,
+                            port=opts.port, extra_env=jd_env)  # fmt: skip
         return DryRun(script=script, argv=lau.args(), env=lau.env(), files=files, notes=notes)
 
-    rd = new_run_dir(runs_dir, name)
+    rd = new_run_dir(opts.runs_dir, name)
     with removed_on_write_error(rd):  # a full disk: one line, and no half-made run folder left
         write_atomic(rd.script, script)
         for fname, text in files.items():
             write_atomic(rd.path / fname, text)
         if files.get("ds_config.json"):
             jd_env = {**replace(contract, ds_config=str(rd.path / "ds_config.json")).to_environ(), **extra_env}
-        if ship:
-            write_shipped(rd, ship)
-        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=max_restarts,
-                            port=port, extra_env=jd_env)  # fmt: skip
+        if opts.ship:
+            write_shipped(rd, opts.ship)
+        lau = LocalLauncher(run_dir=rd, nproc=nproc, nodes=nodes, launcher=launcher, max_restarts=opts.max_restarts,
+                            port=opts.port, extra_env=jd_env)  # fmt: skip
         record = launch_record(name=name, backend=lau.kind, strategy=strat, choice=choice, nproc=nproc, nodes=nodes,
-                               timeout=timeout, hang_timeout=hang_timeout, env=scrub_env(lau.env()), plan=plan,
-                               ship=ship)  # fmt: skip
+                               timeout=opts.timeout, hang_timeout=opts.hang_timeout, env=scrub_env(lau.env()),
+                               plan=plan, ship=opts.ship)  # fmt: skip
         meta, procs = start_recorded(rd, record, lau)
-    return Run(rd, meta, procs=procs, launcher=lau, timeout=timeout, plan=plan)
+    return Run(rd, meta, procs=procs, launcher=lau, timeout=opts.timeout, plan=plan)
 
 
 def start_recorded(rd: RunDir, record: RunRecord,

@@ -357,7 +357,7 @@ class DistMagics(Magics):
         args = self._parse(self.train_parser, line)
         if args is None:
             return None
-        from ..launch.session import start_run
+        from ..launch.session import RunOptions, start_run
 
         ns = self.shell.user_ns if self.shell is not None else {}
         plan = None
@@ -422,10 +422,6 @@ class DistMagics(Magics):
             if not value >= 0:
                 raise UsageError(f"{flag} must be >= 0 seconds, got {value}")
             worker[fld] = float(value)
-        for dim in ("tp", "pp", "cp", "ep"):
-            value = getattr(args, dim)
-            if value is not None and value < 1:
-                raise UsageError(f"--{dim} must be >= 1, got {value}")
         backend = args.backend or self.default_backend
         if args.nproc is not None:  # a rank the run will not have: refused before it starts
             try:
@@ -433,17 +429,16 @@ class DistMagics(Magics):
             except JupyterDistError as exc:
                 raise UsageError(str(exc)) from None
         try:
-            cluster = self._cluster_options(args, backend)
-            result = start_run(
-                cell or "", script=script_file, script_args=script_args,
-                nproc=args.nproc, nodes=args.nodes, strategy=args.strategy, plan=plan, launcher=args.launcher,
-                name=args.name or "run", ship=ship, max_restarts=args.max_restarts, timeout=args.timeout, env=env,
-                runs_dir=args.runs_dir or self.runs_dir, port=args.port, dry_run=args.dry_run,
-                hang_timeout=args.hang_timeout, backend=backend, cluster=cluster, tp=args.tp, pp=args.pp, cp=args.cp,
-                ep=args.ep, sp=args.sp, worker=worker, log_to=args.log_to,
-                secrets=tuple(args.secret) if args.log_to else (), output="none",  # shown below the panels
-                oversubscribe=args.oversubscribe,
+            options = RunOptions(
+                script=script_file, script_args=script_args, nproc=args.nproc, nodes=args.nodes,
+                strategy=args.strategy, plan=plan, launcher=args.launcher, name=args.name or "run", ship=ship,
+                max_restarts=args.max_restarts, timeout=args.timeout, env=env, runs_dir=args.runs_dir or self.runs_dir,
+                port=args.port, dry_run=args.dry_run, hang_timeout=args.hang_timeout, backend=backend,
+                cluster=self._cluster_options(args, backend), tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                sp=args.sp, worker=worker, log_to=args.log_to, secrets=tuple(args.secret) if args.log_to else (),
+                output="none", oversubscribe=args.oversubscribe,  # the ranks' prints are shown below the panels
             )  # fmt: skip
+            result = start_run(cell or "", options)
         except JupyterDistError as exc:
             raise UsageError(str(exc)) from None
         if args.dry_run:

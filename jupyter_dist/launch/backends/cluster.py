@@ -23,6 +23,7 @@ from ..base import BACKEND_SPECS, CLUSTER_BACKENDS, load_target
 
 if TYPE_CHECKING:
     from ...render.common import Layout
+    from ..options import RunOptions
 
 __all__ = ["CLUSTER_BACKENDS", "ClusterHooks", "ClusterJob", "ClusterOptions", "parse_gpus", "start_cluster_run"]
 
@@ -253,27 +254,26 @@ def cluster_hooks(backend: str) -> ClusterHooks:
     return hooks
 
 
-def start_cluster_run(
-    code: str, *, backend: str, cluster: ClusterOptions, nproc: int | None, nodes: int, strategy: str, plan: Any,
-    launcher: str, name: str, ship: dict[str, Any] | None, max_restarts: int, timeout: float | None,
-    env: dict[str, str], runs_dir: str | Path, port: int | None, dry_run: bool,
-    degrees: dict[str, Any] | None = None, worker: dict[str, Any] | None = None, script_file: str | None = None,
-    script_args: tuple[str, ...] = (),
-) -> Any:  # fmt: skip
-    """Compile and submit ``code`` on ``backend``; returns a :class:`~.run.Run` (or a ``DryRun``).
+def start_cluster_run(code: str, options: RunOptions | None = None, /, **kwargs: Any) -> Any:
+    """Compile and submit ``code`` on ``options.backend``; returns a :class:`~.run.Run` (or a ``DryRun``).
 
-    ``strategy``, ``plan`` and ``degrees`` resolve as for a local run (:func:`~.prepare.launch_contract`); the
+    ``options`` is the run's :class:`~..options.RunOptions` (or its fields as keywords, as for ``start_run``);
+    ``strategy``, ``plan`` and the degrees resolve as for a local run (:func:`~.prepare.launch_contract`); the
     ``JD_*`` variables come from that contract's ``WorkerEnv.to_environ()``.
     """
     from dataclasses import replace
 
     from ...render.common import SECRET_NAMES, RenderOptions
+    from ..options import RunOptions
     from ..prepare import PRELUDE, launch_contract
 
+    opts = RunOptions.from_kwargs(options, **kwargs)
+    backend, plan, name, nproc, nodes = opts.backend, opts.plan, opts.name, opts.nproc, opts.nodes
+    cluster: ClusterOptions = opts.cluster or ClusterOptions()
     hooks = cluster_hooks(backend)
-    if launcher != "torchrun":
+    if opts.launcher != "torchrun":
         raise JupyterDistError(
-            f"--launcher {launcher}: cluster back-ends start torchrun on every node (DeepSpeed strategies run "
+            f"--launcher {opts.launcher}: cluster back-ends start torchrun on every node (DeepSpeed strategies run "
             "under it); drop --launcher"
         )
     hooks.check(cluster)
@@ -288,22 +288,19 @@ def start_cluster_run(
         nodes = plan.hardware.nodes
     if nproc < 1 or nodes < 1:
         raise JupyterDistError(f"--nproc and --nodes must be >= 1, got {nproc} and {nodes}")
-    if timeout is not None and timeout <= 0:
-        raise JupyterDistError(f"--timeout must be positive seconds, got {timeout}")
     if plan is not None and not hasattr(plan, "best"):
         raise JupyterDistError(f"--plan must name a Plan object, got a {type(plan).__name__}")
     precision = None if plan is not None else ("bf16-mixed" if gpus else "fp32")
     choice, contract = launch_contract(
-        strategy, plan, nproc=nproc, nodes=nodes, degrees=degrees, worker=worker, precision=precision
+        opts.strategy, plan, nproc=nproc, nodes=nodes, degrees=opts.degrees(), worker=opts.worker, precision=precision
     )
     strat = choice.strategy
-    for key in env:
-        if not _ENV_RE.match(key):
-            raise JupyterDistError(f"--env name {key!r} is not a valid environment variable name")
+    env = opts.env
+    for key in env:  # a valid name: RunOptions checked it
         if key in SECRET_NAMES or key in cluster.secrets:
             raise JupyterDistError(f"--env {key}=... looks like a secret: pass it with --secret {key} (by name only)")
     missing = [s for s in cluster.secrets if not os.environ.get(s)]
-    if missing and not dry_run:
+    if missing and not opts.dry_run:
         raise JupyterDistError(
             f"--secret {', '.join(missing)}: not set in this kernel's environment (set it first, e.g. "
             f"os.environ[{missing[0]!r}] = ..., or drop --secret)"
@@ -344,14 +341,14 @@ def start_cluster_run(
     extras.update(hooks.extras(cluster, renv))
     script = PRELUDE + code
     script_copy = None
-    if script_file is not None:  # --script: an existing script runs as the job's __main__ (project.script_runner)
+    if opts.script is not None:  # --script: an existing script runs as the job's __main__ (project.script_runner)
         from ..project import script_runner
 
-        job_path, script_copy = hooks.script_path(script_file, cluster)
-        script = script_runner(job_path, script_args)
+        job_path, script_copy = hooks.script_path(opts.script, cluster)
+        script = script_runner(job_path, opts.script_args)
     return hooks.start(ClusterJob(
         script=script, files=files, plan=the_plan, user_plan=plan, candidate=candidate, cluster=cluster, nproc=nproc,
-        nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=ship, timeout=timeout,
-        runs_dir=runs_dir, port=port, dry_run=dry_run, max_restarts=max_restarts, layout=layout, renv=renv,
-        script_copy=script_copy, choice=choice,
+        nodes=nodes, job=job, name=name, strat=strat, contract=contract, extras=extras, ship=opts.ship,
+        timeout=opts.timeout, runs_dir=opts.runs_dir, port=opts.port, dry_run=opts.dry_run,
+        max_restarts=opts.max_restarts, layout=layout, renv=renv, script_copy=script_copy, choice=choice,
     ))  # fmt: skip
