@@ -842,7 +842,8 @@ def test_blocks_in_a_sequential_with_lists_of_heads_and_a_small_vocabulary() -> 
     # not the 6-entry list of heads, not the 256-row position table
     assert (spec.layers, spec.hidden, spec.vocab, spec.d_ffn) == (6, 384, 65, 1536)
     assert (spec.experts, spec.tied_embeddings, spec.norm, spec.gated_mlp) == (1, False, "layernorm", False)
-    assert spec.dims_assumed  # no attribute names the number of heads
+    # no attribute names the number of heads: the list of 6 per-head modules (384 -> 64 each) does (issue 31)
+    assert spec.heads == 6 and not spec.dims_assumed
 
 
 class _FakeHFConfig:

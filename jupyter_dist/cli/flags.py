@@ -277,8 +277,10 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         spec = ModelSpec.from_params(args.params)
     elif args.hf_config:
         spec = ModelSpec.from_hf_config(args.hf_config)
-    elif args.module:
-        spec = ModelSpec.from_module(load_module(args.module))
+    elif args.module:  # --heads: the heads its structure does not state (asked for, never guessed)
+        from ..plan.planner import module_spec
+
+        spec = module_spec(load_module(args.module), heads=overrides.pop("heads", None))
     elif overrides:
         missing = [f for f in ("layers", "hidden", "heads", "vocab") if f not in overrides]
         if missing:

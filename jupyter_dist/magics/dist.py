@@ -139,6 +139,9 @@ def _train_parser() -> MagicArgumentParser:
         metavar="S",
         help="stop the run with a diagnosis when no rank logs a step for S seconds (default: off)",
     )
+    from ..launch.scriptrun import add_speed_arguments
+
+    add_speed_arguments(p)
     _add_cluster_arguments(p)
     return p
 
@@ -400,6 +403,9 @@ class DistMagics(Magics):
             worker[fld] = value
         if args.async_save:
             worker["async_save"] = True
+        from ..launch.scriptrun import speed_fields
+
+        worker.update(speed_fields(args))
         if args.profile is not None:
             from ..worker._profile import parse_window
 
@@ -804,21 +810,22 @@ class DistMagics(Magics):
         args = self._parse(self.wizard_parser, line)
         if args is None:
             return None
-        from ..plan import ModelSpec
         from ..ui.wizard import Wizard
         from ..ui.wizard_model import inputs_from_args
 
         ns = self.shell.user_ns if self.shell is not None else {}
         try:
+            from ..plan.planner import module_spec
+
             spec = None
             if args.model_var:
                 if args.model_var not in ns:
                     raise UsageError(f"--model-var {args.model_var}: no variable of that name in the notebook")
-                spec = ModelSpec.from_module(ns[args.model_var], name=args.model_var)
+                spec = module_spec(ns[args.model_var], heads=getattr(args, "heads", None), name=args.model_var)
             elif args.module:
                 from ..cli.flags import load_module as _load_module
 
-                spec = ModelSpec.from_module(_load_module(args.module))
+                spec = module_spec(_load_module(args.module), heads=getattr(args, "heads", None))
             inputs = inputs_from_args(args, spec)
             w = Wizard(inputs=inputs, plan_var=args.plan_var, runs_dir=self.runs_dir, shell=self.shell)
             if spec is not None:  # what Rehearse builds: the notebook's object, or the module's pkg.mod:Factory

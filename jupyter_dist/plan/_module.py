@@ -20,19 +20,31 @@ def _torch() -> Any:
     return torch
 
 
-def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str | None) -> Any:
+def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str | None,
+                   heads: int | None = None) -> Any:  # fmt: skip
     """Return a ``ModelSpec`` (``cls``) with the exact parameter count of ``module``.
 
-    ``module`` is an ``nn.Module`` instance (any device, including meta), or a callable that builds one; the
-    callable runs under ``torch.device("meta")`` so no weight is allocated.
+    ``module`` is an ``nn.Module`` instance (any device, including meta), or a class or zero-argument callable
+    that builds one (``lambda: GPT(cfg)``); the callable runs under ``torch.device("meta")`` so no weight is
+    allocated, and one that fails is refused in one line. ``heads``: the attention heads, where the module's
+    structure does not say them (they are asked for, never guessed: see :func:`_infer_dims`).
     """
     torch = _torch()
     nn = torch.nn
+    if heads is not None and (not isinstance(heads, int) or isinstance(heads, bool) or heads < 1):
+        raise PlanInputError(f"heads must be a positive integer, got {heads!r}")
     if isinstance(module, nn.Module):
         mod = module
     elif callable(module):
-        with torch.device("meta"):
-            mod = module(*args, **kwargs)
+        what = getattr(module, "__qualname__", None) or type(module).__name__
+        try:
+            with torch.device("meta"):
+                mod = module(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported in one line
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise PlanInputError(
+                f"building the model with {what}() on the meta device failed: {type(exc).__name__}: {why[:300]}"
+            ) from None
         if not isinstance(mod, nn.Module):
             raise PlanInputError(f"{module!r} returned {type(mod).__name__}, not a torch.nn.Module")
     else:
@@ -56,7 +68,7 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
             return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module",
                               needs=module_needs(mod), tp_layout_of=_layout_of(mod))  # fmt: skip
 
-    dims = _infer_dims(mod, nn)
+    dims = _infer_dims(mod, nn, heads, label)
     assumed = dims.pop("assumed")
     return cls(name=label, params_override=total, largest_module_override=largest, dims_assumed=assumed,
                source="module", needs=module_needs(mod), tp_layout_of=_layout_of(mod), **dims)  # fmt: skip
@@ -142,8 +154,16 @@ def _tp_problem(mod: Any) -> str | None:
             f"{'no repeated blocks' if not blocks else 'none in its blocks'}")  # fmt: skip
 
 
-def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
-    """Guess layers / hidden / heads / ffn / vocab from the module tree (documented heuristics)."""
+def _infer_dims(mod: Any, nn: Any, given_heads: int | None = None, label: str = "") -> dict[str, Any]:
+    """Infer layers / hidden / heads / ffn / vocab from the module tree (documented heuristics).
+
+    The heads come from ``given_heads``, an ``nn.MultiheadAttention``, a heads attribute (``n_head``,
+    ``num_heads``, ...) of a block's module or of a ``config`` object it holds (nanoGPT keeps ``self.config``), or a
+    list of per-head modules (each projecting ``hidden`` to ``hidden / n``); a model with an embedding and blocks of
+    layers whose heads none of these give is refused in one line naming ``heads=`` (a width guess once planned 32
+    heads for a 16-head model of width 2048). Only a module without that structure (no embedding, or blocks that are
+    single layers: no attention to read) keeps an assumed shape, marked ``dims_assumed`` and warned about.
+    """
     # layers: the ModuleList, ModuleDict (keyed by layer index, as pipeline-friendly models are) or Sequential of one
     # child type that holds the most parameters (the transformer blocks). Not the longest one: a MoE block's list of
     # experts can be longer than the list of blocks (64 experts, 27 layers), and so can a block's list of heads.
@@ -173,24 +193,21 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
             "pass hidden=... and layers=... to ModelSpec instead"
         )
     ffn = max((lin.out_features for lin in linears if lin.in_features == hidden), default=4 * hidden)
-    heads = 0
-    for m in (block or mod).modules():
-        if isinstance(m, nn.MultiheadAttention):
-            heads = m.num_heads
-            break
-        for attr in ("num_heads", "n_head", "num_attention_heads", "n_heads"):
-            value = getattr(m, attr, None)
-            if isinstance(value, int) and value > 0 and hidden % value == 0:
-                heads = value
-                break
-        if heads:
-            break
+    heads = given_heads or _find_heads(block or mod, nn, hidden)
+    if given_heads and hidden % given_heads:
+        raise PlanInputError(f"heads={given_heads} does not divide the width of {label or type(mod).__name__} "
+                             f"({hidden})")  # fmt: skip
     kv_heads = 0
     if heads:
         kv_heads = _int_attr(block or mod, ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head"))
         if kv_heads and (kv_heads > heads or heads % kv_heads):
             kv_heads = 0
-    if not heads:
+    if not heads and block is not None and embeddings and any(True for _ in block.children()):
+        raise PlanInputError(
+            f"cannot find the attention heads of {label or type(mod).__name__} (width {hidden}): pass heads=N "
+            "(jupyter_dist.plan(model, heads=N), %dist_plan/jupyter-dist plan --module ... --heads N)"
+        )
+    if not heads:  # no blocks of layers after an embedding: no attention to read; the shape is assumed (and said so)
         heads = max(1, hidden // 64) if hidden % 64 == 0 else 1
         assumed = True
     gated = sum(1 for lin in linears if lin.in_features == hidden and lin.out_features == ffn) >= 2
@@ -221,6 +238,27 @@ def _infer_dims(mod: Any, nn: Any) -> dict[str, Any]:
         "ffn": ffn if ffn != hidden else 4 * hidden, "vocab": vocab or 32000, "gated_mlp": gated,
         "experts": experts, "top_k": top_k, "tied_embeddings": tied, "norm": norm, "assumed": assumed,
     }  # fmt: skip
+
+
+_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
+
+
+def _find_heads(root: Any, nn: Any, hidden: int) -> int:
+    """The attention heads ``root``'s structure states, or 0 (see :func:`_infer_dims`)."""
+    for m in root.modules():
+        if isinstance(m, nn.MultiheadAttention):
+            return int(m.num_heads)
+        for holder in (m, getattr(m, "config", None)):
+            for attr in _HEAD_ATTRS:
+                value = getattr(holder, attr, None) if holder is not None else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0 and hidden % value == 0:
+                    return value
+    for m in root.modules():  # a list of per-head modules, each projecting hidden to hidden / n
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1 and hidden % len(m) == 0:
+            lins = [x for x in m[0].modules() if isinstance(x, nn.Linear)]
+            if lins and all(x.in_features == hidden and x.out_features == hidden // len(m) for x in lins):
+                return len(m)
+    return 0
 
 
 def _grouped_experts(block: Any, hidden: int) -> tuple[int, int, bool] | None:

@@ -351,7 +351,9 @@ class ModelSpec:
         comes from the module's Hugging Face ``config`` when it has one, else from its structure: the list of
         identical blocks holding the most parameters gives the layers, the token embedding and the linear layers
         give the widths, head / key-value head / top-k attributes (``n_heads``, ``num_key_value_heads``, ``top_k``)
-        and a list of identical MLPs inside a block (the experts) give the rest.
+        and a list of identical MLPs inside a block (the experts) give the rest. A model with blocks whose heads
+        none of these state is refused in one line naming ``heads=`` (``jupyter_dist.plan(model, heads=N)``,
+        ``--heads N``), never guessed; the keywords here go to the factory.
         """
         from ._module import measure_module
 

@@ -29,8 +29,20 @@ _DP_ONLY = list(STRATEGIES.values())  # every strategy runs data-parallel only
 _MODEL_PARALLEL = [s for s in STRATEGIES.values() if s.model_parallel]
 
 
-def resolve_model(model: ModelSpec | str | int | float | Mapping[str, Any]) -> ModelSpec:
-    """Accept a ``ModelSpec``, a preset name, a bare parameter count, or a Hugging Face config dict."""
+def resolve_model(model: ModelSpec | str | int | float | Mapping[str, Any] | Any, *, heads: int | None = None
+                  ) -> ModelSpec:  # fmt: skip
+    """Accept a ``ModelSpec``, a preset name, a bare parameter count, a Hugging Face config dict, or a model.
+
+    A model is what :meth:`ModelSpec.from_module` measures: an ``nn.Module`` instance, a class, or a zero-argument
+    callable that builds one (``lambda: GPT(cfg)``, built on the meta device). ``heads`` is for such a model only,
+    where its structure does not state its attention heads.
+    """
+    if heads is not None:
+        if isinstance(model, (ModelSpec, str, int, float, Mapping)):
+            raise PlanInputError(
+                "heads= is for a module whose heads the planner cannot read; a preset, count or config states its own"
+            )
+        return module_spec(model, heads=heads)
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
@@ -45,9 +57,20 @@ def resolve_model(model: ModelSpec | str | int | float | Mapping[str, Any]) -> M
         return ModelSpec.from_params(model)
     if isinstance(model, Mapping):
         return ModelSpec.from_hf_config(model)
-    if hasattr(model, "parameters"):
+    if hasattr(model, "parameters") or callable(model):
         return ModelSpec.from_module(model)
     raise PlanInputError(f"cannot plan for a {type(model).__name__}: give a preset name, ModelSpec, count or config")
+
+
+def module_spec(model: Any, *, heads: int | None = None, name: str | None = None) -> ModelSpec:
+    """:meth:`ModelSpec.from_module` of ``model``: an instance, a class or a zero-argument callable.
+
+    ``heads``: where its structure does not state them (``jupyter_dist.plan(..., heads=)``, ``--module ... --heads``).
+    """
+    from ._module import measure_module
+
+    spec: ModelSpec = measure_module(ModelSpec, model, (), {}, name=name, heads=heads)
+    return spec
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -212,13 +235,16 @@ def plan(
     sp: bool | None = None,
     assumptions: Assumptions | None = None,
     calibration: Calibration | None = None,
+    heads: int | None = None,
 ) -> Plan:
     """Plan distributed training of ``model`` on ``hardware``: which strategy, will it fit, how fast, and why.
 
     Parameters
     ----------
     model
-        A :class:`ModelSpec`, a preset name (``"llama-2-7b"``), a parameter count, or a Hugging Face config dict.
+        A :class:`ModelSpec`, a preset name (``"llama-2-7b"``), a parameter count, a Hugging Face config dict, or
+        a model: an ``nn.Module``, its class, or a zero-argument callable building one (``lambda: GPT(cfg)``),
+        measured on the meta device (:meth:`ModelSpec.from_module`).
     hardware
         A :class:`Hardware`, or an accelerator name for one node of it.
     training
@@ -232,8 +258,10 @@ def plan(
     calibration
         Rates and memory measured on this hardware by ``%dist_tune`` (see :mod:`.calibration`), and the memory of
         candidates rehearsed for this very plan (``%dist_rehearse --save``); the plan uses them and says so.
+    heads
+        The attention heads of a model whose structure does not state them (asked for, never guessed).
     """
-    spec = resolve_model(model)
+    spec = resolve_model(model, heads=heads)
     hw = Hardware.from_names(hardware) if isinstance(hardware, str) else hardware
     shape = training or TrainingShape()
     assume = assumptions or Assumptions()
