@@ -16,7 +16,26 @@ from typing import Any
 
 from .base import BACKENDS, DEFAULT_BACKEND, backend_spec
 
-__all__ = ["add_launch_arguments", "add_ship_arguments", "cmd_launch", "split_script"]
+__all__ = ["add_launch_arguments", "add_ship_arguments", "add_speed_arguments", "speed_fields", "cmd_launch",
+           "split_script"]  # fmt: skip
+
+
+def add_speed_arguments(p: Any) -> None:
+    """``--no-fused``, ``--compile`` / ``--no-compile`` (``%%dist_train`` and ``jupyter-dist launch``; issue 31).
+
+    Both are on by default on CUDA and off elsewhere (``jupyter_dist.worker._speed``); the flags force them.
+    """
+    p.add_argument("--no-fused", dest="fused", action="store_const", const="0",
+                   help="keep a torch Adam/AdamW/SGD's default implementation (default: fused on CUDA; JD_FUSED=0)")
+    p.add_argument("--compile", dest="compile", action="store_const", const="1",
+                   help="torch.compile each repeated block (default: on CUDA, off elsewhere; JD_COMPILE=1)")
+    p.add_argument("--no-compile", dest="compile", action="store_const", const="0",
+                   help="run the blocks eager, also on CUDA (JD_COMPILE=0)")  # fmt: skip
+
+
+def speed_fields(args: argparse.Namespace) -> dict[str, str]:
+    """The :class:`~jupyter_dist.worker._env.WorkerEnv` fields the speed flags give (none: the defaults)."""
+    return {name: value for name in ("fused", "compile") if (value := getattr(args, name, None)) is not None}
 
 
 def add_ship_arguments(g: Any) -> None:
@@ -112,6 +131,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, help="stop the run after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print what would run; start nothing")
     p.add_argument("--detach", action="store_true", help="return once the run started")
+    add_speed_arguments(p)
     g = p.add_argument_group("clusters (see %%dist_train --help)")
     for flag in ("--partition", "--account", "--gpus", "--cluster", "--infra", "--checkpoint-dir"):
         g.add_argument(flag)
@@ -151,7 +171,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     options = RunOptions(script=args.script, script_args=tuple(script_args), nproc=args.nproc, nodes=args.nodes,
                          strategy=args.strategy, name=args.name, timeout=args.timeout, env=env,
                          runs_dir=args.runs_dir, dry_run=args.dry_run, backend=args.backend, cluster=cluster,
-                         output="none" if args.detach else args.output, oversubscribe=args.oversubscribe)  # fmt: skip
+                         output="none" if args.detach else args.output, oversubscribe=args.oversubscribe,
+                         worker=speed_fields(args))  # fmt: skip
     result = start_run("", options)
     if args.dry_run:
         print(result.to_text())  # type: ignore[union-attr]

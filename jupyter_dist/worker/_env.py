@@ -16,10 +16,14 @@ from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
     "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
+    "SPEED_VALUES",
 ]  # fmt: skip
 
 PRECISIONS = tuple(p.value for p in Precision)
 """Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
+
+SPEED_VALUES = ("auto", "1", "0")
+"""Values of ``JD_FUSED`` and ``JD_COMPILE``: ``auto`` (on CUDA only), ``1`` (on), ``0`` (off)."""
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables whose presence means "started by torchrun (or an equivalent launcher)"."""
@@ -149,6 +153,12 @@ class WorkerEnv:
     dp_replicate: int = 1
     """``JD_DP_REPLICATE``: data-parallel replicas across which FSDP2 does not shard (HSDP's outer dimension); the
     data-parallel shard degree is what is left: ``world / (pp * dp_replicate * cp * tp)``."""
+    fused: str = "auto"
+    """``JD_FUSED``: a torch Adam/AdamW/SGD steps with its fused kernel: ``auto`` (on CUDA), ``1`` (also elsewhere),
+    ``0`` (never); see :mod:`jupyter_dist.worker._speed`."""
+    compile: str = "auto"
+    """``JD_COMPILE``: ``torch.compile`` of each repeated block: ``auto`` (on CUDA), ``1`` (also elsewhere), ``0``
+    (never); a failure falls back to eager with one log line."""
     versions: str = ""
     """``JD_VERSIONS``: the kernel's package versions (``torch=2.13.0,cloudpickle=3.1.1``) that each rank of a cluster
     run compares with its own before the cell runs (``jupyter_dist.launch.remote_env``); empty: no check."""
@@ -194,6 +204,10 @@ class WorkerEnv:
                 parse_window(self.profile)
             except WorkerError as e:
                 raise WorkerError(f"JD_PROFILE: {e}") from None
+        for name in ("fused", "compile"):
+            if getattr(self, name) not in SPEED_VALUES:
+                raise WorkerError(f"JD_{name.upper()}={getattr(self, name)!r} is not valid; valid: "
+                                  f"{', '.join(SPEED_VALUES)}")  # fmt: skip
         if self.telemetry_interval_s < 0:
             raise WorkerError(
                 f"JD_TELEMETRY_INTERVAL_S={self.telemetry_interval_s} must be >= 0 (0 writes every jd.log call)"
@@ -248,6 +262,8 @@ class WorkerEnv:
             microbatches=_int(env, "JD_MICROBATCHES", 0),
             profile=env.get("JD_PROFILE", "").strip(),
             versions=env.get("JD_VERSIONS", "").strip(),
+            fused=env.get("JD_FUSED", "").strip().lower() or "auto",
+            compile=env.get("JD_COMPILE", "").strip().lower() or "auto",
         )
 
     @classmethod
@@ -330,7 +346,7 @@ ENV_VARS: dict[str, str] = {
     "telemetry_stdout": "JD_TELEMETRY_STDOUT", "tp": "JD_TP", "pp": "JD_PP", "cp": "JD_CP", "ep": "JD_EP",
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
     "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
-    "profile": "JD_PROFILE",
+    "profile": "JD_PROFILE", "fused": "JD_FUSED", "compile": "JD_COMPILE",
     "versions": "JD_VERSIONS",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""

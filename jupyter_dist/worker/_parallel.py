@@ -228,6 +228,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     """
     import torch
 
+    from ._speed import compile_blocks
     from ._strategy import _mixed, _param_names, checkpoint_blocks, rebuild_optimizer
 
     for dim, issue in ():  # every dimension runs; a new one starts here refused
@@ -298,6 +299,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     if env.ep > 1:
         apply_expert_parallel(model, mesh, on_meta=on_meta)
     blocks = checkpoint_blocks(env, model)
+    compile_blocks(env, blocks, device)  # torchtitan's apply_compile: after tp and checkpointing, before fully_shard
     views = stage_plan.views(model) if stage_plan is not None else []
     if family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -159,8 +159,11 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
     """
     import torch
 
+    from ._speed import compile_blocks
+
     name = env.strategy
     blocks = checkpoint_blocks(env, model)
+    compile_blocks(env, blocks, device)  # torchtitan's order: after activation checkpointing, before the wrapper
     if name == "none":
         return model, optimizer
     family = get_strategy(name).family

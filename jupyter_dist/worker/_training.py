@@ -56,7 +56,12 @@ class TrainingVerbs:
     @property
     def is_engine(self) -> bool:
         """Whether the wrapped model is a DeepSpeed engine."""
-        return self.model is not None and any(c.__name__ == "DeepSpeedEngine" for c in type(self.model).__mro__)
+        return self.is_engine_model(self.model)
+
+    @staticmethod
+    def is_engine_model(model: Any) -> bool:
+        """Whether ``model`` is a DeepSpeed engine (its optimizer is DeepSpeed's own)."""
+        return model is not None and any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
 
     @property
     def dp_size(self) -> int:
@@ -127,6 +132,10 @@ class TrainingVerbs:
         else:
             model, optimizer = apply_strategy(self.env, model, optimizer, device=self.device,
                                               comm_stats=self.comm_stats)  # fmt: skip
+        if not self.is_engine_model(model):
+            from ._speed import fuse_optimizer
+
+            fuse_optimizer(self.env, optimizer, self.device)
         self.model, self.optimizer = model, optimizer
         self.emitter.set_phase("forward")
         if self.profiler is not None and self.profiler.start == 0 and self._last_step is None:

@@ -1,0 +1,229 @@
+"""Execution speed where it is safe (issue 31): the fused optimizer and regional compilation, on CPU.
+
+On CUDA both are on by default; here (CPU) they are off unless forced (``JD_FUSED=1``, ``JD_COMPILE=1``), which is
+how these tests check the switch, the wiring and that the losses equal the default run's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jupyter_dist.worker import _speed  # noqa: E402
+from jupyter_dist.worker._env import WorkerEnv, WorkerError  # noqa: E402
+from jupyter_dist.worker._runtime import Runtime  # noqa: E402
+
+FUSED_RTOL = 1e-5
+"""Fused and foreach AdamW are the same update; measured on this model: identical losses over 4 steps."""
+COMPILE_RTOL = 1e-4
+"""Inductor reorders float sums; measured on this model: relative loss difference below 1e-6 over 4 steps."""
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.down = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, d: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.out = torch.nn.Linear(d, 4)
+
+    def forward(self, x: Any) -> Any:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def env(tmp_path: Path, **kw: Any) -> WorkerEnv:
+    return WorkerEnv(distributed=False, run_dir=str(tmp_path), heartbeat_s=0, **kw)
+
+
+def train(tmp_path: Path, steps: int = 4, opt_cls: Any = None, opt_kw: Any = None,
+          **kw: Any) -> tuple[list[float], Runtime]:  # fmt: skip
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = (opt_cls or torch.optim.AdamW)(model.parameters(), lr=1e-2, **(opt_kw or {}))
+    rt = Runtime(env(tmp_path, **kw))
+    rt.wrap(model, opt)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        losses.append(float(rt.train_step(x, y, torch.nn.functional.mse_loss)))
+    rt.emitter.close()
+    return losses, rt
+
+
+def speed_lines(caplog: Any, what: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if what in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------------------------ fused optimizer
+def test_env_reads_and_writes_the_switches() -> None:
+    e = WorkerEnv.from_environ({"JD_FUSED": "0", "JD_COMPILE": "1"})
+    assert (e.fused, e.compile) == ("0", "1")
+    assert e.to_environ()["JD_FUSED"] == "0" and e.to_environ()["JD_COMPILE"] == "1"
+    assert "JD_FUSED" not in WorkerEnv(distributed=False).to_environ()  # auto: not written
+    with pytest.raises(WorkerError, match=r"JD_COMPILE='yes' is not valid; valid: auto, 1, 0"):
+        WorkerEnv.from_environ({"JD_COMPILE": "yes"})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [_speed.speed_on(v, cpu) for v in ("auto", "1", "0")] == [False, True, False]
+    assert [_speed.speed_on(v, cuda) for v in ("auto", "1", "0")] == [True, True, False]
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "Adam", "SGD"])
+def test_fused_optimizer_is_switched_once_and_trains_the_same(tmp_path: Path, caplog: Any, cls: str,
+                                                             monkeypatch: Any) -> None:  # fmt: skip
+    opt_cls = getattr(torch.optim, cls)
+    module = importlib.import_module("torch.optim.sgd" if cls == "SGD" else "torch.optim.adam")
+    name = "_fused_sgd" if cls == "SGD" else "_fused_adam"
+    kernel, calls = getattr(module, name), []
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kw = {"momentum": 0.9} if cls == "SGD" else {}
+    caplog.set_level(logging.INFO, logger="jupyter_dist.worker")
+    base, rt0 = train(tmp_path / "a", opt_cls=opt_cls, opt_kw=kw)  # CPU default: unchanged
+    assert not rt0.optimizer.param_groups[0]["fused"]
+    assert not speed_lines(caplog, "fused implementation") and not calls
+    fused, rt = train(tmp_path / "b", opt_cls=opt_cls, opt_kw=kw, fused="1")
+    assert all(g["fused"] is True and g["foreach"] is None for g in rt.optimizer.param_groups)
+    assert rt.optimizer._step_supports_amp_scaling
+    assert speed_lines(caplog, "fused implementation") == [
+        f"jd.wrap: torch.optim.{cls} steps with its fused implementation (the same update in one kernel; "
+        "--no-fused or JD_FUSED=0 keeps the default)"
+    ]
+    assert calls == [1] * 4  # the fused kernel ran, once per step
+    assert fused == pytest.approx(base, rel=FUSED_RTOL)
+
+
+def test_fused_is_left_alone_when_the_user_chose_or_asked_no(tmp_path: Path) -> None:
+    _, rt = train(tmp_path / "a", steps=1, opt_kw={"foreach": True}, fused="1")
+    assert rt.optimizer.param_groups[0]["foreach"] is True and not rt.optimizer.param_groups[0]["fused"]
+    _, rt = train(tmp_path / "b", steps=1, opt_kw={"foreach": False}, fused="1")
+    assert not rt.optimizer.param_groups[0]["fused"]
+    _, rt = train(tmp_path / "c", steps=1, opt_cls=torch.optim.RMSprop, fused="1")
+    assert "fused" not in rt.optimizer.param_groups[0] or not rt.optimizer.param_groups[0]["fused"]
+    _, rt = train(tmp_path / "d", steps=1, fused="0")
+    assert not rt.optimizer.param_groups[0]["fused"]
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(WorkerError, match=r"already has state.*JD_FUSED=0"):
+        _speed.fuse_optimizer(env(tmp_path, fused="1"), opt, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------- regional compilation
+def test_compile_wraps_each_block_and_equals_eager(tmp_path: Path, caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="jupyter_dist.worker")
+    eager, rt0 = train(tmp_path / "a")
+    assert all(b._compiled_call_impl is None for b in rt0.model.blocks)  # CPU default: eager
+    compiled, rt = train(tmp_path / "b", compile="1")
+    model = rt.model
+    assert [n for n, m in model.named_modules() if m._compiled_call_impl is not None] == ["blocks.0", "blocks.1"]
+    assert [n for n, _ in model.named_parameters()][:2] == ["inp.weight", "inp.bias"]  # names unchanged
+    assert speed_lines(caplog, "torch.compile") == ["jd.wrap: torch.compile of 2 blocks (Block)"]
+    assert compiled == pytest.approx(eager, rel=COMPILE_RTOL)
+
+
+def test_compile_failure_falls_back_to_eager_with_one_line(tmp_path: Path, caplog: Any, monkeypatch: Any) -> None:
+    caplog.set_level(logging.INFO, logger="jupyter_dist.worker")
+    eager, _ = train(tmp_path / "a")
+
+    def broken(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("inductor: no C++ compiler\nsecond line")
+
+        return call
+
+    monkeypatch.setattr(_speed, "_compile", broken)  # fails at the first call (the first step)
+    losses, rt = train(tmp_path / "b", compile="1")
+    assert losses == eager
+    assert all(b._compiled_call_impl is None for b in rt.model.blocks)
+    assert speed_lines(caplog, "failed") == [
+        "jd.wrap: torch.compile of the blocks failed (RuntimeError: inductor: no C++ compiler); they run eager"
+    ]
+
+    def refused(fn: Any) -> Any:
+        raise RuntimeError("torch.compile is not supported on this Python")
+
+    caplog.clear()
+    monkeypatch.setattr(_speed, "_compile", refused)  # fails at wrap
+    losses, rt = train(tmp_path / "c", compile="1")
+    assert losses == eager and all(b._compiled_call_impl is None for b in rt.model.blocks)
+    assert len(speed_lines(caplog, "failed")) == 1
+
+
+def test_the_flags_of_the_magic_and_of_launch_give_the_switches() -> None:
+    import argparse
+    import shlex
+
+    from jupyter_dist.launch.scriptrun import add_launch_arguments, speed_fields
+    from jupyter_dist.magics.dist import _train_parser
+
+    magic = _train_parser()
+    assert speed_fields(magic.parse_args(shlex.split("--no-fused --compile"))) == {"fused": "0", "compile": "1"}
+    assert speed_fields(magic.parse_args(shlex.split("--no-compile"))) == {"compile": "0"}
+    assert speed_fields(magic.parse_args([])) == {}  # the defaults: on CUDA, off elsewhere
+    cli = argparse.ArgumentParser()
+    add_launch_arguments(cli)
+    assert speed_fields(cli.parse_args(["--no-fused", "--no-compile", "train.py"])) == {"fused": "0", "compile": "0"}
+    fields = {"fused": "0", "compile": "1"}
+    assert WorkerEnv.for_launch(world_size=2, **fields).to_environ()["JD_FUSED"] == "0"
+
+
+SCRIPT = '''
+import json, os, sys
+import torch
+import jupyter_dist.worker as jd
+sys.path.insert(0, os.environ["TEST_DIR"])
+from test_speed import Tiny
+
+torch.manual_seed(0)
+model = Tiny()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = jd.wrap(model, opt)
+compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+g = torch.Generator().manual_seed(1 + jd.rank)
+losses = []
+for _ in range(3):
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    losses.append(float(jd.train_step(x, y, torch.nn.functional.mse_loss)))
+out = os.path.join(os.environ["JD_RUN_DIR"], f"losses-{jd.rank}.json")
+json.dump({"losses": losses, "compiled": compiled}, open(out, "w"))
+'''
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_compiled_equals_eager(tmp_path: Path) -> None:
+    import json
+
+    from test_worker import explain, torchrun
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    runs = {}
+    for flag in ("0", "1"):
+        run_dir = tmp_path / f"run{flag}"
+        proc = torchrun(script, run_dir, timeout=600, JD_STRATEGY="fsdp2", JD_COMPILE=flag,
+                        TEST_DIR=str(Path(__file__).parent))  # fmt: skip
+        assert proc.returncode == 0, explain(proc, run_dir)
+        runs[flag] = [json.loads((run_dir / f"losses-{r}.json").read_text()) for r in (0, 1)]
+        assert "failed" not in "".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log"))
+    for eager, compiled in zip(runs["0"], runs["1"], strict=True):
+        assert eager["compiled"] == [] and compiled["compiled"] == ["blocks.0", "blocks.1"]
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=COMPILE_RTOL)
