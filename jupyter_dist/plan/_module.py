@@ -7,7 +7,12 @@ from typing import Any
 
 from ..errors import MissingDependencyError, PlanInputError
 
-__all__ = ["measure_module", "tp_layout_table"]
+__all__ = ["measure_module", "tp_layout_table", "block_activations", "LAYOUT_FAMILIES"]
+
+LAYOUT_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral"})
+"""Hugging Face ``model_type`` s whose blocks the planner's layout table describes (measured in
+tests/test_memory_measured.py); a module of any other family, or without a Hugging Face config, has its
+activations measured (:func:`block_activations`)."""
 
 
 def _torch() -> Any:
@@ -65,13 +70,172 @@ def measure_module(cls: Any, module: Any, args: tuple[Any, ...], kwargs: dict[st
         except PlanInputError:
             pass  # a ``config`` that is not a transformer's Hugging Face config: measure the structure instead
         else:
+            family = str(hf_config.to_dict().get("model_type", "")).lower()
+            measured = None if family in LAYOUT_FAMILIES else block_activations(mod)
             return spec.with_(name=label, params_override=total, largest_module_override=largest, source="module",
-                              needs=module_needs(mod), tp_layout_of=_layout_of(mod))  # fmt: skip
+                              needs=module_needs(mod), tp_layout_of=_layout_of(mod),
+                              activations_of=measured)  # fmt: skip
 
     dims = _infer_dims(mod, nn, heads, label)
     assumed = dims.pop("assumed")
     return cls(name=label, params_override=total, largest_module_override=largest, dims_assumed=assumed,
-               source="module", needs=module_needs(mod), tp_layout_of=_layout_of(mod), **dims)  # fmt: skip
+               source="module", needs=module_needs(mod), tp_layout_of=_layout_of(mod),
+               activations_of=None if assumed else block_activations(mod), **dims)  # fmt: skip
+
+
+MAX_MEASURED_BLOCK_BYTES = 1 << 30
+"""Largest block (its fp32 weights) made real on the CPU to be measured; a larger one keeps the layout table."""
+
+
+class _Captured(Exception):
+    """Stops the capturing forward once the first block's inputs are seen."""
+
+
+def block_activations(mod: Any) -> Any:
+    """``(micro_batch, seq_len, e) -> bytes`` one block of ``mod`` saves for backward, measured; or ``None``.
+
+    The first repeated block's inputs are captured by one forward of ``(b, s)`` token ids on the module's device
+    (the meta device for a model built there); a copy of that block alone is made real on the CPU (its weights
+    random where they were meta), cast to the planned dtype (``e`` = 4: fp32, 2: bf16, the precision the block
+    runs in), and run on real inputs of the captured shapes under ``torch.autograd.graph.saved_tensors_hooks``:
+    the bytes of every storage autograd packs, each once, less the block's parameters and its inputs (the caller
+    holds them), as tests/test_memory_measured.py counts. Measured at ``(1, s0)``, ``(1, 2s0)``, ``(1, 4s0)``,
+    ``(2, s0)`` and ``(2, 2s0)`` (micro-batch, tokens; ``s0`` = 8), the bytes are fitted exactly (rational
+    arithmetic) as ``b·s·A + b·s²·D + s·B + s²·E + C``: per-token tensors, the attention scores of an eager kernel
+    (``b·s²``), per-position tables a block builds (rotary) and masks it derives (``s²``), and fixed ones; the
+    planner scales that to its micro-batch and sequence.
+    ``None`` when the module has no repeated blocks, its block's fp32 weights exceed
+    :data:`MAX_MEASURED_BLOCK_BYTES`, or its forward cannot be run on token ids (the planner keeps its layout
+    then). Each dtype is measured once per module.
+    """
+    try:
+        from ..worker._strategy import find_blocks
+    except ImportError:
+        return None
+    blocks = find_blocks(mod)
+    if not blocks or 4 * sum(int(p.numel()) for p in blocks[0].parameters()) > MAX_MEASURED_BLOCK_BYTES:
+        return None
+    fits: dict[int, Any] = {}
+
+    def activations(b: int, s: int, e: int) -> int | None:
+        if e not in fits:
+            try:
+                fits[e] = _fit(mod, blocks[0], e)
+            except Exception:  # noqa: BLE001 - a forward the planner cannot drive: keep the layout
+                fits[e] = None
+        fit = fits[e]
+        if fit is None:
+            return None
+        a, d, bb, ee, c = fit
+        return int(b * s * a + b * s * s * d + s * bb + s * s * ee + c)
+
+    return activations
+
+
+def _fit(mod: Any, block: Any, e: int) -> tuple[Any, ...]:
+    """``(A, D, B, E, C)`` of ``b·s·A + b·s²·D + s·B + s²·E + C`` from five sizes (see :func:`block_activations`)."""
+    from fractions import Fraction
+
+    s0 = 8
+    sizes = ((1, s0), (1, 2 * s0), (1, 4 * s0), (2, s0), (2, 2 * s0))
+    f11, f12, f14, f21, f22 = (Fraction(_saved_bytes(mod, block, b, s, e)) for b, s in sizes)
+    # b = 1: g(s) = s(A + B) + s^2 (D + E) + C at s0, 2s0, 4s0
+    de = (f14 - 3 * f12 + 2 * f11) / (6 * s0 * s0)
+    ab = (f12 - f11) / s0 - 3 * s0 * de
+    c = f11 - s0 * ab - s0 * s0 * de
+    # the second sample of the batch: s A + s^2 D at s0 and 2s0
+    x1, x2 = f21 - f11, f22 - f12
+    d = (x2 - 2 * x1) / (2 * s0 * s0)
+    a = (x1 - s0 * s0 * d) / s0
+    return a, d, ab - a, de - d, c
+
+
+def _saved_bytes(mod: Any, block: Any, b: int, s: int, e: int) -> int:
+    """Bytes ``block`` saves for backward run alone on the CPU with ``mod``'s inputs to it at ``(b, s)`` tokens."""
+    import copy
+
+    torch = _torch()
+    dtype = {4: torch.float32, 2: torch.bfloat16}[e]
+    param = next(mod.parameters())
+    seen_args: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def pre(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen_args.append((args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            mod(torch.zeros(b, s, dtype=torch.long, device=param.device))
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen_args:
+        raise RuntimeError("the first block was not called")
+    args, kwargs = seen_args[0]
+    real = copy.deepcopy(block)
+    if any(p.is_meta for p in real.parameters()) or any(t.is_meta for t in real.buffers()):
+        real = real.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for t in list(real.parameters()) + list(real.buffers()):
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+                else:
+                    t.zero_()
+    real = real.to(device="cpu", dtype=dtype)
+    real.train()
+    gen = torch.Generator().manual_seed(0)
+    inputs: list[Any] = []
+
+    def make(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                t = torch.randn(x.shape, generator=gen).to(dtype)
+                if x.dim() >= 2 and x.shape[-1] == _width(block):
+                    t.requires_grad_(True)  # the hidden states: what backward flows into
+            elif x.dtype == torch.bool:
+                t = torch.ones(x.shape, dtype=torch.bool)
+            else:
+                t = torch.zeros(x.shape, dtype=x.dtype)
+            inputs.append(t)
+            return t
+        if isinstance(x, tuple):
+            return tuple(make(y) for y in x)
+        if isinstance(x, list):
+            return [make(y) for y in x]
+        if isinstance(x, dict):
+            return {k: make(v) for k, v in x.items()}
+        return x
+
+    real_args, real_kwargs = make(args), make(kwargs)
+    from torch.autograd.graph import saved_tensors_hooks
+
+    held = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    held |= {t.untyped_storage().data_ptr() for t in real.buffers()}
+    held |= {t.untyped_storage().data_ptr() for t in inputs}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in held and key not in seen:
+                seen[key] = int(storage.nbytes())
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = real(*real_args, **real_kwargs)
+    del out
+    return sum(seen.values())
+
+
+def _width(block: Any) -> int:
+    """The residual width of ``block``: the most common input width of its linear layers (0 if none)."""
+    nn = _torch().nn
+    widths = [m.in_features for m in block.modules() if isinstance(m, nn.Linear)]
+    return Counter(widths).most_common(1)[0][0] if widths else 0
 
 
 def _layout_of(mod: Any) -> Any:

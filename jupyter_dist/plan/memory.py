@@ -417,6 +417,32 @@ def _llama_layer(model: ModelSpec, training: TrainingShape, dims: ParallelDims, 
     return norms + attention + rope + mlp
 
 
+def _measured_block(model: ModelSpec, training: TrainingShape, dims: ParallelDims,
+                    recompute: Checkpointing) -> float | None:  # fmt: skip
+    """A measured module's block (``model.activations_of``: autograd's saved bytes, fitted and scaled), or ``None``.
+
+    Used without tensor parallelism (how a module's own block splits is not measured) for ``none``, ``full`` (the
+    block input ``e·sbh``, what checkpointing keeps whatever the block) and ``layer:K`` (their average);
+    ``selective`` and ``op`` keep the layout's accounting. Context parallelism divides the sequence.
+    """
+    if model.activations_of is None or dims.tp > 1:
+        return None
+    if recompute not in (Checkpointing.NONE, Checkpointing.FULL, Checkpointing.LAYER):
+        return None
+    e = training.precision.bytes_per_activation
+    s = training.seq_len // dims.cp
+    b = training.micro_batch
+    if recompute is Checkpointing.FULL:
+        return float(e * s * b * model.hidden)
+    none = model.activations_of(b, s, e)
+    if none is None:
+        return None
+    if recompute is Checkpointing.LAYER:
+        k = training.checkpoint_every
+        return ((k - 1) * float(none) + e * s * b * model.hidden) / k
+    return float(none)
+
+
 def activation_bytes_per_layer(
     model: ModelSpec, training: TrainingShape, dims: ParallelDims, *, recompute: Checkpointing | None = None,
     layout: ActivationLayout = HF_LAYOUT,
@@ -435,6 +461,9 @@ def activation_bytes_per_layer(
     (every other one, counted as for the measured layout), ``layer:K`` the average of K-1 plain and one full block.
     """
     recompute = training.checkpointing if recompute is None else recompute
+    measured = _measured_block(model, training, dims, recompute)
+    if measured is not None:
+        return measured
     if measured_layout_applies(model):
         return _llama_layer(model, training, dims, recompute, layout)
     s = training.seq_len / dims.cp

@@ -139,6 +139,11 @@ class ModelSpec:
     """A measured module's derived tensor-parallel layout, asked lazily: ``tp_layout_of(tp, sp)`` gives a
     :class:`~jupyter_dist.plan.plan.TpLayoutTable` (``None`` where the module carries its own layout). Holds the
     module; not compared, not serialised (the plan keeps the table it asked for)."""
+    activations_of: Any = field(default=None, compare=False, repr=False)
+    """A measured module's activations, asked lazily: ``activations_of(micro_batch, seq_len, bytes_per_element)``
+    gives the bytes one block saves for backward (``_module.block_activations``: autograd's saved tensors of a tiny
+    real forward, fitted over sizes and scaled). ``None`` where the planner's layout table describes the model.
+    Holds the module; not compared, not serialised."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "experts", "top_k"):
@@ -362,7 +367,8 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Return the dimensions plus derived counts (``params`` etc.), JSON-ready."""
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tp_layout_of"}
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                                if f.name not in ("tp_layout_of", "activations_of")}
         out["needs"] = [list(n) for n in self.needs]  # JSON's form: a record read back compares equal
         out.update(params=self.params, active_params=self.active_params, params_from_dims=self.params_from_dims)
         return out
@@ -370,7 +376,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
         """Inverse of :meth:`to_dict` (derived keys are ignored)."""
-        names = {f.name for f in fields(cls)} - {"tp_layout_of"}
+        names = {f.name for f in fields(cls)} - {"tp_layout_of", "activations_of"}
         kw = {k: v for k, v in data.items() if k in names}
         if "needs" in kw:  # JSON gives lists
             kw["needs"] = tuple((str(d), str(why)) for d, why in kw["needs"])
