@@ -32,6 +32,7 @@ __all__ = [
     "get_accelerator",
     "get_interconnect",
     "register_accelerator",
+    "fp8_problem",
 ]
 
 _GBs = 10**9  # GB/s as bytes/s
@@ -68,6 +69,11 @@ class Accelerator:
     """Host memory of a typical node with this accelerator (bytes), the budget for CPU offload."""
     vendor: str = "nvidia"
     """``"nvidia"`` (CUDA, NCCL) or ``"amd"`` (ROCm, RCCL)."""
+    fp8_flops: float = 0.0
+    """Peak dense FP8 tensor throughput (FLOP/s), half the datasheets' "with sparsity" figure; 0 where the GPU has no
+    FP8 tensor cores (A100, V100, A10G, CPU), which the planner refuses ``fp8`` for (:func:`fp8_problem`). NVIDIA's
+    datasheets: H100 SXM 3,958 and H100 PCIe 3,026 TFLOPS "with sparsity" (H100 Tensor Core GPU datasheet), H200 SXM
+    3,958 (H200 datasheet), L4 485 (L4 datasheet)."""
     memory_bw: float = 2.0e12
     """Device memory (HBM/GDDR) bandwidth, bytes/s (datasheet): the rate of memory-bound elementwise work."""
     matmul_efficiency: float = 0.5
@@ -112,9 +118,19 @@ class Accelerator:
         return self.collective_latency_s * self.comm_scale
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak dense throughput for ``"bf16"``, ``"fp16"`` or ``"fp32"`` compute (FLOP/s)."""
+        """Peak dense throughput for ``"fp8"``, ``"bf16"``, ``"fp16"`` or ``"fp32"`` compute (FLOP/s)."""
+        if dtype == "fp8":
+            problem = fp8_problem(self)
+            if problem:
+                raise PlanInputError(problem)
+            return self.fp8_flops
         value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[dtype]
         return value if value > 0 else self.fp32_flops
+
+    @property
+    def supports_fp8(self) -> bool:
+        """Whether the accelerator has FP8 tensor cores (:attr:`fp8_flops`)."""
+        return self.fp8_flops > 0
 
     @property
     def supports_bf16(self) -> bool:
@@ -207,7 +223,7 @@ ACCELERATORS: dict[str, Accelerator] = {
                     bf16_flops=121 * _TFLOPS, fp16_flops=121 * _TFLOPS, fp32_flops=30.3 * _TFLOPS,
                     intra_node_bw=25 * _GBs, intra_node_link="PCIe Gen4 x16", host_link_bw=25 * _GBs,
                     default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB,
-                    memory_bw=300 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=242.5 * _TFLOPS, memory_bw=300 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="a100-40gb", label="NVIDIA A100 40GB SXM4", memory_bytes=40960 * MiB,
                     bf16_flops=312 * _TFLOPS, fp16_flops=312 * _TFLOPS, fp32_flops=19.5 * _TFLOPS,
                     intra_node_bw=300 * _GBs, intra_node_link="NVLink 3", host_link_bw=25 * _GBs,
@@ -222,17 +238,17 @@ ACCELERATORS: dict[str, Accelerator] = {
                     bf16_flops=756 * _TFLOPS, fp16_flops=756 * _TFLOPS, fp32_flops=51 * _TFLOPS,
                     intra_node_bw=50 * _GBs, intra_node_link="PCIe Gen5 x16", host_link_bw=50 * _GBs,
                     default_interconnect="ethernet-100", node_cpu_memory_bytes=1024 * GiB,
-                    memory_bw=2000 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=1513 * _TFLOPS, memory_bw=2000 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="h100-80gb", label="NVIDIA H100 80GB SXM5", memory_bytes=81559 * MiB,
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
                     default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
-                    memory_bw=3350 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=1979 * _TFLOPS, memory_bw=3350 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         Accelerator(name="h200", label="NVIDIA H200 141GB SXM5", memory_bytes=143771 * MiB,
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
                     default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
-                    memory_bw=4800 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=1979 * _TFLOPS, memory_bw=4800 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
         # A CPU process with gloo, for local runs and tests: 16 GiB and ~1 TFLOPS are placeholders, not a measurement.
         Accelerator(name="cpu", label="CPU process (gloo)", memory_bytes=16 * GiB, bf16_flops=0, fp16_flops=0,
                     fp32_flops=1e12, intra_node_bw=10 * _GBs, intra_node_link="shared memory",
@@ -393,3 +409,11 @@ class Hardware:
             interconnect=Interconnect.from_dict(data["interconnect"]),  # type: ignore[arg-type]
             intra_node_efficiency=float(data.get("intra_node_efficiency", 0.8)),  # type: ignore[arg-type]
         )
+
+
+def fp8_problem(acc: Accelerator) -> str | None:
+    """Why ``acc`` cannot train in ``fp8`` (one line naming the catalog's GPUs that can), or ``None``."""
+    if acc.supports_fp8:
+        return None
+    having = ", ".join(a.name for a in ACCELERATORS.values() if a.supports_fp8)
+    return f"precision fp8 needs FP8 tensor cores, which {acc.label} lacks; GPUs with them: {having}"
