@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints-cpu.txt"
 
 EXTRAS = ("torch", "notebook", "deepspeed", "sky", "accelerate", "hf", "lightning", "tensorboard", "wandb", "mlflow",
-          "trackio", "gpu")  # fmt: skip
+          "trackio", "gpu", "fp8")  # fmt: skip
 """The extras a user installs one at a time (``test``, ``dev`` and ``all`` are sets of them)."""
 
 INSTALL_TIMEOUT = 1200
@@ -512,6 +512,38 @@ same("records", ["mem", "gpu"] if has_gpu else ["mem"], [k for k in kinds if k i
 finish(has_gpu=has_gpu, reason=reason, nvml=importlib.metadata.version("nvidia-ml-py"))
 '''
 
+CHECKS["fp8"] = r'''
+import torch
+import torchao
+
+from jupyter_dist.worker import _env
+from jupyter_dist.worker._runtime import Runtime
+
+if "fp8" not in _env.PRECISIONS:  # the planner's Precision names the values (fp8 arrives with its planner part)
+    _env.PRECISIONS = (*_env.PRECISIONS, "fp8")
+
+
+def train(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ModuleList([torch.nn.Linear(32, 32)]))
+    model.forward = lambda x: model[1][0](model[0](x))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = Runtime(_env.WorkerEnv(distributed=False, run_dir="runs/fp8", heartbeat_s=0, **kw))
+    rt.wrap(model, opt)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 32, generator=g)
+    losses = [float(rt.train_step(x, y, torch.nn.functional.mse_loss)) for _ in range(3)]
+    rt.emitter.close()
+    return losses, model
+
+
+bf16, _ = train(precision="bf16-mixed")
+fp8, model = train(precision="fp8", fp8_emulate=True)
+same("converted", ["1.0"], [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"])
+same("loss close to bf16", True, max(abs(a - b) / abs(a) for a, b in zip(bf16, fp8)) < 5e-3)
+finish(torchao=torchao.__version__)
+'''
+
 REQUIRED: dict[str, set[str]] = {
     "torch": {"plan", "rank of world", "loss falls", "resumed weights"},
     "notebook": {"errors", "widget views (wizard, panels)", "metrics (pandas)", "html export (nbconvert)"},
@@ -525,6 +557,7 @@ REQUIRED: dict[str, set[str]] = {
     "mlflow": {"run", "loss read back"},
     "trackio": {"loss read back"},
     "gpu": {"NVML fields", "NVML switched off", "records"},
+    "fp8": {"converted", "loss close to bf16"},
 }
 """Comparisons each extra's script must have made (so a script cannot pass by checking nothing)."""
 

@@ -485,9 +485,9 @@ def test_the_architecture_docs_environment_table_is_every_jd_variable_the_code_r
     text = ARCH.read_text()
     table = text[text.index("| variable | meaning | set by |"):]
     table = table[: table.index("\n\n")]
-    documented = set(re.findall(r"`(JD_[A-Z_]+)`", table))
+    documented = set(re.findall(r"`(JD_[A-Z0-9_]+)`", table))  # digits too: JD_FP8_RECIPE
     source = "\n".join(p.read_text() for p in ROOT.rglob("*.py"))
-    used = set(re.findall(r"[\"'](JD_[A-Z_]+)[\"']", source))
+    used = set(re.findall(r"[\"'](JD_[A-Z0-9_]+)[\"']", source))
     missing = set(ENV_VARS.values()) - documented
     assert not missing, f"WorkerEnv fields missing from the table: {sorted(missing)}"
     assert not used - documented, f"JD_* variables the code uses but the table lacks: {sorted(used - documented)}"

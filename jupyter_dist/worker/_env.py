@@ -16,11 +16,15 @@ from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
     "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
-    "SPEED_VALUES",
+    "SPEED_VALUES", "FP8_RECIPES",
 ]  # fmt: skip
 
 PRECISIONS = tuple(p.value for p in Precision)
-"""Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's)."""
+"""Values of ``JD_PRECISION`` (the :class:`~jupyter_dist.plan.training.Precision` enum's; its ``fp8`` runs the blocks'
+linear layers in FP8 through torchao, bf16 elsewhere: :mod:`jupyter_dist.worker._float8`)."""
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""Values of ``JD_FP8_RECIPE`` (torchao's float8 scaling recipes)."""
 
 SPEED_VALUES = ("auto", "1", "0")
 """Values of ``JD_FUSED`` and ``JD_COMPILE``: ``auto`` (on CUDA only), ``1`` (on), ``0`` (off)."""
@@ -159,6 +163,11 @@ class WorkerEnv:
     compile: str = "auto"
     """``JD_COMPILE``: ``torch.compile`` of each repeated block: ``auto`` (on CUDA), ``1`` (also elsewhere), ``0``
     (never); a failure falls back to eager with one log line."""
+    fp8_recipe: str = "tensorwise"
+    """``JD_FP8_RECIPE``: the scaling of ``JD_PRECISION=fp8``, ``tensorwise`` (one scale per tensor; FSDP2 gathers
+    the weights in float8) or ``rowwise``."""
+    fp8_emulate: bool = False
+    """``JD_FP8_EMULATE=1``: ``JD_PRECISION=fp8`` through torchao's emulation (tests on CPU; no FP8 hardware)."""
     versions: str = ""
     """``JD_VERSIONS``: the kernel's package versions (``torch=2.13.0,cloudpickle=3.1.1``) that each rank of a cluster
     run compares with its own before the cell runs (``jupyter_dist.launch.remote_env``); empty: no check."""
@@ -204,6 +213,8 @@ class WorkerEnv:
                 parse_window(self.profile)
             except WorkerError as e:
                 raise WorkerError(f"JD_PROFILE: {e}") from None
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise WorkerError(f"JD_FP8_RECIPE={self.fp8_recipe!r} is not valid; valid: {', '.join(FP8_RECIPES)}")
         for name in ("fused", "compile"):
             if getattr(self, name) not in SPEED_VALUES:
                 raise WorkerError(f"JD_{name.upper()}={getattr(self, name)!r} is not valid; valid: "
@@ -262,6 +273,8 @@ class WorkerEnv:
             microbatches=_int(env, "JD_MICROBATCHES", 0),
             profile=env.get("JD_PROFILE", "").strip(),
             versions=env.get("JD_VERSIONS", "").strip(),
+            fp8_recipe=env.get("JD_FP8_RECIPE", "").strip().lower() or "tensorwise",
+            fp8_emulate=env.get("JD_FP8_EMULATE", "") == "1",
             fused=env.get("JD_FUSED", "").strip().lower() or "auto",
             compile=env.get("JD_COMPILE", "").strip().lower() or "auto",
         )
@@ -347,6 +360,7 @@ ENV_VARS: dict[str, str] = {
     "sp": "JD_SP", "dp_replicate": "JD_DP_REPLICATE", "ac": "JD_AC",
     "pp_schedule": "JD_PP_SCHEDULE", "pp_virtual": "JD_PP_VIRTUAL", "microbatches": "JD_MICROBATCHES",
     "profile": "JD_PROFILE", "fused": "JD_FUSED", "compile": "JD_COMPILE",
+    "fp8_recipe": "JD_FP8_RECIPE", "fp8_emulate": "JD_FP8_EMULATE",
     "versions": "JD_VERSIONS",
 }  # fmt: skip
 """:class:`WorkerEnv` field -> the ``JD_*`` variable it is read from (every JD_ field; the rest are torchrun's)."""

@@ -228,8 +228,9 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     """
     import torch
 
+    from ._float8 import convert_float8
     from ._speed import compile_blocks
-    from ._strategy import _mixed, _param_names, checkpoint_blocks, rebuild_optimizer
+    from ._strategy import _mixed, _param_names, checkpoint_blocks, find_blocks, rebuild_optimizer
 
     for dim, issue in ():  # every dimension runs; a new one starts here refused
         if getattr(env, dim) > 1:
@@ -298,6 +299,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         _log.info("jd.wrap: context parallelism cp%d over %d attention cores (ring attention)", env.cp, n)
     if env.ep > 1:
         apply_expert_parallel(model, mesh, on_meta=on_meta)
+    convert_float8(env, model, find_blocks(model), device, family=family)  # torchtitan: float8 before checkpointing
     blocks = checkpoint_blocks(env, model)
     compile_blocks(env, blocks, device)  # torchtitan's apply_compile: after tp and checkpointing, before fully_shard
     views = stage_plan.views(model) if stage_plan is not None else []

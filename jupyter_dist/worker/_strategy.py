@@ -107,7 +107,7 @@ def _dtype(name: str | None) -> Any:
 
 def _mixed(precision: str) -> tuple[Any, Any] | None:
     """(param dtype, reduce dtype) for the *-mixed precisions, else None."""
-    if precision == "bf16-mixed":
+    if precision in ("bf16-mixed", "fp8"):  # fp8: bf16 around the blocks' float8 linear layers
         return _dtype("bf16"), _dtype("fp32")
     if precision == "fp16-mixed":
         return _dtype("fp16"), _dtype("fp32")
@@ -159,9 +159,12 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
     """
     import torch
 
+    from ._float8 import convert_float8
     from ._speed import compile_blocks
 
     name = env.strategy
+    family = get_strategy(name).family if name != "none" else "none"
+    convert_float8(env, model, find_blocks(model), device, family=family)  # before any wrapper, as torchtitan does
     blocks = checkpoint_blocks(env, model)
     compile_blocks(env, blocks, device)  # torchtitan's order: after activation checkpointing, before the wrapper
     if name == "none":

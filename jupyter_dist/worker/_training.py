@@ -147,12 +147,12 @@ class TrainingVerbs:
         return model, optimizer
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` for the *-mixed precisions with ``none``/``ddp`` (others cast by themselves)."""
-        if self.env.precision not in ("bf16-mixed", "fp16-mixed") or self.env.family not in ("none", "ddp"):
+        """``torch.autocast`` for the *-mixed precisions and fp8 (bf16) with ``none``/``ddp`` (others cast alone)."""
+        if self.env.precision not in ("bf16-mixed", "fp16-mixed", "fp8") or self.env.family not in ("none", "ddp"):
             return contextlib.nullcontext()
         import torch
 
-        dtype = torch.bfloat16 if self.env.precision == "bf16-mixed" else torch.float16
+        dtype = torch.float16 if self.env.precision == "fp16-mixed" else torch.bfloat16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def backward(self, loss: Any) -> None:
