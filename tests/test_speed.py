@@ -144,15 +144,18 @@ def test_compile_failure_falls_back_to_eager_with_one_line(tmp_path: Path, caplo
     caplog.set_level(logging.INFO, logger="jupyter_dist.worker")
     eager, _ = train(tmp_path / "a")
 
+    seen = []
+
     def broken(fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append(torch._functorch.config.force_non_lazy_backward_lowering)  # the backward compiles here too
             raise RuntimeError("inductor: no C++ compiler\nsecond line")
 
         return call
 
     monkeypatch.setattr(_speed, "_compile", broken)  # fails at the first call (the first step)
     losses, rt = train(tmp_path / "b", compile="1")
-    assert losses == eager
+    assert losses == eager and seen == [True]  # the first call failed; the blocks never tried again
     assert all(b._compiled_call_impl is None for b in rt.model.blocks)
     assert speed_lines(caplog, "failed") == [
         "jd.wrap: torch.compile of the blocks failed (RuntimeError: inductor: no C++ compiler); they run eager"

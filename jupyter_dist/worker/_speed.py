@@ -11,7 +11,8 @@ off), and each says what it did once, in rank 0's log.
   activation checkpointing and FSDP2 units see them), torchtitan's regional compilation (its ``apply_compile``:
   per block, after tensor parallelism and activation checkpointing, before ``fully_shard``), in place with
   ``Module.compile`` so parameter names do not change. A block whose compilation fails (at wrap or at its first
-  call) runs eager from then on, every block with it, and rank 0's log says so in one line naming the error.
+  call, where its backward is compiled with its forward) runs eager from then on, every block with it, and rank 0's
+  log says so in one line naming the error.
 """
 
 from __future__ import annotations
@@ -95,11 +96,22 @@ class CompiledBlocks:
                          type(error).__name__, first[:300])  # fmt: skip
 
     def _guard(self, block: Any, compiled: Any) -> Any:
+        import torch._functorch.config as aot_config
+
+        ran: list[bool] = []
+
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.failed is not None:
                 return block._call_impl(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                if ran:
+                    return compiled(*args, **kwargs)
+                # the first call compiles the backward too (AOTAutograd otherwise lowers it lazily, at the first
+                # backward, where a failure could not fall back): any compiler error surfaces here
+                with aot_config.patch(force_non_lazy_backward_lowering=True):
+                    out = compiled(*args, **kwargs)
+                ran.append(True)
+                return out
             except Exception as e:  # noqa: BLE001 - any compiler error: eager is the same math
                 self.fall_back(e)
                 return block._call_impl(*args, **kwargs)
