@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, JupyterLabServer, artifact_dir, kill_procs, require_browser
+from scheduling import make_scheduler
 from slurm_cluster import slurm_cluster  # noqa: F401 - the session-scoped real SLURM cluster fixture
 
 if TYPE_CHECKING:
@@ -140,23 +141,9 @@ def _server_of(request: pytest.FixtureRequest) -> JupyterLabServer | None:
         return None
 
 
-CLUSTER_FILES = frozenset({"test_notebook_folder.py", "test_run_record.py", "test_ship_cluster.py", "test_skypilot.py",
-                           "test_slurm.py", "test_wizard.py"})
-"""Files whose tests use the session's one SLURM cluster (its daemons, ports and state): one xdist worker runs them."""
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``-n N`` (scripts/test.sh) a worker takes a whole file, so a module fixture (a real run that several tests
-    read) starts once, and the files that share the SLURM cluster go to one worker together. (xdist's own
-    ``--dist loadgroup`` does not group under pytest 9, whose node ids ignore the suffix it appends.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileScheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "cluster" if Path(path).name in CLUSTER_FILES else path
-
-    return FileScheduling(config, log)
+    """Under ``-n N``: whole files, the longest first (tests/scheduling.py)."""
+    return make_scheduler(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

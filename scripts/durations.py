@@ -1,0 +1,73 @@
+"""Write tests/durations.json, the seconds each test file took, from a pytest log run with ``--durations=0``.
+
+The test scheduler (tests/conftest.py) starts the longest files first so the two workers end together; refresh the
+table after adding slow tests:
+
+    python -m pytest -n 2 -p no:cacheprovider --durations=0 -q | tee /tmp/suite.log
+    python scripts/durations.py /tmp/suite.log
+
+``--simulate`` prints the wall time the scheduler would reach with 1-4 workers from the table, without running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+TABLE = Path(__file__).resolve().parents[1] / "tests" / "durations.json"
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(tests/[^:\s]+\.py)(::\S*)?")
+
+
+def parse(log: str) -> dict[str, float]:
+    """Seconds per test file (setup + call + teardown of every test) in a ``--durations=0`` report."""
+    out: dict[str, float] = defaultdict(float)
+    for line in log.splitlines():
+        m = LINE.match(line)
+        if m:
+            out[Path(m.group(3)).name] += float(m.group(1))
+    return dict(out)
+
+
+def simulate(seconds: dict[str, float], workers: int) -> float:
+    """Wall time of longest-first list scheduling of the files (and the SLURM files as one unit) on ``workers``."""
+    sys.path.insert(0, str(TABLE.parent))
+    from scheduling import estimate, scope_of  # tests/ is not a package
+
+    units = {scope_of(f"tests/{name}") for name in seconds}
+    ends = [0.0] * workers
+    for s in sorted((estimate(u, seconds) for u in units), reverse=True):
+        ends[ends.index(min(ends))] += s
+    return max(ends)
+
+
+def main() -> None:
+    """Write the table from a log, and/or simulate the schedule from the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("log", nargs="?", help="a pytest log with --durations=0")
+    ap.add_argument("--simulate", action="store_true", help="print the wall time 1-4 workers would reach")
+    a = ap.parse_args()
+    if a.log:
+        seconds = parse(Path(a.log).read_text(encoding="utf-8", errors="replace"))
+        if not seconds:
+            sys.exit(f"no durations in {a.log}: run pytest with --durations=0")
+        text = json.dumps({k: round(v, 1) for k, v in sorted(seconds.items())}, indent=1) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=TABLE.parent, prefix=".durations.")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, TABLE)
+        print(f"{TABLE}: {len(seconds)} files, {sum(seconds.values()) / 60:.1f} min of tests")
+    if a.simulate:
+        seconds = json.loads(TABLE.read_text())
+        total = sum(seconds.values())
+        for n in (1, 2, 3, 4):
+            print(f"{n} worker(s): {simulate(seconds, n) / 60:5.1f} min (work {total / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
