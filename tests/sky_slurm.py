@@ -228,10 +228,11 @@ class SkySlurm:
 
     def torch_extensions(self) -> str:
         """A ``TORCH_EXTENSIONS_DIR`` the job user can write, with the DeepSpeed ops this machine already built (if
-        any: ``~/.cache/jupyter-dist/torch_extensions``) copied in, so a ZeRO job does not compile them again."""
+        any: the suite's ``TORCH_EXTENSIONS_DIR``, tests/conftest.py) copied in, so a ZeRO job does not compile them
+        again."""
         pw = pwd.getpwnam(USER)
         target = Path(self.home) / ".cache" / "jd-torch-extensions"
-        cache = Path.home() / ".cache" / "jupyter-dist" / "torch_extensions"
+        cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the suite's one folder (tests/conftest.py)
         if cache.is_dir() and not target.exists():
             shutil.copytree(cache, target)
         target.mkdir(parents=True, exist_ok=True)

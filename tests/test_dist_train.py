@@ -251,7 +251,6 @@ def test_training_with_the_worker_api(ip: InteractiveShell, runs: Path, strategy
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_through_dist_train(ip: InteractiveShell, runs: Path) -> None:
     pytest.importorskip("deepspeed")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/jupyter-dist/torch_extensions"))
     code = TRAIN.replace("opt = torch.optim.AdamW(model.parameters(), lr=1e-2)", "opt = None")
     run = ip.run_cell_magic(
         "dist_train", "--nproc 2 --strategy zero2 --env DS_ACCELERATOR=cpu --timeout 600 --telemetry-interval 0", code

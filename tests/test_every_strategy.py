@@ -21,7 +21,7 @@ from test_worker import explain, torchrun
 
 from jupyter_dist.worker import WorkerError
 
-EXTENSIONS = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/jupyter-dist/torch_extensions")
+EXTENSIONS = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the suite's one folder (tests/conftest.py)
 DEEPSPEED = ("zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-offload-params")
 FSDP1 = ("fsdp-no-shard", "fsdp-shard-grad-op", "fsdp-full-shard", "fsdp-hybrid-shard")
 EVERY = ("none", "ddp", *FSDP1, "fsdp2", "fsdp2-hybrid", *DEEPSPEED)

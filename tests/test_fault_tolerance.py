@@ -113,9 +113,6 @@ def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_restarts_and_ends_where_an_uninterrupted_run_ends(ip: Any, runs: Path) -> None:
     pytest.importorskip("deepspeed")
-    import os
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/jupyter-dist/torch_extensions"))
     ref = train(ip, "zero2", "none", "--env DS_ACCELERATOR=cpu")
     assert ref.wait(300) == "succeeded", ref.summary()
     run = train(ip, "zero2", "kill", "--env DS_ACCELERATOR=cpu --max-restarts 1")
@@ -141,8 +138,7 @@ def test_deepspeed_cpu_adam_resumes_bit_exactly_after_the_step_products_are_repl
 
     script = Path(__file__).parent / "numerics" / "cpu_adam_resume.py"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parents[1]),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
-           or str(Path.home() / ".cache/jupyter-dist/torch_extensions")}  # fmt: skip
+           "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}  # fmt: skip
     out = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

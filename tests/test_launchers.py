@@ -23,7 +23,7 @@ from jupyter_dist.launch.rundir import RunDir  # noqa: E402
 from jupyter_dist.launch.session import DryRun, local_gpu_count  # noqa: E402
 
 NO_GPU = local_gpu_count() == 0
-EXTENSIONS = str(Path.home() / ".cache/jupyter-dist/torch_extensions")
+EXTENSIONS = os.environ["TORCH_EXTENSIONS_DIR"]  # the suite's one folder (tests/conftest.py)
 
 TRAIN = """
 import sys
@@ -51,7 +51,7 @@ SLEEP = "import time\nprint('up', flush=True)\ntime.sleep(300)"
 def ds_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reuse DeepSpeed's compiled C++ ops across runs (the first build takes minutes)."""
     pytest.importorskip("deepspeed")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", EXTENSIONS))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", EXTENSIONS)
 
 
 def wait_for_line(run: Run, text: str, ranks: tuple[int, ...] = (0, 1), within: float = 90.0) -> None:

@@ -324,8 +324,7 @@ def measured_states() -> dict[str, dict[str, Any]]:
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("JD_")
     }
     env.update(PYTHONPATH=str(here.parent), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR")
-               or str(Path.home() / ".cache/jupyter-dist/torch_extensions"))  # fmt: skip
+               TORCH_EXTENSIONS_DIR=os.environ["TORCH_EXTENSIONS_DIR"])  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(here / "_strategy_states_worker.py"), ",".join(STATE_CASES)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

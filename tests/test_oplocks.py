@@ -84,7 +84,7 @@ def stale_shm_lock(tmp_path: Path) -> Path:
     concurrent soak, another user's job) removes it first and says so in its own log (seen once: a soak beside a
     fresh-clone CI shared the user's folder). The op already built in the shared folder is copied in, when there,
     so the run loads it instead of building it again."""
-    shared = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/jupyter-dist/torch_extensions")
+    shared = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     root = tmp_path / "torch_extensions"
     if (shared / "deepspeed_shm_comm").is_dir():
         shutil.copytree(shared / "deepspeed_shm_comm", root / "deepspeed_shm_comm",

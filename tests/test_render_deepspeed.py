@@ -37,7 +37,7 @@ NODE2 = Hardware.from_names("h100-80gb", gpus_per_node=2)
 TINY = ModelSpec(name="tiny", layers=2, hidden=64, heads=4, vocab=256)
 """hidden 64: buckets of 64^2 elements and a ZeRO-3 persistence threshold of 640 elements, so the 64x256 weights
 of the test model are really partitioned."""
-EXTENSIONS = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/jupyter-dist/torch_extensions")
+EXTENSIONS = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the suite's one folder (tests/conftest.py)
 """DeepSpeed's JIT-built C++ ops (cpu_adam ~80 s, shm_comm ~75 s on 2 cores) are built once into this folder."""
 
 

@@ -788,7 +788,7 @@ def ds_env() -> Iterator[dict[str, str]]:
     pytest.importorskip("deepspeed")
     yield {
         "DS_ACCELERATOR": "cpu",
-        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "jupyter-dist" / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
     }
 
 
