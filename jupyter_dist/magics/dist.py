@@ -391,8 +391,6 @@ class DistMagics(Magics):
             env[key] = value
         if args.name is not None and not args.name.isidentifier():
             raise UsageError(f"--name {args.name!r} must be a valid Python variable name (the Run is bound to it)")
-        if args.nproc is not None and args.nproc < 1:
-            raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
         worker: dict[str, Any] = {}  # WorkerEnv fields: start_run writes them as JD_* (WorkerEnv.to_environ)
         for flag, value, fld in (("--checkpoint-every", args.checkpoint_every, "checkpoint_every"),
                                  ("--keep", args.keep, "keep")):  # fmt: skip
