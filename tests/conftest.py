@@ -28,8 +28,8 @@ DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
 
 @pytest.fixture(scope="session")
 def deepspeed_ops() -> Path | None:
-    """DeepSpeed's CPU ops (``deepspeed_shm_comm``, which ``deepspeed.initialize`` loads, and ``cpu_adam`` for
-    offload) built once per worker before its first slow test, outside every run's time budget: on a fresh machine
+    """DeepSpeed's CPU ops (``deepspeed_shm_comm``, which ``deepspeed.initialize`` loads, ``fused_adam``, which a
+    ZeRO run without offload loads for its Adam, and ``cpu_adam`` for offload) built once per worker before its first slow test, outside every run's time budget: on a fresh machine
     the build takes ~75 s each on 2 cores, and inside a run it ate the run's start limit. Both workers may ask at
     once; torch's build lock makes the second wait and load. ``None`` without DeepSpeed."""
     import importlib.util
@@ -40,7 +40,7 @@ def deepspeed_ops() -> Path | None:
         return None
     DS_EXTENSIONS.mkdir(parents=True, exist_ok=True)
     code = ("from deepspeed.accelerator import get_accelerator\n"
-            "for name in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
+            "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder'):\n"
             "    get_accelerator().create_op_builder(name).load()\n")  # fmt: skip
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(DS_EXTENSIONS))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
