@@ -301,9 +301,9 @@ def model_source(model: Any, plan: Any = None, *, workdir: Path | None = None) -
         if path.is_dir() and (path / "config.json").is_file():
             path = path / "config.json"
         if path.is_file():
-            from ..plan.model import _read_hf_config
+            from ..plan.model import read_hf_config
 
-            data = _read_hf_config(str(path))
+            data = read_hf_config(str(path))
             if not isinstance(data, dict) or "model_type" not in data:
                 raise JupyterDistError(f"rehearse: {path} is not a Hugging Face config.json (no model_type)")
             return {"kind": "hf", "config": data}

@@ -35,6 +35,7 @@ from .units import GiB, MiB
 
 __all__ = [
     "Assumptions",
+    "stage_params",
     "MemoryBreakdown",
     "state_bytes_per_param",
     "zero_paper_model_states",
@@ -247,7 +248,7 @@ def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
     return [end - start for start, end in stage_bounds(model.layers, pp, last_extra=head)]
 
 
-def _stage_params(model: ModelSpec, dims: ParallelDims, virtual: int = 1) -> tuple[float, float, float]:
+def stage_params(model: ModelSpec, dims: ParallelDims, virtual: int = 1) -> tuple[float, float, float]:
     """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline rank.
 
     Blocks are split ``pp x virtual`` ways as :func:`pipeline_blocks` says (stage ``i`` on rank ``i % pp``: a rank of
@@ -751,7 +752,7 @@ def estimate_memory(
         # tests/test_memory_measured.py::test_strategy_state_bytes_equal_measured.
         ob += 4
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    dense, expert, block = _stage_params(model, dims, virtual)
+    dense, expert, block = stage_params(model, dims, virtual)
 
     shard = dims.shard_size
     eshard = dims.expert_shard_size

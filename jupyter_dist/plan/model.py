@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import PlanInputError, UnknownModelError
 from .units import close_match_hint, parse_count
 
-__all__ = ["ModelSpec", "PRESETS", "get_preset", "preset_names"]
+__all__ = ["ModelSpec", "PRESETS", "get_preset", "preset_names", "read_hf_config"]
 
 
 MAX_HF_CONFIG_BYTES = 4 << 20
@@ -35,7 +35,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _read_hf_config(path: str) -> Any:
+def read_hf_config(path: str) -> Any:
     """Parse a ``config.json`` defensively.
 
     A regular file only (not a FIFO, ``/dev/zero`` or a folder), at most :data:`MAX_HF_CONFIG_BYTES`, UTF-8, no
@@ -336,7 +336,7 @@ class ModelSpec:
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            data = _read_hf_config(path)
+            data = read_hf_config(path)
         elif isinstance(config, Mapping):
             data = dict(config)
         else:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .hardware import Hardware
-from .memory import Assumptions, _stage_params
+from .memory import Assumptions, stage_params
 from .model import ModelSpec
 from .parallel import ParallelDims
 from .strategies import StrategySpec
@@ -282,7 +282,7 @@ def estimate_time(
 
     # ---- data parallel (ZeRO / FSDP / DDP) ----------------------------------------------------------------------
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    dense, expert, _ = _stage_params(model, dims, virtual)
+    dense, expert, _ = stage_params(model, dims, virtual)
     lat = acc.latency_s
     overlap = assumptions.overlap
     # CPU ranks run gloo on the cores that compute: FSDP/ZeRO-3's per-unit gathers and reduce-scatters, which the

@@ -21,9 +21,9 @@ from ..plan.strategies import get_strategy
 from .commands import Command, ShellVar, launch_command, render_nccl_env
 from .common import Layout, RenderError, RenderOptions, layout_of, shell_env_line
 
-__all__ = ["Bundle", "render_bundle"]
+__all__ = ["Bundle", "FILE_DESCRIPTIONS", "render_bundle"]
 
-_DESCRIPTIONS = {
+FILE_DESCRIPTIONS = {
     "plan.json": "the plan (memory in bytes), reloadable with Plan.from_dict",
     "train.py": "training script for the chosen strategy (replace build_model / build_dataset)",
     "ds_config.json": "DeepSpeed config",
@@ -33,6 +33,7 @@ _DESCRIPTIONS = {
     "job.sbatch": "sbatch job.sbatch",
     "nccl.env": "NCCL / PyTorch environment (source it)",
 }
+"""One line per file of a bundle: what it is for (the bundle's listing and the wizard's file panes)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,7 +90,7 @@ class Bundle:
         lines = [f"Bundle for {self.candidate.label} ({self.candidate.name}), {self.layout.nodes} node(s) x "
                  f"{self.layout.gpus_per_node} GPU(s), global batch {self.layout.global_batch}:"]  # fmt: skip
         for name, text in self.files.items():
-            lines.append(f"  {name:24} {len(text.splitlines()):5d} lines  {_DESCRIPTIONS.get(name, '')}")
+            lines.append(f"  {name:24} {len(text.splitlines()):5d} lines  {FILE_DESCRIPTIONS.get(name, '')}")
         for key, cmd in self.commands.items():
             lines.append(f"{key}: {cmd.shell(with_env=False)}")
         lines += [f"note: {n}" for n in self.notes]
@@ -113,7 +114,7 @@ class Bundle:
                 f'<div style="margin:4px 0">'
                 f'<button onclick="navigator.clipboard.writeText(atob(\'{data}\'))">Copy</button> '
                 f'<a download="{e(name)}" href="data:text/plain;base64,{data}"><button>Download</button></a> '
-                f"<small>{e(_DESCRIPTIONS.get(name, ''))}</small></div>"
+                f"<small>{e(FILE_DESCRIPTIONS.get(name, ''))}</small></div>"
                 f'<pre style="max-height:420px;overflow:auto">{e(text)}</pre></div>'
             )
         css_rules = "".join(

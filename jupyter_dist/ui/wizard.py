@@ -560,7 +560,7 @@ class Wizard(LaunchTab):
         return self.candidate.value or (self.plan.recommended if self.plan is not None else None)
 
     def _compile(self) -> None:
-        from ..render.bundle import _DESCRIPTIONS, render_bundle
+        from ..render.bundle import FILE_DESCRIPTIONS, render_bundle
         from ..render.common import RenderOptions
 
         p = self.plan
@@ -589,7 +589,7 @@ class Wizard(LaunchTab):
                 why = why or f"{bundle.candidate.name} does not use {fname}"
                 pane.value = f"<div class='jd-wiz-file' data-file='{fname}'><i>{html.escape(why)}</i></div>"
             else:
-                pane.value = _file_pane(fname, text, _DESCRIPTIONS.get(fname, ""))
+                pane.value = _file_pane(fname, text, FILE_DESCRIPTIONS.get(fname, ""))
 
     def _draw_tp_layout(self) -> None:
         new = tp_layout_html(self.plan, self._selected()) if self.plan is not None else ""
