@@ -28,10 +28,11 @@ DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
 
 @pytest.fixture(scope="session")
 def deepspeed_ops() -> Path | None:
-    """DeepSpeed's CPU ops (``deepspeed_shm_comm``, which ``deepspeed.initialize`` loads, ``fused_adam``, which a
-    ZeRO run without offload loads for its Adam, and ``cpu_adam`` for offload) built once per worker before its first slow test, outside every run's time budget: on a fresh machine
-    the build takes ~75 s each on 2 cores, and inside a run it ate the run's start limit. Both workers may ask at
-    once; torch's build lock makes the second wait and load. ``None`` without DeepSpeed."""
+    """DeepSpeed's CPU ops built once per worker before its first slow test, outside every run's time budget:
+    ``deepspeed_shm_comm`` (which ``deepspeed.initialize`` loads), ``fused_adam`` (a ZeRO run's Adam without offload)
+    and ``cpu_adam`` (offload). On a fresh machine each build takes ~75 s on 2 cores, and inside a run it ate the
+    run's start limit. Both workers may ask at once; torch's build lock makes the second wait and load. ``None``
+    without DeepSpeed."""
     import importlib.util
     import subprocess
     import sys

@@ -197,3 +197,19 @@ def test_the_architecture_docs_strategy_table_is_the_strategy_table() -> None:
 
 def test_the_architecture_docs_back_end_table_is_the_registry() -> None:
     assert _doc_table("| back-end | launcher |") == backend_rows()
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """A leading underscore means "this module's own": no ``from X import _name`` between jupyter_dist's modules (an
+    alias to a private name, ``import x as _x``, is the importer's own and allowed); a name another module needs is
+    public in its module (in ``__all__``)."""
+    crossing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            ours = isinstance(node, ast.ImportFrom) and (
+                node.level > 0 or (node.module or "").startswith("jupyter_dist")
+            )
+            if ours:  # torch's private names (experimental CP, _StridedShard) are torch's business
+                crossing += [f"{path.relative_to(ROOT)}:{node.lineno} imports {a.name} from {node.module or '.'}"
+                             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+    assert not crossing, "\n".join(crossing)

@@ -38,7 +38,7 @@ from ._env import WorkerEnv, WorkerError
 
 __all__ = [
     "save", "commit_pending", "resume", "latest_checkpoint", "complete_checkpoints", "rng_state", "set_rng_state",
-    "replay_cpu_adam_steps", "COMPLETE",
+    "replay_cpu_adam_steps", "COMPLETE", "all_ranks_ok",
 ]  # fmt: skip
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -352,7 +352,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _all_ok(rt: CheckpointHost, ok: bool) -> bool:
+def all_ranks_ok(rt: CheckpointHost, ok: bool) -> bool:
     """Whether every rank says ``ok`` (one all-reduce when a process group exists)."""
     import torch.distributed as dist
 
@@ -406,7 +406,7 @@ def resume(rt: CheckpointHost, state: dict[str, Any], *, root: str) -> tuple[dic
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             error, out = exc, None
-        if _all_ok(rt, error is None):
+        if all_ranks_ok(rt, error is None):
             assert out is not None
             if skipped:
                 _log.warning("jd.resume: loaded %s (step %d) after skipping %s", path, step, "; ".join(skipped))

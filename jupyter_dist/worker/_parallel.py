@@ -39,12 +39,12 @@ from ._env import WorkerEnv, WorkerError
 from ._expert import add_expert_mesh, apply_expert_parallel, shard_experts
 from ._tensor import (  # re-exported: the TP names have always been importable from here
     HF_STYLES,
-    _hf_stage_sequence_boundaries,
-    _modules_matching,
-    _tied_parameters,
     apply_tensor_parallel,
     check_tp_divisible,
+    hf_stage_sequence_boundaries,
+    modules_matching,
     resolve_tp_plan,
+    tied_parameters,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -200,7 +200,7 @@ def load_pretrained(model: torch.nn.Module, path: str) -> int:
     available = set(reader.read_metadata().state_dict_metadata)
     state = get_model_state_dict(model)
     missing = sorted(k for k in state if k not in available)
-    tied = {b for a, b in _tied_parameters(model)}
+    tied = {b for a, b in tied_parameters(model)}
     missing = [k for k in missing if k not in tied]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -230,7 +230,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
     from ._float8 import convert_float8
     from ._speed import compile_blocks
-    from ._strategy import _mixed, _param_names, checkpoint_blocks, find_blocks, rebuild_optimizer
+    from ._strategy import checkpoint_blocks, find_blocks, mixed_dtypes, param_names, rebuild_optimizer
 
     for dim, issue in ():  # every dimension runs; a new one starts here refused
         if getattr(env, dim) > 1:
@@ -242,7 +242,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
 
     if not (dist.is_available() and dist.is_initialized()):  # one process (family none, tp 1): no mesh to build
         on_meta = any(p.is_meta for p in model.parameters())
-        old_names = _param_names(model)
+        old_names = param_names(model)
         if on_meta:
             materialize(model, device)
         else:
@@ -261,7 +261,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
             f"(e.g. fsdp2+tp{env.tp}) or launch {env.world_size // mesh.dp_size} processes"
         )
     on_meta = any(p.is_meta for p in model.parameters())
-    old_names = _param_names(model)
+    old_names = param_names(model)
     if env.cp > 1:
         from ._context import check_context_parallel
 
@@ -284,9 +284,9 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
         model = model.to(device)
     if plan is not None:
         if stage_plan is not None:  # the parts this rank dropped are not to be parallelised
-            plan = {k: v for k, v in plan.items() if _modules_matching(model, k)}
+            plan = {k: v for k, v in plan.items() if modules_matching(model, k)}
             if env.sp and stage_plan.hf:
-                plan = _hf_stage_sequence_boundaries(stage_plan, plan)
+                plan = hf_stage_sequence_boundaries(stage_plan, plan)
         apply_tensor_parallel(model, mesh["tp"], plan, on_meta=on_meta)
         if source and "jd.suggest_tp_plan" in source and env.rank == 0:  # once, in rank 0's log (a notice)
             _log.warning("jd.wrap: %s has no tp layout of its own; using %s: %s", type(model).__name__, source,
@@ -306,7 +306,7 @@ def parallelize(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, devic
     if family == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mixed = _mixed(env.precision)
+        mixed = mixed_dtypes(env.precision)
         mp = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1]) if mixed else MixedPrecisionPolicy()
         if env.cp > 1:
             from ._context import fsdp_mesh

@@ -369,9 +369,9 @@ class Runtime(TrainingVerbs):
         every = self.env.checkpoint_every
         if every <= 0:
             return None
-        from ._checkpoint import _all_ok
+        from ._checkpoint import all_ranks_ok
 
-        stopping = not _all_ok(self, self._stop_requested is None)  # one tiny all-reduce per call
+        stopping = not all_ranks_ok(self, self._stop_requested is None)  # one tiny all-reduce per call
         if not stopping and (step + 1) % every:
             return None
         path = self.save(state, step, keep=self.env.keep, async_=self.env.async_save and not stopping)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "find_blocks", "checkpoint_blocks", "apply_strategy", "rebuild_optimizer", "deepspeed_client_optimizer",
-    "FSDP1_NEEDS_GPU",
+    "FSDP1_NEEDS_GPU", "mixed_dtypes", "param_names",
 ]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.worker")
@@ -50,7 +50,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
-def _param_names(model: torch.nn.Module) -> dict[int, str]:
+def param_names(model: torch.nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
@@ -105,7 +105,7 @@ def _dtype(name: str | None) -> Any:
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _mixed(precision: str) -> tuple[Any, Any] | None:
+def mixed_dtypes(precision: str) -> tuple[Any, Any] | None:
     """(param dtype, reduce dtype) for the *-mixed precisions, else None."""
     if precision in ("bf16-mixed", "fp8"):  # fp8: bf16 around the blocks' float8 linear layers
         return _dtype("bf16"), _dtype("fp32")
@@ -195,14 +195,14 @@ def apply_strategy(env: WorkerEnv, model: torch.nn.Module, optimizer: Any, *, de
         # inner block either way (the wrapper, holding no parameters of its own, stays outside the unit)
         inner = [getattr(b, "_checkpoint_wrapped_module", b) for b in blocks]
         policy = ModuleWrapPolicy({type(inner[0])}) if inner else None
-        mixed = _mixed(env.precision)
+        mixed = mixed_dtypes(env.precision)
         kwargs: dict[str, Any] = {}
         if get_strategy(name).hybrid:
             from torch.distributed.device_mesh import init_device_mesh
 
             shard = env.local_world_size
             kwargs["device_mesh"] = init_device_mesh(device.type, (env.world_size // shard, shard))
-        old_names = _param_names(model)
+        old_names = param_names(model)
         try:
             model = FSDP(
                 model,

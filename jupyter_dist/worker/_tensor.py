@@ -23,7 +23,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["HF_STYLES", "resolve_tp_plan", "check_tp_divisible", "apply_tensor_parallel"]
+__all__ = [
+    "HF_STYLES", "resolve_tp_plan", "check_tp_divisible", "apply_tensor_parallel", "hf_stage_sequence_boundaries",
+    "modules_matching", "tied_parameters",
+]  # fmt: skip
 
 _log = logging.getLogger("jupyter_dist.worker")
 
@@ -155,13 +158,13 @@ def _vocab_parallel_embedding(model: torch.nn.Module, raw: Mapping[str, Any], tp
     if not isinstance(emb, nn.Embedding) or emb.num_embeddings % tp:
         return None
     name = next((n for n, m in model.named_modules() if m is emb), None)
-    tied = {a for pair in _tied_parameters(model) for a in pair}
+    tied = {a for pair in tied_parameters(model) for a in pair}
     if name is None or name in raw or f"{name}.weight" in tied:
         return None
     return name
 
 
-def _modules_matching(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+def modules_matching(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
     """Submodules whose dotted name matches ``pattern`` token by token (``*`` within one name)."""
     tokens = pattern.split(".")
     out = []
@@ -214,7 +217,7 @@ def _hf_sequence_parallel(model: torch.nn.Module, plan: dict[str, Any]) -> dict[
     return out
 
 
-def _hf_stage_sequence_boundaries(stage_plan: Any, plan: dict[str, Any]) -> dict[str, Any]:
+def hf_stage_sequence_boundaries(stage_plan: Any, plan: dict[str, Any]) -> dict[str, Any]:
     """Under pipeline and sequence parallelism, a Hugging Face model's stream is whole between stages.
 
     Its forward computes the rotary angles and the causal mask from the length of the hidden states it is given,
@@ -279,7 +282,7 @@ def resolve_tp_plan(model: torch.nn.Module, tp_plan: Mapping[str, Any] | None, *
             "jupyter_dist.models.Transformer"
         )
     for key in plan:
-        if not _modules_matching(model, key):
+        if not modules_matching(model, key):
             raise WorkerError(
                 f"jd.wrap: tp_plan key {key!r} matches no submodule of {kind}; keys are module names with * for one "
                 "name, e.g. 'layers.*.attention.wq'"
@@ -312,7 +315,7 @@ def check_tp_divisible(model: torch.nn.Module, plan: Mapping[str, Any], tp: int)
                 f"{_divisors(value)} (--tp N, or a plan candidate with that degree)"
             )
     for key, style in plan.items():
-        for name, module in _modules_matching(model, key):
+        for name, module in modules_matching(model, key):
             if isinstance(module, nn.Linear):
                 size, what = (
                     (module.out_features, "output features") if isinstance(style, ColwiseParallel)
@@ -343,9 +346,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: Map
 
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tied = _tied_parameters(model)
+    tied = tied_parameters(model)
     keeps = ("PrepareModuleInput", "PrepareModuleOutput", "HeadLocal")  # styles that leave the weights as they are
-    touched = {n for key, s in plan.items() if type(s).__name__ not in keeps for n, _ in _modules_matching(model, key)}
+    touched = {n for key, s in plan.items() if type(s).__name__ not in keeps for n, _ in modules_matching(model, key)}
     for a, b in tied:
         if any(a.startswith(t + ".") or b.startswith(t + ".") for t in touched):
             raise WorkerError(
@@ -357,7 +360,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: Map
         parallelize_module(model, tp_mesh, dict(plan), src_data_rank=None if on_meta else 0)
 
 
-def _tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
+def tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
     seen: dict[int, str] = {}
     out = []
     for name, p in model.named_parameters(remove_duplicate=False):
