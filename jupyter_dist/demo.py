@@ -238,11 +238,12 @@ def run_demo(*, nproc: int = 2, strategy: str = "auto", steps: int = 300, runs_d
     the smoothed mean over ranks, throughput, memory and heartbeat state per rank. At the end the panels are
     written to ``<run dir>/dashboard.html`` (static SVG, opens in any browser without a kernel).
     """
+    from .launch.options import RunOptions
     from .launch.session import start_run
     from .ui.dashboard import Dashboard
 
-    run: Any = start_run(DEMO_CELL.format(steps=steps), nproc=nproc, strategy=strategy, name="demo",
-                         runs_dir=runs_dir, timeout=timeout, output="none")  # fmt: skip
+    opts = RunOptions(nproc=nproc, strategy=strategy, name="demo", runs_dir=runs_dir, timeout=timeout, output="none")
+    run: Any = start_run(DEMO_CELL.format(steps=steps), opts)
     print(f"started {nproc} processes ({run.strategy or strategy}); run directory {run.dir}", file=out)
     dash = Dashboard(run, widget=False, interval=0.5)
     t0 = time.time()

@@ -195,6 +195,7 @@ def run_check(*, nproc: int | None = None, nodes: int = 1, sizes: list[int] | No
     else, for CPU processes, :data:`CPU_GLOO_BUSBW`.
     """
     from ..worker._check import OPS
+    from .options import RunOptions
     from .session import local_gpu_count, start_run
 
     sizes = list(sizes or DEFAULT_SIZES)
@@ -205,9 +206,9 @@ def run_check(*, nproc: int | None = None, nodes: int = 1, sizes: list[int] | No
     if iters < 1:
         raise JupyterDistError(f"--iters must be >= 1, got {iters}")
     code = CHECK_CELL.format(sizes=sizes, ops=ops, iters=iters, delay_rank=delay_rank, delay_s=delay_s)
-    run: Any = start_run(code, nproc=nproc, nodes=nodes, strategy="none", launcher=launcher, name="check",
-                         timeout=timeout, env=dict(env or {}), worker={"heartbeat_s": 1.0},
-                         runs_dir=runs_dir, output="none")  # fmt: skip
+    opts = RunOptions(nproc=nproc, nodes=nodes, strategy="none", launcher=launcher, name="check", timeout=timeout,
+                      env=dict(env or {}), worker={"heartbeat_s": 1.0}, runs_dir=runs_dir, output="none")  # fmt: skip
+    run: Any = start_run(code, opts)
     status = run.wait(timeout + 30)
     path = run.dir / "check.json"
     if not path.exists():

@@ -357,10 +357,13 @@ def _run_trial(
     timeout: float,
 ) -> Trial:
     """One trial: start it like %%dist_train, wait, measure; a failure is a result."""
+    from .options import RunOptions
+
     try:
-        run = start_run(cell, nproc=nproc, nodes=nodes, strategy=predicted.name, plan=trial_plan, name=name,
-                        runs_dir=runs_dir, timeout=timeout, env=env, backend=backend, cluster=cluster,
-                        worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25}, output="none")  # fmt: skip
+        opts = RunOptions(nproc=nproc, nodes=nodes, strategy=predicted.name, plan=trial_plan, name=name,
+                          runs_dir=runs_dir, timeout=timeout, env=env, backend=backend, cluster=cluster,
+                          worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25}, output="none")  # fmt: skip
+        run = start_run(cell, opts)
     except JupyterDistError as exc:
         return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
                      error=str(exc).splitlines()[0][:160])  # fmt: skip

@@ -144,6 +144,7 @@ class LaunchTab:
         """
         import shlex
 
+        from ..launch.options import RunOptions
         from ..launch.session import start_run
         from ..plan.candidates import resolve_launch
 
@@ -208,8 +209,9 @@ class LaunchTab:
                     except UsageError as exc:
                         raise JupyterDistError(str(exc)) from None
             elif not spec.cluster:
-                run = start_run(self.code.value, nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
-                                runs_dir=self.runs_dir, timeout=timeout, output="none")  # fmt: skip
+                opts = RunOptions(nproc=nproc, nodes=nodes, strategy=strategy, plan=p, name=run_name,
+                                  runs_dir=self.runs_dir, timeout=timeout, output="none")  # fmt: skip
+                run = start_run(self.code.value, opts)
             else:
                 raise JupyterDistError(f"a {backend} run launches through the %%dist_train magic: use the wizard in "
                                        "IPython or Jupyter")  # fmt: skip
