@@ -494,6 +494,14 @@ def text_of(widget: Any) -> str:
     return html.unescape(re.sub("<[^>]+>", "", widget.value))
 
 
+def test_save_calibration_before_a_rehearsal_is_one_line_and_saves_nothing() -> None:
+    from jupyter_dist.plan.calibration import load_calibration
+
+    w = tiny_wizard()
+    assert w.save_rehearsal_calibration() is None and load_calibration("cpu") is None
+    assert text_of(w.rehearse_msg) == "⚠ rehearse first: there is no rehearsal to save"
+
+
 def tiny_wizard(**answers: Any) -> Wizard:
     """A tiny custom-dimension model planned on 2 CPU ranks, fsdp2 alone."""
     return Wizard(gpu="cpu", gpus_per_node=2, source="dims", layers=2, hidden=32, heads=2, kv_heads=1, ffn=64,
@@ -504,7 +512,8 @@ def test_rehearse_sits_beside_launch_and_refuses_in_one_line() -> None:
     w = Wizard(model="gpt2", gpu="cpu", gpus_per_node=2)
     launch_tab = w.tabs.children[wizard_mod._LAUNCH_TAB]
     row = next(c for c in launch_tab.children if w.launch_button in getattr(c, "children", ()))
-    assert list(row.children) == [w.launch_button, w.rehearse_button] and w.rehearse_button.description == "Rehearse"
+    assert list(row.children) == [w.launch_button, w.rehearse_button, w.save_calibration_button]
+    assert w.rehearse_button.description == "Rehearse" and w.save_calibration_button.disabled  # nothing to save yet
     assert launch_tab.children.index(w.rehearse_out) > launch_tab.children.index(row)  # the table under the buttons
     w.rehearse_button.click()  # a preset the reference model cannot reproduce: one line, nothing started
     msg = text_of(w.rehearse_msg)
@@ -523,6 +532,10 @@ def test_rehearse_sits_beside_launch_and_refuses_in_one_line() -> None:
     assert w.rehearse() is None and "Wizard(model=MyModel)" in text_of(w.rehearse_msg)
 
 
+PEAK = 5 * 2**20
+"""The fake rehearsal's step peak (bytes)."""
+
+
 def test_rehearse_runs_on_a_thread_and_refuses_a_second_click(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
@@ -535,7 +548,7 @@ def test_rehearse_runs_on_a_thread_and_refuses_a_second_click(monkeypatch: pytes
         kwargs["on_rank"](rehearse_mod.RankRehearsal(rank=0, params=2**20))
         assert release.wait(30)
         return rehearse_mod.Rehearsal(candidate=candidate, world_size=2, plan=plan,
-                                      ranks=(rehearse_mod.RankRehearsal(rank=0, params=2**20),))  # fmt: skip
+                                      ranks=(rehearse_mod.RankRehearsal(rank=0, params=2**20, peak=PEAK),))  # fmt: skip
 
     monkeypatch.setattr(rehearse_mod, "rehearse", fake)
     w = tiny_wizard()
@@ -555,6 +568,21 @@ def test_rehearse_runs_on_a_thread_and_refuses_a_second_click(monkeypatch: pytes
     assert w.rehearsal is not None and w.rehearsal.candidate == "fsdp2"
     (out,) = w.rehearse_out.outputs
     assert "<th>rank 0</th>" in out["data"]["text/html"] and "rehearsed fsdp2" in text_of(w.rehearse_msg)
+    # Save calibration: the next plan of this shape takes the rehearsed peak for fsdp2, the others keep theirs
+    from jupyter_dist.plan.calibration import load_calibration
+
+    assert not w.save_calibration_button.disabled and load_calibration("cpu") is None
+    before = {c.name: c.memory.total for c in w.plan.candidates}
+    w.save_calibration_button.click()
+    saved = load_calibration("cpu")
+    assert saved is not None and f"calibration saved to {saved.path()}" in text_of(w.rehearse_msg)
+    assert saved.memory_by_candidate == {"fsdp2": w.rehearsal.memory_correction()}
+    assert w.save_calibration_button.disabled
+    again = tiny_wizard().plan
+    assert again is not None
+    for c in again.candidates:
+        assert c.memory.total == (before[c.name] + saved.memory_by_candidate["fsdp2"] if c.name == "fsdp2"
+                                 else before[c.name]), c.name  # fmt: skip
 
 
 @pytest.mark.slow

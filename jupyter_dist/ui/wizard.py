@@ -329,6 +329,11 @@ class Wizard(LaunchTab):
                                           tooltip="run the plan's worst ranks here, each alone with a fake process "
                                                   "group of the plan's world: their real bytes beside the plan's")
         self.rehearse_button.on_click(lambda _: self.rehearse())
+        self.save_calibration_button = ipw.Button(description="Save calibration", icon="save", disabled=True,
+                                                  tooltip="later plans of this shape on this hardware take the "
+                                                          "rehearsed peak for this candidate")  # fmt: skip
+        """Enabled once a rehearsal ran every rank: saves its memory as this hardware's calibration."""
+        self.save_calibration_button.on_click(lambda _: self.save_rehearsal_calibration())
         self.rehearse_msg = ipw.HTML()
         self.rehearse_msg.add_class("jd-wiz-rehearse-msg")
         self.rehearse_log = ipw.HTML()
@@ -353,7 +358,8 @@ class Wizard(LaunchTab):
                      "the plan's.</small>"),
             ipw.HBox([self.backend, self.nproc, self.launch_nodes, self.launch_steps, self.run_name],
                      layout=ipw.Layout(flex_flow="row wrap", width="100%")),
-            self.cluster_flags, self.price, self.code, ipw.HBox([self.launch_button, self.rehearse_button]),
+            self.cluster_flags, self.price, self.code,
+            ipw.HBox([self.launch_button, self.rehearse_button, self.save_calibration_button]),
             self.rehearse_msg, self.rehearse_log, self.rehearse_out, self.launch_msg, self.launch_line,
             self.launch_out, self.launch_area,
         ])  # fmt: skip

@@ -88,6 +88,7 @@ class LaunchTab:
     inputs: Any
     module: Any
     rehearse_button: Any
+    save_calibration_button: Any
     rehearse_msg: Any
     rehearse_log: Any
     rehearse_out: Any
@@ -298,6 +299,7 @@ class LaunchTab:
         self.rehearse_log.value = ""
         self.rehearse_out.outputs = ()
         self.rehearsal = None
+        self.save_calibration_button.disabled = True
         lines: list[str] = []
         self.rehearse_msg.value = (f"<div>rehearsing <b>{html.escape(name)}</b> ({p.world_size} ranks) on this "
                                    "machine, one process per rank...</div>")  # fmt: skip
@@ -316,6 +318,7 @@ class LaunchTab:
                 self.rehearse_msg.value = (f"<div>rehearsed <b>{html.escape(name)}</b>: "
                                            + ("every rank ran" if result.ok else "a rank could not be rehearsed")
                                            + "</div>")  # fmt: skip
+                self.save_calibration_button.disabled = not result.ok
             except JupyterDistError as exc:
                 self.rehearse_msg.value = self._msg(str(exc))
             except Exception as exc:  # the panel shows one line, never a traceback
@@ -328,6 +331,28 @@ class LaunchTab:
         self.rehearsal_thread = thread
         thread.start()
         return thread
+
+    def save_rehearsal_calibration(self) -> str | None:
+        """Save the last rehearsal's memory as this hardware's calibration (Save calibration).
+
+        As ``%dist_rehearse --save`` does: later plans of this shape take the rehearsed peak for its candidate.
+        Returns the file (also shown in ``rehearse_msg``), or ``None`` with the one-line reason (no rehearsal yet,
+        one on another device than the plan's).
+        """
+        result = self.rehearsal
+        if result is None:
+            self.rehearse_msg.value = self._msg("rehearse first: there is no rehearsal to save")
+            return None
+        try:
+            path = result.save_calibration()
+        except JupyterDistError as exc:
+            self.rehearse_msg.value = self._msg(str(exc))
+            return None
+        self.save_calibration_button.disabled = True  # saved; a new rehearsal enables it again
+        self.rehearse_msg.value = (f"<div>calibration saved to <code>{html.escape(path)}</code>: plans of this shape "
+                                   f"on this hardware take the rehearsed peak of <b>{html.escape(result.candidate)}"
+                                   "</b></div>")  # fmt: skip
+        return path
 
     def _shell_with_magics(self) -> Any:
         """The IPython shell with ``%%dist_train`` registered (loading the extension if needed), or ``None``."""
