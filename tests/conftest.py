@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,15 @@ if TYPE_CHECKING:
     from jupyter_dist.launch.run import Run
 
 
+BIN = os.path.dirname(sys.executable)
+"""The interpreter's bin folder: first on the suite's PATH, as an activated venv has it (scripts/test.sh sources
+``activate``; ``/path/to/.venv/bin/python -m pytest`` does not). Every process of the suite (the ``deepspeed_ops``
+build, torchrun's ranks, generated scripts) then finds the same ``ninja``: pip's (1.13, a DeepSpeed dependency) and
+Debian's (1.11) hash build commands differently in ``.ninja_log``, so an op built by one was rebuilt by the other at
+each switch (seen: ``deepspeed_shm_comm`` built five times in one run, two minutes each under load)."""
+if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
+    os.environ["PATH"] = BIN + os.pathsep + os.environ.get("PATH", "")
+
 DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                                           str(Path.home() / ".cache" / "jupyter-dist" / "torch_extensions")))
 """Where every test and every rank it starts builds and loads DeepSpeed's C++ ops: one folder for the suite."""
@@ -35,7 +45,6 @@ def deepspeed_ops() -> Path | None:
     without DeepSpeed."""
     import importlib.util
     import subprocess
-    import sys
 
     if importlib.util.find_spec("deepspeed") is None:
         return None

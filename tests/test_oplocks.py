@@ -107,3 +107,13 @@ def test_a_deepspeed_run_starts_past_a_lock_a_killed_run_left(stale_shm_lock: Pa
     assert run.wait(460) == "succeeded", run.summary()
     assert not stale_shm_lock.exists()
     assert "removed a stale build lock" in run.logs(0) + run.logs(1)
+
+
+def test_every_process_of_the_suite_finds_the_ninja_beside_its_interpreter() -> None:
+    """tests/conftest.py puts the interpreter's bin folder first on PATH: a rank, a generated script and the
+    ``deepspeed_ops`` build all run the same ``ninja`` (two ninjas rebuild each other's ops at every switch)."""
+    beside = Path(sys.executable).parent / "ninja"
+    if not beside.exists():
+        pytest.skip("no ninja beside this interpreter (DeepSpeed not installed here)")
+    res = subprocess.run(["sh", "-c", "command -v ninja"], capture_output=True, text=True, timeout=30)
+    assert res.stdout.strip() == str(beside), (res.stdout, os.environ["PATH"][:300])
