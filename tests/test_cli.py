@@ -101,7 +101,7 @@ def test_list_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "llama-2-7b", "--gpu", "h1000"], "unknown GPU 'h1000'"),
         (["--model", "llama-2-7b", "--gpus-per-node", "16"], "exceeds the 8"),
         (["--model", "llama-2-7b", "--tp", "3"], "does not divide world size 8"),
-        (["--model", "llama-2-7b", "--precision", "fp8"], "unknown precision 'fp8'; valid: bf16-mixed"),
+        (["--model", "llama-2-7b", "--precision", "fp4"], "unknown precision 'fp4'; valid: bf16-mixed"),
         (["--model", "llama-2-7b", "--optimizer", "lion"], "unknown optimizer 'lion'"),
         (["--model", "llama-2-7b", "--checkpointing", "some"], "unknown checkpointing 'some'"),
         (["--model", "llama-2-7b", "--strategy", "zero4"], "unknown strategy 'zero4'"),

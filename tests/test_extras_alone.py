@@ -516,11 +516,8 @@ CHECKS["fp8"] = r'''
 import torch
 import torchao
 
-from jupyter_dist.worker import _env
+from jupyter_dist.worker._env import WorkerEnv
 from jupyter_dist.worker._runtime import Runtime
-
-if "fp8" not in _env.PRECISIONS:  # the planner's Precision names the values (fp8 arrives with its planner part)
-    _env.PRECISIONS = (*_env.PRECISIONS, "fp8")
 
 
 def train(**kw):
@@ -528,7 +525,7 @@ def train(**kw):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ModuleList([torch.nn.Linear(32, 32)]))
     model.forward = lambda x: model[1][0](model[0](x))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rt = Runtime(_env.WorkerEnv(distributed=False, run_dir="runs/fp8", heartbeat_s=0, **kw))
+    rt = Runtime(WorkerEnv(distributed=False, run_dir="runs/fp8", heartbeat_s=0, **kw))
     rt.wrap(model, opt)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 16, generator=g), torch.randn(16, 32, generator=g)

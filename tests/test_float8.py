@@ -15,17 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchao.float8")
 
-from jupyter_dist.worker import _env  # noqa: E402
 from jupyter_dist.worker._env import WorkerEnv, WorkerError  # noqa: E402
 from jupyter_dist.worker._runtime import Runtime  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fp8_precision(monkeypatch: Any) -> None:
-    """``fp8`` as a ``JD_PRECISION`` value: the planner's ``Precision`` owns the names (issue 31's planner part adds
-    it there); until it does, these tests add it for the worker alone."""
-    if "fp8" not in _env.PRECISIONS:
-        monkeypatch.setattr(_env, "PRECISIONS", (*_env.PRECISIONS, "fp8"))
 
 FP8_RTOL = 5e-3
 """fp8 (emulated) vs the same model in bf16-mixed, relative loss difference over 4 steps; measured on this model:

@@ -150,7 +150,7 @@ def test_worker_env_reads_the_launch_contract() -> None:
     ("environ", "match"),
     [
         ({"JD_STRATEGY": "zero4"}, "JD_STRATEGY.*valid:.*zero3"),
-        ({"JD_PRECISION": "fp8"}, "JD_PRECISION='fp8'.*valid: bf16-mixed, fp16-mixed, bf16-true, fp32"),
+        ({"JD_PRECISION": "fp4"}, "JD_PRECISION='fp4'.*valid: bf16-mixed, fp16-mixed, bf16-true, fp32, fp8"),
         ({"JD_HEARTBEAT_S": "often"}, "JD_HEARTBEAT_S"),
         ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, r"RANK=2 must be in \[0, WORLD"),
         ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='x' is not an integer"),

@@ -197,9 +197,16 @@ def state_bytes_per_param(precision: Precision, optimizer: OptimizerKind, family
     Mixed precision, PyTorch's layout (DDP with autocast, FSDP with ``MixedPrecision``): the fp32 weights *are*
     the parameters (4) and gradients are fp32 (4), so the optimizer holds only its states; the totals are equal.
     Pure bf16 keeps everything in 2 bytes (Adam states in bf16: 4); fp32 keeps 4 + 4 + states.
+
+    ``fp8`` is bf16-mixed here and in every other row of the breakdown (activations in bf16 included): torchtitan's
+    float8 recipe keeps fp32 parameters with FSDP2's bf16 mixed precision (torchtitan docs/float8.md), and torchao's
+    ``Float8Linear`` keeps its weight in high precision, casting it to float8 inside forward (torchao/float8/README.md,
+    ``float8_linear.py``): the float8 weight copy is transient, and with tensorwise scaling one fp32 scale per
+    tensor. What the FP8 linears save for backward in float8 (their inputs, 1 byte instead of 2) is not subtracted:
+    the plan overstates fp8's activations by at most that, on the safe side.
     """
     states = _OPT_STATE_BYTES[optimizer]
-    if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+    if precision.is_mixed:
         if family == "deepspeed":
             return 2, 2, 4 + states
         return 4, 4, states
@@ -798,7 +805,7 @@ def estimate_memory(
     settings = comm_settings(model, strategy)
     if strategy.family == "ddp":
         detail["comm_buckets"] = 2 * settings["bucket_cap_mb"] * MiB
-        if training.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED):
+        if training.precision.is_mixed:
             # autocast's low-precision weight copies are saved for backward (one per weight)
             detail["autocast_weight_copies"] = int(2 * local)
     elif strategy.family == "deepspeed":

@@ -22,6 +22,12 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     token and layer forward for a gated MLP, ``10 h + 2 f`` otherwise), three passes for forward + backward, and the
     loss (logits in fp32, softmax, their gradient: 16 bytes per vocabulary entry and token), at 70 % of the
     datasheet memory bandwidth. Without sequence parallelism the norm/residual part is repeated on every TP rank.
+``fp8`` (``Precision.FP8``)
+    The blocks' linear layers (attention q, k, v, o and the MLP) at the accelerator's FP8 peak
+    (``Accelerator.fp8_flops``, at the same efficiency); the attention core, the output layer and MoE routers stay at
+    the bf16 rate, as torchtitan's float8 converter leaves them. The casts are memory-bound and count in
+    ``elementwise``: 3 bytes (read bf16, write float8; :data:`FP8_CAST_BYTES`) per element of every FP8 linear's
+    input and output gradient per token, and of its weight per micro-batch (:func:`fp8_cast_elements`).
 ``recompute``
     One more forward of what activation checkpointing dropped: the blocks (full) or the attention core
     (selective; Korthikanti et al. 2022, Sec. 5).
@@ -61,7 +67,10 @@ from .parallel import ParallelDims
 from .strategies import StrategySpec
 from .training import Checkpointing, Precision, TrainingShape
 
-__all__ = ["BOUND_LABELS", "COMPUTE_PARTS", "StepTime", "compute_parts", "estimate_time", "training_flops_per_token"]
+__all__ = [
+    "BOUND_LABELS", "COMPUTE_PARTS", "FP8_CAST_BYTES", "StepTime", "compute_parts", "estimate_time",
+    "fp8_cast_elements", "training_flops_per_token",
+]  # fmt: skip
 
 BOUND_LABELS = {
     "matmul": "matrix multiplies",
@@ -201,6 +210,27 @@ def matmul_efficiency(large: float, width: int) -> float:
     return min(1.0, large * width / (width + GEMM_HALF_WIDTH) * (1 + GEMM_HALF_WIDTH / 8192))
 
 
+FP8_CAST_BYTES = 3
+"""Bytes one FP8 cast moves per element: reads the bf16 value (2), writes the float8 one (1). torchao's dynamic
+scaling also reads the tensor for its amax; with ``torch.compile`` (which torchtitan requires for competitive FP8,
+docs/float8.md) that read fuses into the cast."""
+
+
+def fp8_cast_elements(model: ModelSpec) -> tuple[int, int]:
+    """(elements cast per token, weight elements cast per micro-batch) of one block's FP8 linear layers.
+
+    Per token: every linear's input (forward) and its output gradient (backward): attention q, k, v read ``h`` each
+    and o reads ``q_dim``; their gradients are ``q_dim + 2 kv_dim + h``; the MLP (each of the ``top_k`` experts of a
+    token) reads ``2 h + f`` and its gradients are ``2 f + h`` gated, ``h + f`` and ``f + h`` otherwise. Per
+    micro-batch: every weight once (all the experts' for a mixture of experts). MoE routers stay in bf16.
+    """
+    h, f, q, kv = model.hidden, model.d_ffn, model.q_dim, model.kv_dim
+    attention = (3 * h + q) + (q + 2 * kv + h)
+    mlp = (2 * h + f) + (2 * f + h) if model.gated_mlp else (h + f) + (f + h)
+    weights = model.attention_params + model.experts * model.expert_params
+    return attention + model.top_k * mlp, weights
+
+
 def compute_parts(
     model: ModelSpec, training: TrainingShape, hardware: Hardware, dims: ParallelDims, *, tokens_per_gpu: float,
 ) -> dict[str, float]:
@@ -218,6 +248,17 @@ def compute_parts(
     attn_flops = 12 * model.layers * model.q_dim * seq  # PaLM's count per token: QK^T and AV, forward + backward
     dense_flops = 6 * model.matmul_params
     matmul = dense_flops * tokens_per_gpu / rate
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    fp8_rate = 0.0
+    cast = 0.0
+    if training.precision is Precision.FP8:  # the blocks' linears at the FP8 rate, the rest as above
+        fp8_rate = acc.peak_flops("fp8") * matmul_efficiency(acc.matmul_efficiency, model.hidden)
+        fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
+        matmul = (6 * fp8_params / fp8_rate + (dense_flops - 6 * fp8_params) / rate) * tokens_per_gpu
+        cast_per_token, cast_weights = fp8_cast_elements(model)
+        tokens_per_micro_batch = training.micro_batch * seq * dims.dp / dims.world_size  # of tokens_per_gpu
+        elements = (cast_per_token + cast_weights * scale / (dims.tp * dims.pp) / tokens_per_micro_batch) * model.layers
+        cast = FP8_CAST_BYTES * elements * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     if training.flash_attention:
         attention = (attn_flops / 2) * tokens_per_gpu / (rate * FLASH_RELATIVE)  # causal: half of the tiles run
     else:
@@ -234,9 +275,12 @@ def compute_parts(
     loss = 16 * model.vocab  # fp32 logits, log-softmax, their gradient
     traffic_fwd = model.layers * layer_fwd
     elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
-    parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise}
-    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise + cast}
     block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
+    if fp8_rate:  # a recomputed forward multiplies in FP8 too (its casts are not counted again)
+        fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
+        rest = model.matmul_params - model.vocab * model.hidden * scale - fp8_params  # MoE routers
+        block_matmul = 2 * (fp8_params / fp8_rate + rest / rate) * tokens_per_gpu
     attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward
     again = traffic_fwd * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     if ck is Checkpointing.FULL:  # one more forward of the blocks: a third of their matmul and elementwise work

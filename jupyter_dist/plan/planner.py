@@ -9,15 +9,15 @@ from typing import Any
 
 from ..errors import ParallelismError, PlanInputError
 from .calibration import Calibration, plan_shape
-from .hardware import Hardware
+from .hardware import Hardware, fp8_problem
 from .memory import Assumptions, comm_settings, estimate_memory, state_bytes_per_param
 from .model import ModelSpec, get_preset
 from .parallel import ParallelDims
 from .perf import estimate_time, matmul_efficiency
 from .pipeline import MAX_PIPELINE_STAGES
 from .plan import Candidate, Plan
-from .strategies import STRATEGIES, StrategySpec, get_strategy
-from .training import Checkpointing, Precision, TrainingShape
+from .strategies import STRATEGIES, StrategySpec, get_strategy, runs_as
+from .training import Checkpointing, Precision, TrainingShape, fp8_strategy_problem
 from .units import fmt_count, fmt_gib
 
 __all__ = ["plan", "resolve_model", "LONG_SEQUENCE"]
@@ -191,10 +191,15 @@ def _evaluate(
         )
     if dims.pp > 1 and model.layers % dims.pp:
         notes.append(f"{model.layers} layers do not split evenly into {dims.pp} stages")
+    needs = _needs(model, dims)
+    if training.precision is Precision.FP8:  # what jd.wrap refuses for fp8: listed, never recommended
+        family = runs_as(strategy, model_parallel=not dims.is_data_parallel_only).family  # zero1+tp: FSDP2
+        fp8 = fp8_strategy_problem(family, dims.tp)
+        needs = "; ".join(n for n in (needs, fp8) if n)
     return Candidate(
         name=name, strategy=strategy.name, dims=dims,
         grad_accum=grad_accum, memory=memory, time=time, settings=settings, notes=tuple(notes),
-        needs=_needs(model, dims),
+        needs=needs,
     )  # fmt: skip
 
 
@@ -264,6 +269,8 @@ def plan(
     spec = resolve_model(model, heads=heads)
     hw = Hardware.from_names(hardware) if isinstance(hardware, str) else hardware
     shape = training or TrainingShape()
+    if shape.precision is Precision.FP8 and (problem := fp8_problem(hw.accelerator)):
+        raise PlanInputError(problem)
     assume = assumptions or Assumptions()
     offset = 0
     rehearsed: dict[str, int] = {}
@@ -318,6 +325,13 @@ def plan(
     if calibration is not None:
         reasons += _rehearsed_reasons(calibration, rehearsed, shown)
     warnings = _warnings(spec, shape, hw, assume, evaluated, best, requested, fixed)
+    if shape.precision is Precision.FP8:
+        blocked = sum(1 for c in shown if "fp8" in c.needs)
+        if blocked:
+            warnings.append(
+                f"fp8: {blocked} candidate(s) with DeepSpeed or tensor parallelism are listed, never "
+                "recommended: jd.wrap runs torchao's float8 under FSDP2, FSDP1 and DDP, without tp"
+            )
     for dim, why in spec.needs:
         blocked = sum(1 for c in shown if getattr(c.dims, dim) > 1)
         if blocked:
@@ -450,9 +464,12 @@ def _reasons(
             source = "a placeholder for CPU processes; %dist_tune measures this machine"
         else:
             source = f"from published measured utilisation on {acc.label}; %dist_tune measures it here"
+        fp8 = ""
+        if t.precision is Precision.FP8:
+            fp8 = f" (the blocks' linear layers: of the {acc.peak_flops('fp8') / 1e12:,.0f} TFLOP/s FP8 peak)"
         out.append(
-            f"Matmuls at {100 * rate:.0f}% of the {acc.peak_flops(t.precision.compute_dtype) / 1e12:.0f} TFLOP/s peak "
-            f"({source})."
+            f"Matmuls at {100 * rate:.0f}% of the {acc.peak_flops(t.precision.compute_dtype) / 1e12:.0f} TFLOP/s peak"
+            f"{fp8} ({source})."
         )
         dp = best.dims.dp
         gbatch = t.micro_batch * best.grad_accum * dp

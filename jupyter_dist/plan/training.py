@@ -11,7 +11,7 @@ from .pipeline import PP_SCHEDULES, stages_per_rank
 
 __all__ = [
     "Precision", "OptimizerKind", "Checkpointing", "TrainingShape", "TORCH_DTYPES", "parse_enum", "precision_names",
-    "AC_NAMES", "parse_checkpointing", "checkpointing_name",
+    "AC_NAMES", "fp8_strategy_problem", "parse_checkpointing", "checkpointing_name",
 ]  # fmt: skip
 
 E = TypeVar("E", bound=Enum)
@@ -28,11 +28,26 @@ class Precision(str, Enum):
     """Everything in bf16 (no fp32 master copy)."""
     FP32 = "fp32"
     """Everything in fp32."""
+    FP8 = "fp8"
+    """The repeated blocks' linear layers multiply in FP8 (torchao ``Float8Linear``, dynamic scaling), everything else
+    in bf16, fp32 master weights and optimizer states: torchtitan's float8 recipe (fp32 parameters, FSDP2 mixed
+    precision bf16). Needs FP8 tensor cores (:func:`~jupyter_dist.plan.hardware.fp8_problem`)."""
 
     @property
     def compute_dtype(self) -> str:
-        """``"bf16"``, ``"fp16"`` or ``"fp32"``: the dtype matrix multiplies run in."""
-        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16", "fp32": "fp32"}[self.value]
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``: the dtype matrix multiplies run in (autocast's, FSDP's param dtype).
+
+        ``fp8`` answers ``"bf16"``: what runs outside the blocks' FP8 linears (attention, the head, the rest) and the
+        dtype around them; the planner's time model adds the FP8 part itself (:func:`.perf.compute_parts`).
+        """
+        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16", "fp32": "fp32", "fp8": "bf16"}[
+            self.value
+        ]
+
+    @property
+    def is_mixed(self) -> bool:
+        """fp32 master weights and optimizer states under low-precision compute: bf16-mixed, fp16-mixed, fp8."""
+        return self in (Precision.BF16_MIXED, Precision.FP16_MIXED, Precision.FP8)
 
     @property
     def bytes_per_activation(self) -> int:
@@ -44,8 +59,31 @@ TORCH_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "
 """:attr:`Precision.compute_dtype` -> the ``torch`` dtype's attribute name (``getattr(torch, TORCH_DTYPES[d])``)."""
 
 
+def fp8_strategy_problem(family: str, tp: int = 1) -> str | None:
+    """Why ``jd.wrap`` cannot run ``fp8`` with this strategy family and tensor-parallel degree (one line), or ``None``.
+
+    The worker refuses the same (:func:`jupyter_dist.worker._float8.convert_float8`): torchao's ``Float8Linear``
+    composes with FSDP2 (float8 all-gather), FSDP1 and DDP (torchao float8 README, torchtitan docs/float8.md), not
+    with DeepSpeed's engine, and tensor parallelism needs torchao's float8 parallel styles, not wired yet.
+    """
+    if family == "deepspeed":
+        return (
+            "fp8 runs torchao's Float8Linear, which jd.wrap does not put under DeepSpeed's engine (torchao's float8 "
+            "composes with FSDP2, FSDP1 and DDP); use fsdp2/ddp for fp8, or bf16-mixed with DeepSpeed"
+        )
+    if tp > 1:
+        return (
+            f"fp8 with tensor parallelism (tp{tp}) is not wired yet (it needs torchao's float8 parallel styles); "
+            "run fp8 with fsdp2/ddp, or bf16-mixed with tp"
+        )
+    return None
+
+
 def precision_names() -> list[str]:
-    """Every ``--precision`` / ``JD_PRECISION`` value, the default (bf16-mixed) first."""
+    """Every ``--precision`` / ``JD_PRECISION`` value, the default (bf16-mixed) first.
+
+    ``fp8`` comes last: it needs FP8 tensor cores (:func:`~jupyter_dist.plan.hardware.fp8_problem`).
+    """
     return [p.value for p in Precision]
 
 
@@ -118,7 +156,8 @@ def checkpointing_name(mode: Checkpointing, every: int = 1) -> str:
 
 _ALIASES: dict[str, str] = {
     "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed", "bf16-pure": "bf16-true",
-    "pure-bf16": "bf16-true", "32": "fp32", "32-true": "fp32", "float32": "fp32", "adam": "adamw",
+    "pure-bf16": "bf16-true", "float8": "fp8", "fp8-mixed": "fp8",
+    "32": "fp32", "32-true": "fp32", "float32": "fp32", "adam": "adamw",
     "adamw8bit": "adamw-8bit", "adamw-8": "adamw-8bit", "8bit-adamw": "adamw-8bit", "sgd-momentum": "sgd",
     "off": "none", "no": "none", "false": "none", "on": "full", "true": "full",
 }  # fmt: skip

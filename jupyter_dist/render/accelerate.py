@@ -138,6 +138,10 @@ def render_accelerate_config(
     """
     opts = opts or RenderOptions()
     lay = layout or layout_of(plan, opts)
+    if lay.precision is Precision.FP8:
+        from .torch_code import FP8_SCRIPT_REFUSAL
+
+        raise RenderError(FP8_SCRIPT_REFUSAL)
     d, s = lay.dims, lay.strategy
     if d.pp > 1:
         raise _not_supported(lay, f"pipeline parallelism pp={d.pp}")

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..plan.plan import Plan
 from ..plan.strategies import STRATEGIES, StrategySpec, get_strategy
-from ..plan.training import Checkpointing, OptimizerKind, Precision
+from ..plan.training import Checkpointing, OptimizerKind, Precision, fp8_strategy_problem
 from .common import Layout, RenderError, RenderOptions, layout_of
 
 __all__ = [
@@ -276,6 +276,8 @@ def render_deepspeed(plan: Plan, opts: RenderOptions | None = None, *, layout: L
     """
     opts = opts or RenderOptions()
     lay = layout or layout_of(plan, opts)
+    if lay.precision is Precision.FP8 and lay.strategy.family == "deepspeed":
+        raise RenderError(fp8_strategy_problem("deepspeed") or "")
     config = nest(deepspeed_fields(lay, opts))
     check_deepspeed_keys(config)
     return config

@@ -48,6 +48,7 @@ from __future__ import annotations
 from ..plan.parallel import ParallelDims
 from ..plan.plan import Plan
 from ..plan.strategies import FSDP1_SHARDING, MODEL_PARALLEL
+from ..plan.training import Precision
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .train import loop_tpl as lt
 from .train import model_tpl as mt
@@ -55,7 +56,14 @@ from .train.base import DEFAULT_STEPS, shard_group
 from .train.script import Script
 from .train.text import fill
 
-__all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
+__all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING", "FP8_SCRIPT_REFUSAL"]
+
+FP8_SCRIPT_REFUSAL = (
+    "precision fp8: the generated train.py has no float8 path (torchao's convert_to_float8_training would go in "
+    "every layout's wrapping, not written yet); run fp8 with %%dist_train / jd.wrap (JD_PRECISION=fp8), or compile "
+    "the plan with --precision bf16-mixed"
+)
+"""The one line :func:`render_train_script` (and the accelerate config, which launches it) refuses fp8 with."""
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
 """Strategy families the code generator covers (data parallelism, sharded or not; fsdp2 also with tp/pp/cp/ep)."""
@@ -137,6 +145,8 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout
     """
     opts = opts or RenderOptions()
     lay = layout or layout_of(plan, opts)
+    if lay.precision is Precision.FP8:
+        raise RenderError(FP8_SCRIPT_REFUSAL)
     _check_supported(lay)
     s = Script(lay, opts)
     # the sections first: they record the imports they use

@@ -34,7 +34,6 @@ from typing import Any
 
 from ..errors import JupyterDistError, MissingDependencyError
 from ..plan import ACCELERATORS, INTERCONNECTS, ModelSpec, Plan, preset_names, strategy_names
-from ..plan.training import precision_names
 from ..plan.units import GiB
 from .static import figure_svg
 from .wizard_launch import LaunchTab, cost_flags
@@ -45,6 +44,7 @@ from .wizard_model import (
     WizardInputs,
     evaluate,
     memory_figure,
+    precision_choices,
     summary_html,
     tp_layout_html,
     whatif,
@@ -211,7 +211,8 @@ class Wizard(LaunchTab):
         c["batch_mode"].style.button_width = "auto"
         c["grad_accum"] = ipw.IntText(value=inp.grad_accum, description="Grad. accum.")
         c["global_batch"] = ipw.IntText(value=inp.global_batch, description="Global batch")
-        c["precision"] = ipw.Dropdown(options=precision_names(),
+        precisions = precision_choices(inp.gpu)  # fp8 only on a GPU with FP8 tensor cores
+        c["precision"] = ipw.Dropdown(options=precisions + [inp.precision] * (inp.precision not in precisions),
                                       value=inp.precision, description="Precision")  # fmt: skip
         c["optimizer"] = ipw.Dropdown(options=["adamw", "adamw-8bit", "sgd"], value=inp.optimizer,
                                       description="Optimizer")  # fmt: skip
@@ -427,6 +428,13 @@ class Wizard(LaunchTab):
             self._prefill_dims()
             return
         if owner is self.controls["gpu"] and not self._holding:
+            prec = self.controls["precision"]
+            offered = precision_choices(change["new"])
+            if list(prec.options) != offered:  # fp8 comes and goes with the GPU's FP8 tensor cores
+                with self.hold(refresh=False):
+                    value = prec.value if prec.value in offered else offered[0]
+                    prec.options = offered
+                    prec.value = value
             top = ACCELERATORS[change["new"]].max_gpus_per_node
             gpn = self.controls["gpus_per_node"]
             if isinstance(gpn.value, int) and gpn.value > top:

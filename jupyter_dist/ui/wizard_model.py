@@ -30,6 +30,7 @@ from ..plan import (
     plan,
     preset_names,
 )
+from ..plan.training import precision_names
 from ..plan.units import GiB, fmt_count
 from .figures import Figure
 
@@ -42,6 +43,7 @@ __all__ = [
     "evaluate",
     "inputs_from_args",
     "memory_figure",
+    "precision_choices",
     "summary_html",
     "tp_layout_html",
     "tp_layout_of",
@@ -55,6 +57,13 @@ MODEL_SOURCES = ("preset", "dims", "hf", "module")
 
 DIM_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts", "top_k")
 """Dimension inputs; 0 in ``kv_heads``, ``ffn``, ``experts``, ``top_k`` means "the default"."""
+
+
+def precision_choices(gpu: str) -> list[str]:
+    """The precisions the wizard offers for this accelerator: ``fp8`` only where it has FP8 tensor cores."""
+    acc = ACCELERATORS.get(gpu)
+    return [p for p in precision_names() if p != "fp8" or (acc is not None and acc.supports_fp8)]
+
 
 WHATIF_VALUES: dict[str, tuple[int, ...]] = {
     "nodes": (1, 2, 4, 8, 16, 32, 64),

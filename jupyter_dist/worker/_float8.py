@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..plan.training import fp8_strategy_problem
 from ._env import FP8_RECIPES, WorkerEnv, WorkerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,11 +61,9 @@ def convert_float8(env: WorkerEnv, model: torch.nn.Module, blocks: list[Any], de
     problem = float8_problem(env, device)
     if problem is not None:
         raise WorkerError(problem)
-    if env.tp > 1:
-        raise WorkerError(
-            f"JD_PRECISION=fp8 with tensor parallelism (tp{env.tp}) is not wired yet (it needs torchao's float8 "
-            "parallel styles); run fp8 with fsdp2/ddp, or bf16-mixed with tp"
-        )
+    strategy_problem = fp8_strategy_problem(family, env.tp)  # the planner marks the same candidates
+    if strategy_problem is not None:
+        raise WorkerError(f"JD_PRECISION={strategy_problem}")
     if not blocks:
         raise WorkerError("JD_PRECISION=fp8 converts the linear layers of the model's repeated blocks (a ModuleList "
                           "or ModuleDict of one class), and this model has none; use bf16-mixed")  # fmt: skip
