@@ -251,9 +251,9 @@ def compute_parts(
     scale = model.params / model.params_from_dims if model.params_override else 1.0
     fp8_rate = 0.0
     cast = 0.0
+    fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
     if training.precision is Precision.FP8:  # the blocks' linears at the FP8 rate, the rest as above
         fp8_rate = acc.peak_flops("fp8") * matmul_efficiency(acc.matmul_efficiency, model.hidden)
-        fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
         matmul = (6 * fp8_params / fp8_rate + (dense_flops - 6 * fp8_params) / rate) * tokens_per_gpu
         cast_per_token, cast_weights = fp8_cast_elements(model)
         tokens_per_micro_batch = training.micro_batch * seq * dims.dp / dims.world_size  # of tokens_per_gpu
@@ -278,7 +278,6 @@ def compute_parts(
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise + cast}
     block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
     if fp8_rate:  # a recomputed forward multiplies in FP8 too (its casts are not counted again)
-        fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
         rest = model.matmul_params - model.vocab * model.hidden * scale - fp8_params  # MoE routers
         block_matmul = 2 * (fp8_params / fp8_rate + rest / rate) * tokens_per_gpu
     attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward

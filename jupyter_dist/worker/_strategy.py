@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ..plan.strategies import FSDP1_SHARDING, get_strategy
+from ..plan.training import Precision
 from ._env import WorkerEnv, WorkerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -106,12 +107,9 @@ def _dtype(name: str | None) -> Any:
 
 
 def mixed_dtypes(precision: str) -> tuple[Any, Any] | None:
-    """(param dtype, reduce dtype) for the *-mixed precisions, else None."""
-    if precision in ("bf16-mixed", "fp8"):  # fp8: bf16 around the blocks' float8 linear layers
-        return _dtype("bf16"), _dtype("fp32")
-    if precision == "fp16-mixed":
-        return _dtype("fp16"), _dtype("fp32")
-    return None
+    """(param dtype, reduce dtype) for the *-mixed precisions and fp8 (bf16 around its float8 linears), else None."""
+    p = Precision(precision)
+    return (_dtype(p.compute_dtype), _dtype("fp32")) if p.is_mixed else None
 
 
 def require_process_group(name: str) -> None:

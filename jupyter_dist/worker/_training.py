@@ -14,6 +14,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..plan.training import TORCH_DTYPES, Precision
 from ._env import WorkerEnv, WorkerError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,12 +149,12 @@ class TrainingVerbs:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` for the *-mixed precisions and fp8 (bf16) with ``none``/``ddp`` (others cast alone)."""
-        if self.env.precision not in ("bf16-mixed", "fp16-mixed", "fp8") or self.env.family not in ("none", "ddp"):
+        precision = Precision(self.env.precision)
+        if not precision.is_mixed or self.env.family not in ("none", "ddp"):
             return contextlib.nullcontext()
         import torch
 
-        dtype = torch.float16 if self.env.precision == "fp16-mixed" else torch.bfloat16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=getattr(torch, TORCH_DTYPES[precision.compute_dtype]))
 
     def backward(self, loss: Any) -> None:
         """``engine.backward(loss)`` for DeepSpeed, else ``loss.backward()`` (scaled for fp16-mixed)."""

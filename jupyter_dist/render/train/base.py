@@ -91,7 +91,7 @@ class ScriptBase:
     @property
     def mixed(self) -> bool:
         """Whether the precision is mixed (low-precision compute, fp32 master weights)."""
-        return self.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+        return self.precision.is_mixed
 
     @property
     def fp16(self) -> bool:
