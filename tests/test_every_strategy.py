@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -157,34 +158,126 @@ def ds_config(strategy: str, accum: int = 1, clip: float = 0.0, per_rank: int = 
     return cfg
 
 
-def run_cell(tmp_path: Path, strategy: str, *, accum: int = 1, clip: float = 0.0, cell: str = CELL,
-             ac: str = "none") -> list[dict]:  # fmt: skip
+SGD_CELL = CELL.replace(
+    "torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))",
+    "torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9, weight_decay=0.01)",
+)
+ACCUM_CLIP = 0.5  # the accumulation runs clip too, at the boundary only
+
+DRIVER = """
+import json, os, runpy
+
+# Each run of the spec in turn, as its own cell: the launch's environment plus the run's, a fresh runtime (the next
+# jd.wrap reads JD_STRATEGY, JD_AC and JD_DS_CONFIG anew), the cell file run as __main__, its results renamed.
+with open(os.environ["TEST_SPEC"]) as f:
+    spec = json.load(f)
+base = dict(os.environ)
+for i, run in enumerate(spec):
+    os.environ.clear()
+    os.environ.update(base)
+    os.environ.update(run["env"])
+    if i:
+        from jupyter_dist.worker._runtime import fresh_runtime
+
+        fresh_runtime()
+    runpy.run_path(run["cell"], run_name="__main__")
+    import torch.distributed as dist
+    import jupyter_dist.worker as jd
+
+    if dist.is_initialized():
+        dist.barrier()
+    out = os.environ["JD_RUN_DIR"]
+    os.replace(os.path.join(out, f"cell-rank{jd.rank}.json"), os.path.join(out, f"{run['name']}-rank{jd.rank}.json"))
+"""
+
+
+def natural_ac(strategy: str) -> tuple[str, int]:
+    """The ``JD_AC`` of ``strategy``'s natural run and the number of blocks it must checkpoint."""
+    return ("layer:2", 1) if strategy in LAYER_K else ("full", 2)
+
+
+def runs_of_group(group: str) -> dict[str, dict]:
+    """The runs one launch trains in turn: name -> (cell file, strategy, JD_AC, accumulation, clipping).
+
+    ``torch``: the natural cell under every strategy without DeepSpeed; ``deepspeed``: the natural cell under every
+    ZeRO strategy, the accumulation-1 and -4 runs with clipping of each ZeRO stage, and SGD under ZeRO-3 offload.
+    One launch per group (2 instead of 18): each run has its own model, optimizer, scheduler, ``jd.wrap`` and
+    runtime, so what each test asserts of its run is what it asserted of a launch of its own.
+    """
+    runs: dict[str, dict] = {}
+    for s in EVERY:
+        if s.startswith("zero") == (group == "deepspeed"):
+            runs[s] = {"cell": "cell.py", "strategy": s, "ac": natural_ac(s)[0], "accum": 1, "clip": 0.0}
+    if group == "deepspeed":
+        for s in ("zero1", "zero2", "zero3"):
+            for accum in (1, 4):
+                runs[f"{s}-a{accum}"] = {"cell": "cell.py", "strategy": s, "ac": "none", "accum": accum,
+                                         "clip": ACCUM_CLIP}  # fmt: skip
+        runs["zero3-offload-sgd"] = {"cell": "sgd_cell.py", "strategy": "zero3-offload", "ac": "none", "accum": 1,
+                                     "clip": 0.0}  # fmt: skip
+    return runs
+
+
+def launch_group(tmp_path: Path, group: str) -> dict[str, list[dict]]:
+    """One 2-process torchrun that trains every run of ``group`` in turn; each run's per-rank results."""
     tmp_path.mkdir(exist_ok=True)
-    script = tmp_path / "cell.py"
-    script.write_text(cell)
+    (tmp_path / "cell.py").write_text(CELL)
+    (tmp_path / "sgd_cell.py").write_text(SGD_CELL)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
     run_dir = tmp_path / "run"
-    env = {"JD_STRATEGY": strategy, "TEST_STEPS": str(STEPS), "TEST_LR": str(LR), "TEST_ACCUM": str(accum),
-           "JD_AC": ac}  # fmt: skip
-    if strategy.startswith("zero"):
+    run_dir.mkdir(exist_ok=True)
+    runs = runs_of_group(group)
+    spec = []
+    for name, r in runs.items():
+        env = {"JD_STRATEGY": r["strategy"], "JD_AC": r["ac"], "TEST_ACCUM": str(r["accum"])}
+        if r["strategy"].startswith("zero"):
+            config = f"ds_config-{name}.json"
+            (run_dir / config).write_text(json.dumps(ds_config(r["strategy"], r["accum"], r["clip"])))
+            env["JD_DS_CONFIG"] = config
+        spec.append({"name": name, "cell": str(tmp_path / r["cell"]), "env": env})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {"TEST_STEPS": str(STEPS), "TEST_LR": str(LR), "TEST_SPEC": str(tmp_path / "spec.json")}
+    if group == "deepspeed":
         pytest.importorskip("deepspeed")
-        run_dir.mkdir(exist_ok=True)
-        (run_dir / "ds_config.json").write_text(json.dumps(ds_config(strategy, accum, clip)))
-        env.update(JD_DS_CONFIG="ds_config.json", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
-    proc = torchrun(script, run_dir, timeout=420, **env)
+        env.update(DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(EXTENSIONS))
+    proc = torchrun(script, run_dir, 900, **env)
     assert proc.returncode == 0, explain(proc, run_dir)
     assert "Traceback" not in proc.stdout and "terminate called" not in proc.stdout, explain(proc, run_dir)
-    return [json.loads((run_dir / f"cell-rank{r}.json").read_text()) for r in (0, 1)]
+    return {name: [json.loads((run_dir / f"{name}-rank{k}.json").read_text()) for k in (0, 1)] for name in runs}
+
+
+@pytest.fixture(scope="module")
+def cell_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict]]:
+    """``cell_runs(name)``: the per-rank results of run ``name``; its group's one launch starts on first use."""
+    done: dict[str, dict[str, list[dict]] | str] = {}
+
+    def get(name: str) -> list[dict]:
+        group = "deepspeed" if name.startswith("zero") else "torch"
+        if group not in done:
+            try:
+                done[group] = launch_group(tmp_path_factory.mktemp(group), group)
+            except (AssertionError, pytest.fail.Exception) as e:  # every test of the group reports its failure
+                done[group] = str(e)
+        got = done[group]
+        if isinstance(got, str):
+            pytest.fail(f"the {group} launch failed:\n{got}")
+        return got[name]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", EVERY)
-def test_the_natural_cell_runs_unchanged_under_every_strategy(strategy: str, tmp_path: Path) -> None:
+def test_the_natural_cell_runs_unchanged_under_every_strategy(
+    strategy: str, cell_runs: Callable[[str], list[dict]]
+) -> None:
     """Also with the plan's activation checkpointing (``JD_AC``), which every strategy must apply (DDP, FSDP1,
     DeepSpeed and no strategy ignored it until session 8) and which must not change the math: ``full`` (both
     blocks) or ``layer:2`` (the second block only: blocks of two classes, which FSDP1's wrap policy must see through).
     """
-    ac, wrapped = ("layer:2", 1) if strategy in LAYER_K else ("full", 2)
-    res = run_cell(tmp_path, strategy, ac=ac)
+    ac, wrapped = natural_ac(strategy)
+    res = cell_runs(strategy)
     ref_losses, ref_lrs = reference_losses(STEPS, LR)
     for r in res:
         assert r["checkpointed"] == wrapped, (ac, r)
@@ -203,10 +296,12 @@ def test_the_natural_cell_runs_unchanged_under_every_strategy(strategy: str, tmp
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("strategy", ("zero1", "zero2", "zero3"))  # every ZeRO stage; offload adds no step path
-def test_jd_step_with_gradient_accumulation_equals_one_big_micro_batch(strategy: str, tmp_path: Path) -> None:
-    """``gradient_accumulation_steps=4`` through ``jd.backward``/``jd.step(opt)`` equals accumulation 1."""
-    whole = run_cell(tmp_path / "a1", strategy, accum=1, clip=0.5)  # clipping too, at the boundary only
-    accumulated = run_cell(tmp_path / "a4", strategy, accum=4, clip=0.5)
+def test_jd_step_with_gradient_accumulation_equals_one_big_micro_batch(
+    strategy: str, cell_runs: Callable[[str], list[dict]]
+) -> None:
+    """``gradient_accumulation_steps=4`` through ``jd.backward``/``jd.step(opt)`` equals accumulation 1 (both
+    clipping at 0.5, at the boundary only)."""
+    whole, accumulated = cell_runs(f"{strategy}-a1"), cell_runs(f"{strategy}-a4")
     for one, four in zip(whole, accumulated, strict=True):
         assert four["lrs"] == pytest.approx(one["lrs"], rel=1e-6)
         assert four["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
@@ -216,12 +311,10 @@ def test_jd_step_with_gradient_accumulation_equals_one_big_micro_batch(strategy:
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_sgd_under_zero_offload_runs_as_given(tmp_path: Path) -> None:
+def test_sgd_under_zero_offload_runs_as_given(cell_runs: Callable[[str], list[dict]]) -> None:
     """SGD has no DeepSpeed CPU twin: it steps the offloaded fp32 partitions itself, and equals one process."""
-    sgd = "torch.optim.SGD(model.parameters(), lr=LR * 10, momentum=0.9, weight_decay=0.01)"
-    cell = CELL.replace("torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))", sgd)
-    assert cell != CELL
-    res = run_cell(tmp_path, "zero3-offload", cell=cell)
+    assert SGD_CELL != CELL
+    res = cell_runs("zero3-offload-sgd")
     assert res[0]["basic"] == "SGD"
     ref_losses, ref_lrs = reference_losses(STEPS, LR, sgd=True)
     mean = [(a + b) / 2 for a, b in zip(res[0]["losses"], res[1]["losses"], strict=True)]
