@@ -36,25 +36,81 @@ DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
 """Where every test and every rank it starts builds and loads DeepSpeed's C++ ops: one folder for the suite."""
 
 
+DS_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
+"""DeepSpeed's CPU ops the suite's runs load: ``deepspeed_shm_comm`` (``deepspeed.initialize``), ``fused_adam`` (a
+ZeRO run's Adam without offload) and ``cpu_adam`` (offload)."""
+DS_OP_FOLDERS = ("deepspeed_shm_comm", "fused_adam", "cpu_adam")
+"""Their folders (and ``.so`` names) under ``TORCH_EXTENSIONS_DIR``."""
+_DS_BUILD = ("import sys\nfrom deepspeed.accelerator import get_accelerator\n"
+             "for name in sys.argv[1:]:\n    get_accelerator().create_op_builder(name).load()\n")  # fmt: skip
+_EARLY_BUILDS: list[Any] = []
+
+
+def build_deepspeed_ops(*, apart: bool, wait: bool) -> list[Any]:
+    """Build (or load, once built) :data:`DS_OPS`: ``apart``, each in its own process, all at once (one op's build is
+    one or two compiler processes, so one after the other they left a core idle; ~5 CPU-minutes in all on 2 cores,
+    most of it compiling torch's headers), else one process loading them in turn (6 CPU-seconds of ``import
+    deepspeed`` when they are built). A process that finds another building an op waits on torch's build lock and
+    loads it. Returns the processes (finished when ``wait``; a failure's output is in the assertion)."""
+    import subprocess
+    import tempfile
+
+    DS_EXTENSIONS.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(DS_EXTENSIONS))
+    procs = []
+    for names in ([[n] for n in DS_OPS] if apart else [list(DS_OPS)]):
+        out = tempfile.TemporaryFile()  # noqa: SIM115 - read after the process ends, closed with it
+        proc = subprocess.Popen([sys.executable, "-c", _DS_BUILD, *names], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc.output_file = out  # type: ignore[attr-defined]
+        procs.append(proc)
+    if wait:
+        for proc in procs:
+            try:
+                proc.wait(timeout=1200)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.output_file.seek(0)
+            text = proc.output_file.read().decode(errors="replace")
+            proc.output_file.close()
+            assert proc.returncode == 0, f"building DeepSpeed's ops {proc.args[3:]} failed:\n" + text[-4000:]
+    return procs
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The controller of a run that selects slow tests starts DeepSpeed's op builds at once, so that they overlap
+    the workers' start and collection instead of holding the first slow test of each worker."""
+    import importlib.util
+
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # a worker, or no xdist: the fixture builds when a slow test asks
+    if "not slow" in (config.getoption("markexpr", "") or "") or config.getoption("collectonly", False):
+        return
+    built = all((DS_EXTENSIONS / op / f"{op}.so").exists() for op in DS_OP_FOLDERS)
+    if not built and importlib.util.find_spec("deepspeed") is not None:
+        _EARLY_BUILDS.extend(build_deepspeed_ops(apart=True, wait=False))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Never leave a build behind (killing one would leave torch's build lock for the next run: wait instead)."""
+    for proc in _EARLY_BUILDS:
+        proc.wait()
+        proc.output_file.close()
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops() -> Path | None:
-    """DeepSpeed's CPU ops built once per worker before its first slow test, outside every run's time budget:
-    ``deepspeed_shm_comm`` (which ``deepspeed.initialize`` loads), ``fused_adam`` (a ZeRO run's Adam without offload)
-    and ``cpu_adam`` (offload). On a fresh machine each build takes ~75 s on 2 cores, and inside a run it ate the
-    run's start limit. Both workers may ask at once; torch's build lock makes the second wait and load. ``None``
-    without DeepSpeed."""
+    """DeepSpeed's CPU ops (:data:`DS_OPS`) built once before each worker's first slow test, outside every run's
+    time budget: on a fresh machine each build takes 1-2 CPU-minutes, and inside a run it ate the run's start limit.
+    The controller started the builds already (``pytest_sessionstart``); here each worker waits for them (torch's
+    build lock) or builds what is missing. ``None`` without DeepSpeed."""
     import importlib.util
-    import subprocess
 
     if importlib.util.find_spec("deepspeed") is None:
         return None
-    DS_EXTENSIONS.mkdir(parents=True, exist_ok=True)
-    code = ("from deepspeed.accelerator import get_accelerator\n"
-            "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder'):\n"
-            "    get_accelerator().create_op_builder(name).load()\n")  # fmt: skip
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(DS_EXTENSIONS))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, "building DeepSpeed's CPU ops failed:\n" + res.stdout[-3000:] + res.stderr[-3000:]
+    build_deepspeed_ops(apart=False, wait=True)
     return DS_EXTENSIONS
 
 
