@@ -569,64 +569,69 @@ import json, os, sys
 import torch
 import deepspeed
 
-cfg = json.load(open(sys.argv[1]))
-out = sys.argv[2]
+runs = json.load(open(sys.argv[1]))  # [[config path, output folder], ...]: one engine after the other, one launch
 deepspeed.init_distributed(dist_backend="gloo")
 rank = int(os.environ["RANK"])
-torch.manual_seed(0)  # same initial weights on every rank
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64), torch.nn.GELU(),
-                            torch.nn.Linear(64, 1))
-before = [p.detach().clone().float() for p in model.parameters()]
-total = sum(p.numel() for p in model.parameters())
-engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-dtype = torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float16 if cfg["fp16"]["enabled"] else torch.float32
-stage = cfg["zero_optimization"]["stage"]
-
-# what is really sharded: ZeRO-3 parameters, the ZeRO-1/2/3 fp32 optimizer partition
-partitioned_params = any(getattr(p, "ds_tensor", None) is not None and p.ds_tensor.numel() < p.ds_numel
-                         for p in model.parameters())
-groups = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
-    getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
-fp32_partition = sum(t.numel() for t in groups)
-
-teacher = torch.Generator().manual_seed(7)
-w_true = torch.randn(64, 1, generator=teacher)
-x_eval = torch.randn(32, 64, generator=teacher)
-y_eval = torch.tanh(x_eval @ w_true)
-data = torch.Generator().manual_seed(100 + rank)  # each rank sees different samples
 
 
-def eval_loss():
-    with torch.no_grad():
-        return torch.nn.functional.mse_loss(engine(x_eval.to(dtype)).float(), y_eval).item()
+def train(cfg, out):
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 1))
+    before = [p.detach().clone().float() for p in model.parameters()]
+    total = sum(p.numel() for p in model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dtype = torch.bfloat16 if cfg["bf16"]["enabled"] else torch.float16 if cfg["fp16"]["enabled"] else torch.float32
+    stage = cfg["zero_optimization"]["stage"]
+
+    # what is really sharded: ZeRO-3 parameters, the ZeRO-1/2/3 fp32 optimizer partition
+    partitioned_params = any(getattr(p, "ds_tensor", None) is not None and p.ds_tensor.numel() < p.ds_numel
+                             for p in model.parameters())
+    groups = getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(engine.optimizer, "fp32_partitioned_groups_flat", [])
+    fp32_partition = sum(t.numel() for t in groups)
+
+    teacher = torch.Generator().manual_seed(7)
+    w_true = torch.randn(64, 1, generator=teacher)
+    x_eval = torch.randn(32, 64, generator=teacher)
+    y_eval = torch.tanh(x_eval @ w_true)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank sees different samples
+
+    def eval_loss():
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(engine(x_eval.to(dtype)).float(), y_eval).item()
+
+    first = eval_loss()
+    mb, accum, steps = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], 12
+    for _ in range(steps * accum):
+        x = torch.randn(mb, 64, generator=data)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), torch.tanh(x @ w_true))
+        engine.backward(loss)
+        engine.step()
+    # gather before the last forward: a no-grad ZeRO-3 forward leaves prefetched parameters in flight
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        after = [p.detach().clone().float() for p in model.parameters()]
+    saved_shapes = None
+    if stage == 3:  # stage3_gather_16bit_weights_on_model_save: the full 16-bit model is gathered on rank 0
+        engine.save_16bit_model(out, "model16.bin")
+        if rank == 0:
+            saved_shapes = {k: list(v.shape) for k, v in torch.load(os.path.join(out, "model16.bin")).items()}
+    last = eval_loss()
+    changed = sum((a - b).abs().sum().item() for a, b in zip(after, before))
+    checksum = sum(a.double().sum().item() for a in after)
+    report = {
+        "rank": rank, "first": first, "last": last, "changed": changed, "checksum": checksum,
+        "global_steps": engine.global_steps, "stage": stage, "partitioned_params": partitioned_params,
+        "fp32_partition": fp32_partition, "total": total, "dtype": str(dtype),
+        "saved_shapes": saved_shapes, "optimizer": type(engine.basic_optimizer).__name__,
+    }
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    engine.destroy()  # its hooks and buffers go before the next engine starts
 
 
-first = eval_loss()
-mb, accum, steps = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], 12
-for _ in range(steps * accum):
-    x = torch.randn(mb, 64, generator=data)
-    loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), torch.tanh(x @ w_true))
-    engine.backward(loss)
-    engine.step()
-# gather before the last forward: a no-grad ZeRO-3 forward leaves prefetched parameters in flight
-with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-    after = [p.detach().clone().float() for p in model.parameters()]
-saved_shapes = None
-if stage == 3:  # stage3_gather_16bit_weights_on_model_save: the full 16-bit model is gathered on rank 0
-    engine.save_16bit_model(out, "model16.bin")
-    if rank == 0:
-        saved_shapes = {k: list(v.shape) for k, v in torch.load(os.path.join(out, "model16.bin")).items()}
-last = eval_loss()
-changed = sum((a - b).abs().sum().item() for a, b in zip(after, before))
-checksum = sum(a.double().sum().item() for a in after)
-report = {
-    "rank": rank, "first": first, "last": last, "changed": changed, "checksum": checksum,
-    "global_steps": engine.global_steps, "stage": stage, "partitioned_params": partitioned_params,
-    "fp32_partition": fp32_partition, "total": total, "dtype": str(dtype),
-    "saved_shapes": saved_shapes, "optimizer": type(engine.basic_optimizer).__name__,
-}
-with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-    json.dump(report, f)
+for cfg_path, out in runs:
+    train(json.load(open(cfg_path)), out)
 # a clean end, as jupyter_dist.worker's exit hook does: finish every collective and let gloo's worker threads release
 # their last work before the interpreter finalises, else one may need the GIL during finalisation and abort the
 # process ("terminate called without an active exception"; see Runtime._teardown in jupyter_dist/worker/_runtime.py)
@@ -669,10 +674,7 @@ def deepspeed_ops(deepspeed_ops: Path | None) -> Path:
     return deepspeed_ops
 
 
-@pytest.mark.slow
-@pytest.mark.deepspeed
-@pytest.mark.parametrize("run_id", list(REAL_RUNS))
-def test_real_two_process_deepspeed_run(run_id: str, deepspeed_ops: Path, tmp_path: Path) -> None:
+def _real_config(run_id: str) -> dict[str, Any]:
     strategy, precision = REAL_RUNS[run_id]
     p = make_plan(strategy, precision=precision)
     cfg = render_deepspeed(p, RenderOptions(candidate=strategy, lr=1e-2, weight_decay=0.0))
@@ -683,27 +685,55 @@ def test_real_two_process_deepspeed_run(run_id: str, deepspeed_ops: Path, tmp_pa
         # get DeepSpeedCPUAdam, the optimizer ZeRO-Offload runs on GPU machines too.
         cfg["optimizer"]["params"]["torch_adam"] = True
     check_deepspeed_keys(cfg)
-    (tmp_path / "ds_config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp_path / "train.py").write_text(TRAIN)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def real_runs(deepspeed_ops: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], Path]]:
+    """Every config of REAL_RUNS trained in one 2-process launch, one engine after the other (a fresh model, seed and
+    engine each, destroyed before the next): the ZeRO flavours share the launch's start-up (torchrun, torch and
+    deepspeed imported by each rank, ~15 CPU-seconds) instead of paying it five times. Each flavour's ranks write
+    their report into its own folder; the tests below read one flavour each."""
+    d = tmp_path_factory.mktemp("ds-real")
+    runs: dict[str, tuple[dict[str, Any], Path]] = {}
+    for run_id in REAL_RUNS:
+        cfg = _real_config(run_id)
+        out = d / run_id
+        out.mkdir()
+        (out / "ds_config.json").write_text(json.dumps(cfg, indent=2))
+        runs[run_id] = (cfg, out)
+    (d / "runs.json").write_text(json.dumps([[str(out / "ds_config.json"), str(out)] for _, out in runs.values()]))
+    (d / "train.py").write_text(TRAIN)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(tmp_path / "train.py"), str(tmp_path / "ds_config.json"), str(tmp_path)]  # fmt: skip
+            str(d / "train.py"), str(d / "runs.json")]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env=_ds_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, env=_ds_env(), cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
+    limit = 120 * len(REAL_RUNS)  # each flavour took 20-45 s alone (its start-up included) under a loaded 2 cores
     try:
-        log, _ = proc.communicate(timeout=240)
+        log, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        pytest.fail(f"{run_id}: no exit within 240 s; killed its process group\n{log[-4000:]}")
+        pytest.fail(f"no exit within {limit} s; killed its process group\n{log[-4000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, f"{run_id} exited {proc.returncode} after {elapsed:.0f} s\n{log[-6000:]}"
+    assert proc.returncode == 0, f"the runs exited {proc.returncode} after {elapsed:.0f} s\n{log[-6000:]}"
     assert _session_members(proc.pid) == [], "worker processes outlived torchrun"
-    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    print(f"{len(runs)} DeepSpeed runs in one launch: {elapsed:.1f} s")
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("run_id", list(REAL_RUNS))
+def test_real_two_process_deepspeed_run(run_id: str, real_runs: dict[str, tuple[dict[str, Any], Path]]) -> None:
+    cfg, out = real_runs[run_id]
+    assert cfg == _real_config(run_id)  # the generated config, as the launch trained it
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for r in reports:
         assert r["global_steps"] == 12
         assert r["stage"] == cfg["zero_optimization"]["stage"]
@@ -720,4 +750,4 @@ def test_real_two_process_deepspeed_run(run_id: str, deepspeed_ops: Path, tmp_pa
         assert reports[0]["optimizer"] == "DeepSpeedCPUAdam"
     else:
         assert reports[0]["optimizer"] == "AdamW"
-    print(f"{run_id}: {elapsed:.1f} s, eval loss {reports[0]['first']:.4f} -> {reports[0]['last']:.4f}")
+    print(f"{run_id}: eval loss {reports[0]['first']:.4f} -> {reports[0]['last']:.4f}")
