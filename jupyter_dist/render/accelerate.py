@@ -25,7 +25,9 @@ from .common import Layout, RenderError, RenderOptions, layout_of
 from .deepspeed import zero_stage
 from .skypilot import DS_CONFIG_FILE, dump_yaml
 
-__all__ = ["MIXED_PRECISION", "FSDP1_SHARDING", "render_accelerate_config", "render_accelerate_yaml"]
+__all__ = [
+    "MIXED_PRECISION", "FSDP1_SHARDING", "FP8_ACCELERATE_REFUSAL", "render_accelerate_config", "render_accelerate_yaml",
+]  # fmt: skip
 
 MIXED_PRECISION: dict[Precision, str] = {
     Precision.BF16_MIXED: "bf16",
@@ -37,6 +39,13 @@ MIXED_PRECISION: dict[Precision, str] = {
 
 FSDP1_SHARDING: dict[str, str] = _FSDP1_SHARDING
 """FSDP1 strategy -> accelerate's (and torch's ``ShardingStrategy``) name (the strategy table's)."""
+
+
+FP8_ACCELERATE_REFUSAL = (
+    "precision fp8: no accelerate config (its mixed_precision fp8 is not the torchao recipe the generated train.py "
+    "runs itself); launch train.py with torchrun (launch.sh), or compile the plan with --precision bf16-mixed"
+)
+"""The one line :func:`render_accelerate_config` refuses fp8 with (``train.py`` converts to float8 itself)."""
 
 
 def _not_supported(lay: Layout, what: str) -> RenderError:
@@ -139,9 +148,7 @@ def render_accelerate_config(
     opts = opts or RenderOptions()
     lay = layout or layout_of(plan, opts)
     if lay.precision is Precision.FP8:
-        from .torch_code import FP8_SCRIPT_REFUSAL
-
-        raise RenderError(FP8_SCRIPT_REFUSAL)
+        raise RenderError(FP8_ACCELERATE_REFUSAL)
     d, s = lay.dims, lay.strategy
     if d.pp > 1:
         raise _not_supported(lay, f"pipeline parallelism pp={d.pp}")

@@ -48,7 +48,7 @@ from __future__ import annotations
 from ..plan.parallel import ParallelDims
 from ..plan.plan import Plan
 from ..plan.strategies import FSDP1_SHARDING, MODEL_PARALLEL
-from ..plan.training import Precision
+from ..plan.training import Precision, fp8_strategy_problem
 from .common import Layout, RenderError, RenderOptions, layout_of
 from .train import loop_tpl as lt
 from .train import model_tpl as mt
@@ -56,14 +56,7 @@ from .train.base import DEFAULT_STEPS, shard_group
 from .train.script import Script
 from .train.text import fill
 
-__all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING", "FP8_SCRIPT_REFUSAL"]
-
-FP8_SCRIPT_REFUSAL = (
-    "precision fp8: the generated train.py has no float8 path (torchao's convert_to_float8_training would go in "
-    "every layout's wrapping, not written yet); run fp8 with %%dist_train / jd.wrap (JD_PRECISION=fp8), or compile "
-    "the plan with --precision bf16-mixed"
-)
-"""The one line :func:`render_train_script` (and the accelerate config, which launches it) refuses fp8 with."""
+__all__ = ["render_train_script", "FAMILIES", "DEFAULT_STEPS", "FSDP1_SHARDING"]
 
 FAMILIES = ("ddp", "fsdp", "fsdp2", "deepspeed")
 """Strategy families the code generator covers (data parallelism, sharded or not; fsdp2 also with tp/pp/cp/ep)."""
@@ -145,13 +138,14 @@ def render_train_script(plan: Plan, opts: RenderOptions | None = None, *, layout
     """
     opts = opts or RenderOptions()
     lay = layout or layout_of(plan, opts)
-    if lay.precision is Precision.FP8:
-        raise RenderError(FP8_SCRIPT_REFUSAL)
+    problem = fp8_strategy_problem(lay.strategy.family, lay.dims.tp) if lay.precision is Precision.FP8 else None
+    if problem is not None:  # the worker refuses the same (jd.wrap with JD_PRECISION=fp8)
+        raise RenderError(f"candidate {lay.candidate.name}: {problem}")
     _check_supported(lay)
     s = Script(lay, opts)
     # the sections first: they record the imports they use
     sections = [s.constants(), s.model(), s.tp_plan(), fill(mt.MODEL_REST), s.arguments(), s.setup(),
-                s.checkpoint_helper(), s.build_mesh(), s.context_parallel(), s.expert_parallel(),
+                s.checkpoint_helper(), s.speed(), s.build_mesh(), s.context_parallel(), s.expert_parallel(),
                 s.pipeline()]  # fmt: skip
     if not s.ds:
         sections += [s.parallelize(), s.clip_helper()]

@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 
 from ...plan.strategies import get_strategy
-from ...plan.training import TORCH_DTYPES, Checkpointing, Precision, precision_names
+from ...plan.training import TORCH_DTYPES, Checkpointing, OptimizerKind, Precision, precision_names
 from ..commands import deepspeed_command, torchrun_command
 from ..common import Layout, RenderOptions
 from . import expert_tpl as et
 from . import loop_tpl as lt
 from . import model_tpl as mt
 from . import pipeline_tpl as ppt
+from . import speed_tpl as st
 from .text import STDLIB, doc_safe, fill, import_lines, join_lines, py_str, wrap
 
 __all__ = ["shard_group", "DEFAULT_STEPS", "DTYPES", "FSDP1_AC", "ScriptBase"]
@@ -97,6 +98,16 @@ class ScriptBase:
     def fp16(self) -> bool:
         """Whether the precision is fp16-mixed (loss scaling)."""
         return self.precision is Precision.FP16_MIXED
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the blocks' linear layers train in FP8 (torchao's Float8Linear)."""
+        return self.precision is Precision.FP8
+
+    @property
+    def fused(self) -> bool:
+        """Whether the script offers the optimizer's fused implementation (a torch AdamW/SGD; not under DeepSpeed)."""
+        return not self.ds and self.lay.optimizer in (OptimizerKind.ADAMW, OptimizerKind.SGD)
 
     @property
     def compute_dtype(self) -> str:
@@ -202,6 +213,11 @@ class ScriptBase:
             ("GRAD_ACCUM", str(lay.grad_accum), "micro-steps per optimizer step"),
             ("SEQ_LEN", str(lay.seq_len), "tokens per sequence"),
         ]
+        if self.fp8:
+            rows += [
+                ("FP8_RECIPES", f"({', '.join(map(py_str, st.FP8_RECIPES))})", "float8 scalings (--fp8-recipe)"),
+                ("FP8_RECIPE", py_str(st.FP8_RECIPES[0]), "one scale per tensor; under FSDP2 weights gathered in fp8"),
+            ]
         if self.family == "ddp":
             bucket = lay.settings.get("bucket_cap_mb", 25)
             rows.append(("BUCKET_CAP_MB", repr(bucket), "size of the gradient all-reduce buckets"))
@@ -271,6 +287,8 @@ class ScriptBase:
         strategy = mt.ARGS_DEEPSPEED if self.ds else mt.ARGS_TORCH
         if self.pp > 1:
             strategy = join_lines(strategy.strip("\n"), ppt.ARGS_PIPELINE.strip("\n"))
+        speed = [st.ARGS_SPEED] + [st.ARGS_FUSED] * self.fused + [st.ARGS_FP8] * self.fp8
+        strategy = join_lines(strategy.strip("\n"), *(x.strip("\n") for x in speed))
         return fill(mt.ARGS, strategy_args=strategy)
 
     def setup(self) -> str:
@@ -348,6 +366,13 @@ class ScriptBase:
             )
         return f"checkpoint_activations(model, {cls}{extra})  # {what}"
 
+    def speed_lines(self) -> dict[str, str]:
+        """The ``<<float8>>`` and ``<<compile>>`` lines of a ``parallelize()`` (DeepSpeed: ``main()``)."""
+        return {
+            "float8": "convert_float8(model, args)  # fp8: before checkpointing and sharding, as torchtitan" * self.fp8,
+            "compile": "compile_blocks(model, on_cuda(args.compile))  # after checkpointing, before the wrapper",
+        }
+
     def _precision_comment(self) -> str:
         return (
             f"# {self.precision.value}: compute in {self.precision.compute_dtype}; reduce gradients and keep "
@@ -355,8 +380,32 @@ class ScriptBase:
         )
 
     def optimizer(self) -> str:
-        """``build_optimizer()``."""
-        return fill(lt.OPTIMIZERS[self.lay.optimizer])
+        """``build_optimizer()``; a torch AdamW/SGD with its fused implementation where ``--fused`` says."""
+        if not self.fused:
+            return fill(lt.OPTIMIZERS[self.lay.optimizer], fused="", fused_arg="")
+        fused = "fused = True if on_cuda(args.fused) else None  # None: torch's default (foreach on CUDA)"
+        return fill(lt.OPTIMIZERS[self.lay.optimizer], fused=fused, fused_arg=", fused=fused")
+
+    def speed(self) -> str:
+        """``on_cuda()``, ``compile_blocks()`` and, under fp8, ``convert_float8()`` (what the workers run)."""
+        sections = [fill(st.ON_CUDA), fill(st.COMPILE_BLOCKS)]
+        self.use_from("typing", "Any")
+        if self.fp8:
+            self.use("dataclasses")
+            gather = self.family == "fsdp2"  # FSDP2 all-gathers the float8 weights under tensorwise scaling
+            config = "config = dataclasses.replace(config, emulate=args.fp8_emulate)"
+            if gather:
+                config = join_lines(
+                    "config = dataclasses.replace(",
+                    "    config, emulate=args.fp8_emulate, "
+                    'enable_fsdp_float8_all_gather=args.fp8_recipe == "tensorwise"',
+                    ")",
+                )
+            sections.append(fill(
+                st.FLOAT8, config=config,
+                all_gather_doc="Under FSDP2 with tensorwise scaling the weights are all-gathered in float8." * gather,
+            ))  # fmt: skip
+        return "\n\n\n".join(sections)
 
     def checkpoint_io(self) -> str:
         """Checkpoint save and resume (DCP, per pipeline stage, or DeepSpeed's)."""

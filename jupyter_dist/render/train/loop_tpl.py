@@ -17,12 +17,14 @@ OPTIMIZERS = {
     OptimizerKind.ADAMW: '''
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay; the learning rate stays constant."""
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    <<fused>>
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay<<fused_arg>>)
 ''',
     OptimizerKind.SGD: '''
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """SGD with momentum 0.9; the learning rate stays constant."""
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    <<fused>>
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay<<fused_arg>>)
 ''',
     OptimizerKind.ADAMW_8BIT: '''
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(args)
     <<activation_checkpointing>>
+    <<compile>>
     config = json.loads(Path(args.deepspeed_config).read_text())
     optimizer = None if "optimizer" in config else build_optimizer(model, args)  # the config's optimizer wins
     engine, _, _, _ = deepspeed.initialize(

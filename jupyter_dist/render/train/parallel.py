@@ -28,7 +28,7 @@ class ParallelSections(ScriptBase):
         if self.family == "ddp":
             self.use_from("torch.nn.parallel", "DistributedDataParallel")
             to_dtype = ", dtype=torch.bfloat16" if self.precision is Precision.BF16_TRUE else ""
-            return fill(pt.PARALLELIZE_DDP, to_dtype=to_dtype, activation_checkpointing=ac)
+            return fill(pt.PARALLELIZE_DDP, to_dtype=to_dtype, activation_checkpointing=ac, **self.speed_lines())
         if self.family == "fsdp":
             self.use("functools")
             self.use_from("torch.distributed.fsdp", "FullyShardedDataParallel as FSDP", "ShardingStrategy")
@@ -54,7 +54,7 @@ class ParallelSections(ScriptBase):
                 device_mesh = "device_mesh=mesh,"
             return fill(
                 pt.PARALLELIZE_FSDP, sharding=FSDP1_SHARDING[self.lay.strategy.name], precision=precision, mesh=mesh,
-                mixed_precision=mixed, device_mesh=device_mesh, activation_checkpointing=ac,
+                mixed_precision=mixed, device_mesh=device_mesh, activation_checkpointing=ac, **self.speed_lines(),
             )  # fmt: skip
         if self.family == "fsdp2" and self.meshed:
             return self._parallelize_mesh(ac)
@@ -77,7 +77,7 @@ class ParallelSections(ScriptBase):
                 )
                 policy = ", mp_policy=mp_policy"
             return fill(pt.PARALLELIZE_FSDP2, mesh=mesh, precision=precision, policy=policy,
-                         activation_checkpointing=ac)  # fmt: skip
+                         activation_checkpointing=ac, **self.speed_lines())  # fmt: skip
         raise RenderError(f"no parallelize section for strategy family {self.family!r}")  # pragma: no cover
 
     def _fsdp2_precision(self) -> tuple[str, str, str]:
@@ -279,8 +279,7 @@ class ParallelSections(ScriptBase):
             doc = "Tensor parallelism over ``tp``, then FSDP2 over the data-parallel dims (torchtitan's order)."
         return fill(pt.PARALLELIZE_FSDP2_TP, doc=doc, precision_model=model_first, tensor_parallel=tensor_parallel,
                      activation_checkpointing=ac, precision=precision, policy=policy, dp_mesh=dp_mesh,
-                     shard_root=shard_root,
-                     shard_experts=shard_experts)  # fmt: skip
+                     shard_root=shard_root, shard_experts=shard_experts, **self.speed_lines())  # fmt: skip
 
     def _shard_experts(self, policy: str) -> str:
         """FSDP2 over ``efsdp`` for each experts module, before the blocks' (which then skip their parameters)."""

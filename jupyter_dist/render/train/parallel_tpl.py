@@ -12,10 +12,12 @@ __all__ = [
 ]  # fmt: skip
 
 PARALLELIZE_DDP = '''
-def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, device: torch.device, args: argparse.Namespace) -> nn.Module:
     """DDP: a full replica on every rank; gradients are all-reduced in buckets while backward runs."""
     model = model.to(device<<to_dtype>>)
+    <<float8>>
     <<activation_checkpointing>>
+    <<compile>>
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -25,8 +27,9 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
 '''
 
 PARALLELIZE_FSDP = '''
-def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, device: torch.device, args: argparse.Namespace) -> nn.Module:
     """FSDP (<<sharding>>): one FSDP unit per block plus the root (embeddings, head)."""
+    <<float8>>
     <<precision>>
     <<mesh>>
     model = FSDP(
@@ -39,15 +42,18 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
         <<device_mesh>>
     )
     <<activation_checkpointing>>
+    <<compile>>
     return model
 '''
 
 PARALLELIZE_FSDP2 = '''
-def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
+def parallelize(model: nn.Module, device: torch.device, args: argparse.Namespace) -> nn.Module:
     """FSDP2: shard each block's parameters (as DTensors), then the rest of the model at the root."""
     <<mesh>>
     <<precision>>
+    <<float8>>
     <<activation_checkpointing>>
+    <<compile>>
     for module in model.modules():
         if isinstance(module, BLOCK_CLASS):
             fully_shard(module, mesh=mesh<<policy>>)
@@ -117,11 +123,13 @@ def build_mesh(device: torch.device) -> DeviceMesh:
 '''
 
 PARALLELIZE_FSDP2_TP = '''
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, args: argparse.Namespace) -> nn.Module:
     """<<doc>>"""
     <<precision_model>>
     <<tensor_parallel>>
+    <<float8>>
     <<activation_checkpointing>>
+    <<compile>>
     <<precision>>
     <<dp_mesh>>
     <<shard_experts>>

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     mesh = build_mesh(device)
-    stages = [(index, parallelize(stage, mesh)) for index, stage in split_model(build_model(args), mesh, args)]
+    stages = [(index, parallelize(stage, mesh, args)) for index, stage in split_model(build_model(args), mesh, args)]
     models = [stage for _, stage in stages]
     optimizers = [build_optimizer(model, args) for model in models]  # one per stage, as its checkpoint is
     <<scaler>>

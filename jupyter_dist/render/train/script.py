@@ -94,7 +94,8 @@ class Script(ParallelSections):
         """``main()``: set-up, the training loop, logging and checkpoints."""
         if self.ds:
             self.use("json")
-            return fill(lt.MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing())
+            return fill(lt.MAIN_DEEPSPEED, activation_checkpointing=self.activation_checkpointing(),
+                        compile=self.speed_lines()["compile"])  # fmt: skip
         fam = self.family
         if self.pp > 1:
             return self._main_pipeline()
@@ -160,7 +161,7 @@ class Script(ParallelSections):
                 "# group down (releasing the GIL), not the reducer's destructor at exit, which can deadlock on gloo",
                 "del model, optimizer",
             )
-        data: dict[str, str] = {"build": "model = parallelize(build_model(args), device)", "dp_ranks": "",
+        data: dict[str, str] = {"build": "model = parallelize(build_model(args), device, args)", "dp_ranks": "",
                                 "dp_size": "world_size", "dp_rank": "rank", "describe_mesh": ""}  # fmt: skip
         if self.meshed:
             dp_ranks = join_lines(
@@ -180,7 +181,7 @@ class Script(ParallelSections):
                     "dp_rank, dp_size = rank, world_size",
                 )
             data = {
-                "build": join_lines("mesh = build_mesh(device)", "model = parallelize(build_model(args), mesh)"),
+                "build": join_lines("mesh = build_mesh(device)", "model = parallelize(build_model(args), mesh, args)"),
                 "dp_ranks": dp_ranks,
                 "dp_size": "dp_size", "dp_rank": "dp_rank",
                 "describe_mesh": 'print("mesh", " x ".join(f"{n}={s}" for n, s in '

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 __all__ = ["STDLIB", "doc_safe", "fill", "import_lines", "join_lines", "member_key", "py_str", "wrap"]
 
-STDLIB = frozenset({"argparse", "collections", "contextlib", "fnmatch", "functools", "itertools", "json", "os", "re",
-                    "time", "pathlib", "typing"})  # fmt: skip
+STDLIB = frozenset({"argparse", "collections", "contextlib", "dataclasses", "fnmatch", "functools", "itertools", "json",
+                    "os", "re", "time", "pathlib", "typing"})  # fmt: skip
 """Top-level modules of the standard library a generated script may import (they sort before torch's)."""
 
 
