@@ -230,3 +230,57 @@ def test_fsdp2_two_processes_compiled_equals_eager(tmp_path: Path) -> None:
     for eager, compiled in zip(runs["0"], runs["1"], strict=True):
         assert eager["compiled"] == [] and compiled["compiled"] == ["blocks.0", "blocks.1"]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=COMPILE_RTOL)
+
+
+# ------------------------------------------------------------- compiled == eager under DDP and TP, in one process
+@pytest.fixture()
+def one_rank_mesh() -> Any:
+    """A real 1-process gloo group in this process (a store in memory) and its 1-rank device mesh, destroyed after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "tp"])
+def test_compiled_blocks_equal_eager_under_ddp_and_tp(strategy: str, one_rank_mesh: Any, tmp_path: Path) -> None:
+    """The worker's order (tensor parallelism, then compile_blocks, then the DDP wrapper) on a real 1-rank group: the
+    compiled blocks run (inductor, through DDP's hooks or on DTensors) and the losses equal eager's."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    def run(compile_: str) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        model = Tiny()
+        if strategy == "tp":
+            plan = {f"blocks.{i}.{n}": s for i in (0, 1) for n, s in (("up", ColwiseParallel()),
+                                                                        ("down", RowwiseParallel()))}  # fmt: skip
+            model = parallelize_module(model, one_rank_mesh, plan)
+        state = _speed.compile_blocks(env(tmp_path, compile=compile_), list(model.blocks), torch.device("cpu"))
+        if strategy == "ddp":
+            model = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses, state
+
+    eager, none = run("0")
+    compiled, state = run("1")
+    assert none is None and state is not None and state.failed is None and len(state.blocks) == 2
+    if strategy == "tp":
+        assert isinstance(state.blocks[0].up.weight, DTensor)
+    assert compiled == pytest.approx(eager, rel=COMPILE_RTOL)
