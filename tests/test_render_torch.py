@@ -753,12 +753,14 @@ def test_fsdp2_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tm
 
 @pytest.mark.slow
 @needs_torch
-def test_fsdp2_script_trains_fp32_without_accumulation(tmp_path: Path) -> None:
-    out = _train(tmp_path, _tiny_plan("fp32", "none", 1), "fsdp2", 4)
-    steps = _assert_trained(out, 1, 4)
+def test_fsdp2_script_trains_fp32_without_accumulation(dp_run: tuple[str, Path]) -> None:
+    """The data-parallel reference's own run (``dp_run``: fsdp2, fp32, accumulation 1, 5 steps) read here."""
+    out, folder = dp_run
+    assert layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).grad_accum == 1
+    steps = _assert_trained(out, 1, 5)
     assert steps[-1][1] < steps[0][1] - 0.2, f"the loss did not go down: {steps}"
     assert "fsdp2 on 2 ranks (cpu), fp32" in out
-    assert (tmp_path / "ckpt" / "step-4" / ".metadata").exists()
+    assert (folder / "ckpt" / "step-5" / ".metadata").exists()
 
 
 @pytest.mark.slow
@@ -771,8 +773,11 @@ def test_fsdp1_script_trains_and_resumes_on_cpu_with_device_id(tmp_path: Path) -
 @pytest.mark.slow
 @needs_torch
 def test_fsdp1_script_needs_an_accelerator_on_cpu_without_device_id(tmp_path: Path) -> None:
-    """Why the script passes ``device_id``: without it PyTorch's FSDP1 refuses to run where there is no GPU."""
-    p = _tiny_plan("bf16-mixed", "none", 1)
+    """Why the script passes ``device_id``: without it PyTorch's FSDP1 refuses to run where there is no GPU.
+
+    One process is enough (the plan made for one GPU: torchrun starts one rank): FSDP's constructor refuses before
+    any communication, whatever the world size; the two-process FSDP1 runs are the resume test above."""
+    p = _plan(1, 1, micro_batch=2, grad_accum=1, seq_len=32, precision="bf16-mixed")
     script = tmp_path / "train.py"
     opts = RenderOptions(candidate="fsdp-full-shard", script=str(script), checkpoint_dir=str(tmp_path / "ckpt"),
                          script_args=(*TINY, "--steps", "1"))  # fmt: skip
@@ -824,11 +829,26 @@ def _tp_plan(nodes: int, gpus: int, precision: str = "fp32", checkpointing: str 
                  checkpointing=checkpointing, **dims)  # fmt: skip
 
 
+def _dp_plan() -> Plan:
+    """The data-parallel reference's plan: 2 processes x micro-batch 4, no accumulation (global batch 8)."""
+    return _plan(1, 2, micro_batch=4, grad_accum=1, seq_len=32, precision="fp32")
+
+
 @pytest.fixture(scope="module")
-def dp_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """The data-parallel reference: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 2 x accumulation 2."""
-    out = _train(tmp_path_factory.mktemp("dp"), _tp_plan(1, 2), "fsdp2", 5)
-    return [loss for _, loss in _assert_trained(out, 1, 5)]
+def dp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """The data-parallel reference, run once per module: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 4
+    without accumulation; its output and folder. test_fsdp2_script_trains_fp32_without_accumulation reads the same
+    run. Each replica's micro-batch of 4 is the 4 samples a micro-batch 2 x accumulation 2 run takes in two micro-steps
+    (DistributedSampler's order), so the tp, pp and cp scripts (which accumulate) compare against the same mean: the
+    two references' losses agree to 3e-7 here, inside the 1e-5 of the comparisons."""
+    folder = tmp_path_factory.mktemp("dp")
+    return _train(folder, _dp_plan(), "fsdp2", 5), folder
+
+
+@pytest.fixture(scope="module")
+def dp_losses(dp_run: tuple[str, Path]) -> list[float]:
+    """The data-parallel reference's losses (dp_run)."""
+    return [loss for _, loss in _assert_trained(dp_run[0], 1, 5)]
 
 
 @pytest.mark.slow
@@ -848,7 +868,7 @@ def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
     """
     p = _tp_plan(nodes, gpus, **_dims(cand))
     opts = RenderOptions(candidate=cand)
-    assert layout_of(p, opts).global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch
+    assert layout_of(p, opts).global_batch == layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).global_batch
     if nodes == 1:
         out = _train(tmp_path, p, cand, 5)
     else:  # one machine standing in for the plan's two nodes
@@ -907,16 +927,16 @@ def test_the_scripts_stage_bounds_are_the_planners() -> None:
 def test_pp_script_has_the_losses_of_the_data_parallel_script(
     tmp_path: Path, dp_losses: list[float], cand: str, gpus: int, schedule: str, mesh: str
 ) -> None:
-    """Equal math: pp 2 (x tp 2 + sp) over 4 micro-batches of 2 trains like dp 2 x 2 micro-steps of 2, fp32, 1e-5.
+    """Equal math: pp 2 (x tp 2 + sp) over 4 micro-batches of 2 trains like dp 2 x micro-batch 4, fp32, 1e-5.
 
     The first stage reads the inputs and the last the targets of the same 8 sequences the dp 2 reference's two
-    replicas read; the schedule's mean over micro-batches is the reference's mean over micro-steps and replicas, and
-    the gradient norm (clipped at 1.0) is summed over the stages. A wrong stage cut, data split, loss scaling or
-    gradient reduction shows in the losses.
+    replicas read; the schedule's mean over micro-batches is the reference's mean over samples and replicas, and the
+    gradient norm (clipped at 1.0) is summed over the stages. A wrong stage cut, data split, loss scaling or gradient
+    reduction shows in the losses.
     """
     p = _pp_plan(gpus, **_dims(cand))
     lay = layout_of(p, RenderOptions(candidate=cand))
-    assert lay.global_batch == layout_of(_tp_plan(1, 2), RenderOptions(candidate="fsdp2")).global_batch == 8
+    assert lay.global_batch == layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).global_batch == 8
     out = _train(tmp_path, p, cand, 5, extra_args=("--schedule", schedule))
     assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh} schedule {schedule}, 4 micro-batches" in out
     assert "pipeline stages (blocks): 0: 0..0, 1: 1..1" in out
