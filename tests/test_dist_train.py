@@ -101,14 +101,22 @@ def test_run_magics_without_a_run(ip: InteractiveShell) -> None:
 
 # ---- real processes -------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_cell_runs_on_two_fresh_processes(ip: InteractiveShell, runs: Path) -> None:
+def test_cell_runs_on_two_fresh_processes_with_shipped_notebook_objects(ip: InteractiveShell, runs: Path) -> None:
+    """One launch for two properties (it was two launches): the cell runs on two fresh ranks, and ``--ship`` sends
+    notebook objects (an instance of a class defined in the notebook, a list) to both."""
+    ip.run_cell("class Scale:\n    def __init__(self, k):\n        self.k = k\n    def __call__(self, x):\n"
+                "        return x * self.k\nscale = Scale(7)\nnumbers = [1, 2, 3]")  # fmt: skip
+    ship = "print('shipped', sum(scale(n) for n in numbers), type(scale).__name__)\n"
     t0 = time.time()
-    run = ip.run_cell_magic("dist_train", "--nproc 2 --strategy none --name r_ok", ALLREDUCE)
+    run = ip.run_cell_magic(
+        "dist_train", "--nproc 2 --strategy none --name r_ok --ship scale,numbers", ship + ALLREDUCE
+    )
     assert time.time() - t0 < 5, "the magic must return at once"
     assert ip.user_ns["r_ok"] is run and run.status in ("running", "succeeded")
-    assert run.wait(120) == "succeeded"
+    assert run.wait(120) == "succeeded", run.summary()
     assert run.exit_codes == {0: 0, 1: 0}
     assert "rank 1 of 2 sum 3" in run.logs(1) and "rank 0 of 2 sum 3" in run.logs(0)
+    assert "shipped 42 Scale" in run.logs(0) and "shipped 42 Scale" in run.logs(1)
     meta = json.loads((run.dir / "run.json").read_text())
     assert meta["status"] == "succeeded" and meta["world_size"] == 2
     assert (run.dir / "script.py").read_text().endswith(ALLREDUCE)
@@ -156,19 +164,6 @@ def test_timeout_stops_with_last_lines_per_rank(ip: InteractiveShell, runs: Path
     meta = json.loads((run.dir / "run.json").read_text())
     assert "rank 1 stuck here" in meta["timeout_report"]["1"] and "rank 0 stuck here" in meta["timeout_report"]["0"]
     assert descendants_gone(run)
-
-
-@pytest.mark.slow
-def test_ship_sends_notebook_objects(ip: InteractiveShell, runs: Path) -> None:
-    ip.run_cell("class Scale:\n    def __init__(self, k):\n        self.k = k\n    def __call__(self, x):\n"
-                "        return x * self.k\nscale = Scale(7)\nnumbers = [1, 2, 3]")  # fmt: skip
-    run = ip.run_cell_magic(
-        "dist_train",
-        "--nproc 2 --strategy none --ship scale,numbers",
-        "print('shipped', sum(scale(n) for n in numbers), type(scale).__name__)",
-    )
-    assert run.wait(120) == "succeeded", run.summary()
-    assert "shipped 42 Scale" in run.logs(0) and "shipped 42 Scale" in run.logs(1)
 
 
 @pytest.mark.slow

@@ -187,11 +187,24 @@ def test_deepspeed_launcher_trains_zero2(ip: InteractiveShell, runs: Path, ds_ca
     assert descendants_gone(run)
 
 
+ACCELERATOR = """
+from accelerate import Accelerator
+acc = Accelerator()
+print("acc", acc.distributed_type, acc.process_index, acc.num_processes, flush=True)
+"""
+
+
 @pytest.mark.slow
-def test_accelerate_launcher_trains_ddp(ip: InteractiveShell, runs: Path) -> None:
+def test_accelerate_launcher_trains_ddp_and_an_accelerator_in_the_cell_sees_both_ranks(
+    ip: InteractiveShell, runs: Path
+) -> None:
+    """One launch for two properties (it was two launches): the cell trains under DDP through accelerate's launcher,
+    then creates an ``Accelerator``, which must see both ranks of the launch."""
     pytest.importorskip("accelerate")
     run = ip.run_cell_magic(
-        "dist_train", "--launcher accelerate --nproc 2 --strategy ddp --timeout 300 --telemetry-interval 0", TRAIN
+        "dist_train",
+        "--launcher accelerate --nproc 2 --strategy ddp --timeout 300 --telemetry-interval 0",
+        TRAIN + ACCELERATOR,
     )
     assert run.wait(330) == "succeeded", run.summary() + run.launcher_log()
     assert run.exit_codes == {0: 0, 1: 0}
@@ -202,18 +215,9 @@ def test_accelerate_launcher_trains_ddp(ip: InteractiveShell, runs: Path) -> Non
         assert losses[-1] < 0.5 * losses[0], losses
         assert f"argv ['{run.dir / 'script.py'}']" in run.logs(rank)
         assert "on 2 ranks with DistributedDataParallel" in run.logs(rank)
-    assert descendants_gone(run)
-
-
-@pytest.mark.slow
-def test_accelerator_in_the_cell_sees_both_ranks(ip: InteractiveShell, runs: Path) -> None:
-    pytest.importorskip("accelerate")
-    code = ("from accelerate import Accelerator\nacc = Accelerator()\n"
-            "print('acc', acc.distributed_type, acc.process_index, acc.num_processes, flush=True)")  # fmt: skip
-    run = ip.run_cell_magic("dist_train", "--launcher accelerate --nproc 2 --strategy none --timeout 300", code)
-    assert run.wait(330) == "succeeded", run.summary() + run.launcher_log()
     kind = "MULTI_CPU" if NO_GPU else "MULTI_GPU"
     assert f"acc DistributedType.{kind} 0 2" in run.logs(0) and f"acc DistributedType.{kind} 1 2" in run.logs(1)
+    assert descendants_gone(run)
 
 
 @pytest.mark.slow
