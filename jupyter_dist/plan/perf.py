@@ -28,9 +28,22 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     the bf16 rate, as torchtitan's float8 converter leaves them. The casts are memory-bound and count in
     ``elementwise``: 3 bytes (read bf16, write float8; :data:`FP8_CAST_BYTES`) per element of every FP8 linear's
     input and output gradient per token, and of its weight per micro-batch (:func:`fp8_cast_elements`).
+``optimizer``
+    The optimizer step as memory traffic over the rank's share of the parameters, at
+    :data:`OPTIMIZER_MEMORY_EFFICIENCY` of the memory bandwidth. torch's default ``foreach`` AdamW
+    (``_multi_tensor_adamw``) runs eight passes, each its own kernel reading and writing whole fp32 tensors (decay
+    ``mul_``, ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div_``, ``add_``, ``addcdiv_``): 84 bytes per parameter;
+    the fused kernel (``fused=True``) reads parameter, gradient and both states once and writes three: 28 bytes
+    (:data:`OPTIMIZER_BYTES`). On by default on GPUs, as the worker does (``TrainingShape.fused_optimizer``).
 ``recompute``
     One more forward of what activation checkpointing dropped: the blocks (full) or the attention core
     (selective; Korthikanti et al. 2022, Sec. 5).
+``compile`` (``TrainingShape.compile``, on by default on GPUs as the worker does)
+    Regional ``torch.compile`` fuses each chain of pointwise and normalisation ops between two matmuls into one
+    kernel, forward and backward (torchtitan's per-block compile): the blocks' elementwise traffic becomes
+    :data:`COMPILED_ELEMENTWISE` of eager's, the FP8 casts fuse their amax read (:data:`FP8_CAST_BYTES` eager
+    :data:`FP8_CAST_BYTES_EAGER`), and a block launches :data:`OPS_PER_LAYER_COMPILED` kernels instead of
+    :data:`OPS_PER_LAYER`. The loss and the output layer stay eager (only the blocks are compiled).
 ``overhead``
     Host-side cost per operator (``OPS_PER_LAYER`` kernels per block per micro-batch plus the optimizer's) at
     ``Accelerator.op_overhead_s``: a GPU launches asynchronously, so only what the kernels do not cover is exposed;
@@ -52,7 +65,15 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     dispatch and combine all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic
     and the CPU optimizer step.
 
-MFU counts model FLOPs only (PaLM's definition); recomputation is executed but not counted.
+MFU counts model FLOPs only (PaLM's definition); recomputation is executed but not counted. It is measured against
+the time those FLOPs would take at the datasheet peak of the units that run them: the bf16 (or fp16/fp32) peak, and
+under ``fp8`` the FP8 peak for the blocks' FP8 linears and the bf16 peak for the rest (so an fp8 plan's MFU is not
+inflated by the faster unit, and equals the bf16 definition where nothing runs in FP8). torchtitan reports no MFU for
+float8 runs for this reason (benchmarks/llama3_h100_202412_torchtitan.md); :func:`mfu_peak` gives the peak used.
+
+FSDP2 under ``fp8`` all-gathers the FP8 linears' weights in float8, 1 byte per element (torchao's
+``enable_fsdp_float8_all_gather``, tensorwise scaling, which the worker turns on; torchtitan docs/float8.md); the
+other parameters are gathered in bf16.
 """
 
 from __future__ import annotations
@@ -68,8 +89,8 @@ from .strategies import StrategySpec
 from .training import Checkpointing, Precision, TrainingShape
 
 __all__ = [
-    "BOUND_LABELS", "COMPUTE_PARTS", "FP8_CAST_BYTES", "StepTime", "compute_parts", "estimate_time",
-    "fp8_cast_elements", "training_flops_per_token",
+    "BOUND_LABELS", "COMPUTE_PARTS", "FP8_CAST_BYTES", "OPTIMIZER_BYTES", "StepTime", "compute_parts",
+    "estimate_time", "fp8_cast_elements", "fp8_params", "mfu_peak", "optimizer_seconds", "training_flops_per_token",
 ]  # fmt: skip
 
 BOUND_LABELS = {
@@ -77,6 +98,7 @@ BOUND_LABELS = {
     "attention": "attention",
     "elementwise": "memory-bound elementwise work",
     "recompute": "activation recomputation",
+    "optimizer": "optimizer step",
     "overhead": "per-operator overhead (launches, eager dispatch)",
     "dp_comm": "data-parallel communication",
     "tp_comm": "tensor-parallel communication",
@@ -87,7 +109,7 @@ BOUND_LABELS = {
     "offload": "CPU offload",
 }
 
-COMPUTE_PARTS = ("matmul", "attention", "elementwise", "recompute", "overhead")
+COMPUTE_PARTS = ("matmul", "attention", "elementwise", "recompute", "optimizer", "overhead")
 """The parts of :attr:`StepTime.breakdown` that are the GPU's own work (the rest is communication or waiting)."""
 
 FLASH_RELATIVE = 0.75
@@ -103,6 +125,34 @@ OPS_PER_LAYER = 90
 30 in forward: 2 norms, 4-7 linears, rotary, attention, activation, residual adds; twice that in backward)."""
 OPS_OPTIMIZER = 40
 """Kernels of a foreach AdamW step and the gradient-norm clip, per optimizer step."""
+OPS_OPTIMIZER_FUSED = 10
+"""The same with the fused optimizer (one kernel per parameter group and dtype, plus the clip)."""
+OPS_PER_LAYER_COMPILED = 30
+"""Kernels per block per micro-batch, forward + backward, once compiled: the matmuls and attention (about 10 forward,
+twice that backward) with one fused kernel between each two instead of several."""
+COMPILED_ELEMENTWISE = 0.75
+"""The blocks' elementwise traffic compiled, as a share of eager's. Counted for a GPT-2-style block (``h`` wide,
+``f = 4h``), elements moved per token outside the matmuls and attention: eager forward 12h + 2f (two LayerNorms, two
+residual adds, GELU, the attention output's transpose) and backward 19h + 4f (two norm backwards, the residual
+gradients summed at each fork, GELU backward, the bias-gradient reductions, the transpose), 55h in all; compiled,
+each region between two matmuls reads its inputs and writes its outputs once: forward 11h + 2f (a residual add fused
+with the next norm; the block's last add stays at the region boundary, as each block compiles alone) and backward
+10h + 3f (norm backward with the residual gradient, GELU backward with its bias reduction), 41h: 0.75."""
+FP8_CAST_BYTES_EAGER = 5
+"""Bytes per element of an eager FP8 cast: the amax read (2) as its own kernel, then the scaled cast (read 2, write
+1). Compiled, the read fuses into the cast (:data:`FP8_CAST_BYTES`)."""
+OPTIMIZER_BYTES = {
+    ("adamw", False): 84, ("adamw", True): 28, ("sgd", False): 32, ("sgd", True): 20,
+    ("adamw-8bit", False): 16, ("adamw-8bit", True): 16,
+}  # fmt: skip
+"""Bytes the optimizer step moves per parameter with fp32 parameters, gradients and states, ``(kind, fused)``.
+AdamW foreach: 8 passes (see the module docstring), 84; fused: read 4 x 4, write 3 x 4 = 28. SGD with momentum
+foreach: ``mul_`` (8), ``add_`` of the gradient (12), ``add_`` into the parameter (12) = 32; fused: read 3, write 2 =
+20. bitsandbytes 8-bit AdamW is one kernel either way: read parameter, gradient (4 + 4) and two 1-byte states, write
+the parameter and the states: 16."""
+OPTIMIZER_MEMORY_EFFICIENCY = 0.9
+"""Fraction of the memory bandwidth the optimizer's passes reach: a few very long contiguous streams per kernel
+(whole parameter tensors), where the blocks' elementwise kernels are short (:data:`MEMORY_EFFICIENCY`)."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """PyTorch DDP's default bucket (``bucket_cap_mb=25``): the last one is reduced after backward ends."""
 
@@ -205,9 +255,15 @@ and waves and are closer to memory-bound; Narayanan et al. 2021, Table 1: 137 TF
 h=25600."""
 
 
-def matmul_efficiency(large: float, width: int) -> float:
-    """The matmul rate (fraction of peak) at this per-rank width, from the large-GEMM ``large`` (see above)."""
-    return min(1.0, large * width / (width + GEMM_HALF_WIDTH) * (1 + GEMM_HALF_WIDTH / 8192))
+def matmul_efficiency(large: float, width: int, *, speedup: float = 1.0) -> float:
+    """The matmul rate (fraction of peak) at this per-rank width, from the large-GEMM ``large`` (see above).
+
+    ``speedup``: the unit's peak over the bf16 one (2 for FP8): a GEMM on a faster unit needs that much more
+    arithmetic intensity to stay compute-bound (the roofline's ridge point moves by the ratio of the peaks at the same
+    memory bandwidth), so its half width scales by it.
+    """
+    half = GEMM_HALF_WIDTH * speedup
+    return min(1.0, large * width / (width + half) * (1 + half / 8192))
 
 
 FP8_CAST_BYTES = 3
@@ -231,6 +287,45 @@ def fp8_cast_elements(model: ModelSpec) -> tuple[int, int]:
     return attention + model.top_k * mlp, weights
 
 
+def fp8_params(model: ModelSpec) -> float:
+    """Parameters of the linear layers ``fp8`` runs in FP8.
+
+    Every block's attention and MLP (each of a token's ``top_k`` experts), not the routers, the embedding or the
+    output layer.
+    """
+    scale = model.params / model.params_from_dims if model.params_override else 1.0
+    return model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
+
+
+def mfu_peak(model: ModelSpec, training: TrainingShape, hardware: Hardware) -> float:
+    """The peak FLOP/s MFU is measured against.
+
+    The compute dtype's peak, and under ``fp8`` the FLOP-weighted harmonic mean of the FP8 peak (the blocks' linears)
+    and the bf16 peak (attention, the output layer): the rate at which the model's FLOPs would run if every unit ran
+    at its datasheet peak.
+    """
+    acc = hardware.accelerator
+    peak = acc.peak_flops(training.precision.compute_dtype)
+    if training.precision is not Precision.FP8:
+        return peak
+    model_fpt, _ = training_flops_per_token(model, training.seq_len, training.checkpointing,
+                                            training.checkpoint_every)  # fmt: skip
+    fast = 6 * fp8_params(model)
+    return model_fpt / (fast / acc.peak_flops("fp8") + (model_fpt - fast) / peak)
+
+
+def optimizer_seconds(training: TrainingShape, hardware: Hardware, params: float, *, fused: bool) -> float:
+    """Seconds of one optimizer step over ``params`` parameters (the rank's share), as memory traffic.
+
+    :data:`OPTIMIZER_BYTES` per parameter; ``bf16-true`` keeps 2-byte parameters, gradients and states: half the bytes.
+    """
+    per_param = OPTIMIZER_BYTES[(training.optimizer.value, fused)]
+    if training.precision is Precision.BF16_TRUE:
+        per_param /= 2
+    acc = hardware.accelerator
+    return per_param * params / (acc.memory_bw * OPTIMIZER_MEMORY_EFFICIENCY)
+
+
 def compute_parts(
     model: ModelSpec, training: TrainingShape, hardware: Hardware, dims: ParallelDims, *, tokens_per_gpu: float,
 ) -> dict[str, float]:
@@ -251,14 +346,17 @@ def compute_parts(
     scale = model.params / model.params_from_dims if model.params_override else 1.0
     fp8_rate = 0.0
     cast = 0.0
-    fp8_params = model.layers * (model.attention_params + model.top_k * model.expert_params) * scale
+    compiled, _ = training.speed_options(acc.vendor)
+    fp8_count = fp8_params(model)
     if training.precision is Precision.FP8:  # the blocks' linears at the FP8 rate, the rest as above
-        fp8_rate = acc.peak_flops("fp8") * matmul_efficiency(acc.matmul_efficiency, model.hidden)
-        matmul = (6 * fp8_params / fp8_rate + (dense_flops - 6 * fp8_params) / rate) * tokens_per_gpu
+        fp8_peak = acc.peak_flops("fp8")
+        fp8_rate = fp8_peak * matmul_efficiency(acc.matmul_efficiency, model.hidden, speedup=fp8_peak / peak)
+        matmul = (6 * fp8_count / fp8_rate + (dense_flops - 6 * fp8_count) / rate) * tokens_per_gpu
         cast_per_token, cast_weights = fp8_cast_elements(model)
         tokens_per_micro_batch = training.micro_batch * seq * dims.dp / dims.world_size  # of tokens_per_gpu
         elements = (cast_per_token + cast_weights * scale / (dims.tp * dims.pp) / tokens_per_micro_batch) * model.layers
-        cast = FP8_CAST_BYTES * elements * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
+        cast_bytes = FP8_CAST_BYTES if compiled else FP8_CAST_BYTES_EAGER
+        cast = cast_bytes * elements * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     if training.flash_attention:
         attention = (attn_flops / 2) * tokens_per_gpu / (rate * FLASH_RELATIVE)  # causal: half of the tiles run
     else:
@@ -273,13 +371,13 @@ def compute_parts(
         h_part *= dims.tp  # norms and residuals run whole on every TP rank without sequence parallelism
     layer_fwd = cb * (h_part + f_part)
     loss = 16 * model.vocab  # fp32 logits, log-softmax, their gradient
-    traffic_fwd = model.layers * layer_fwd
+    traffic_fwd = model.layers * layer_fwd * (COMPILED_ELEMENTWISE if compiled else 1.0)
     elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise + cast}
     block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
     if fp8_rate:  # a recomputed forward multiplies in FP8 too (its casts are not counted again)
-        rest = model.matmul_params - model.vocab * model.hidden * scale - fp8_params  # MoE routers
-        block_matmul = 2 * (fp8_params / fp8_rate + rest / rate) * tokens_per_gpu
+        rest = model.matmul_params - model.vocab * model.hidden * scale - fp8_count  # MoE routers
+        block_matmul = 2 * (fp8_count / fp8_rate + rest / rate) * tokens_per_gpu
     attn_fwd = attention * (2 / 7 if training.flash_attention else 1 / 3)  # FA2: backward ~2.5x forward
     again = traffic_fwd * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     if ck is Checkpointing.FULL:  # one more forward of the blocks: a third of their matmul and elementwise work
@@ -305,9 +403,17 @@ def estimate_time(
     seq = training.seq_len
     tokens = training.micro_batch * m * dims.dp * seq
     model_fpt, _ = training_flops_per_token(model, seq, training.checkpointing, training.checkpoint_every)
-    peak = acc.peak_flops(training.precision.compute_dtype)
+    peak = mfu_peak(model, training, hardware)
+    compiled, fused = training.speed_options(acc.vendor)
+    fused = fused or strategy.family == "deepspeed"  # DeepSpeed steps with its own FusedAdam
     parts = compute_parts(model, training, hardware, dims, tokens_per_gpu=tokens / world)
-    compute = sum(parts.values())
+    virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
+    dense, expert, _ = stage_params(model, dims, virtual)
+    if not strategy.offload_optimizer:  # offloaded, the step runs on the host (``offload`` below)
+        local = dense / (dims.shard_size if strategy.shard_optimizer else 1)
+        local += expert / (dims.expert_shard_size if strategy.shard_optimizer else 1)
+        parts["optimizer"] = optimizer_seconds(training, hardware, local, fused=fused)
+    compute = sum(v for k, v in parts.items() if k != "optimizer")  # forward + backward: what overlaps and bubbles
     compute_mb = compute / m
     backward_mb = compute_mb * 2 / 3
     cb = 4 if training.precision is Precision.FP32 else 2  # compute / activation bytes
@@ -315,7 +421,8 @@ def estimate_time(
     if training.precision is Precision.FP32:
         reduce_b = 4
     blocks = -(-model.layers // dims.pp)
-    ops = OPS_PER_LAYER * blocks * m + OPS_OPTIMIZER
+    ops = ((OPS_PER_LAYER_COMPILED if compiled else OPS_PER_LAYER) * blocks * m
+           + (OPS_OPTIMIZER_FUSED if fused else OPS_OPTIMIZER))  # fmt: skip
     launch = ops * acc.op_overhead_s
     # a GPU queues kernels ahead: launches cost time only where the kernels are shorter; eager CPU work adds up
     parts["overhead"] = launch if acc.vendor == "cpu" else max(0.0, launch - compute)
@@ -324,8 +431,9 @@ def estimate_time(
     comm: dict[str, float] = {}
 
     # ---- data parallel (ZeRO / FSDP / DDP) ----------------------------------------------------------------------
-    virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    dense, expert, _ = stage_params(model, dims, virtual)
+    # FSDP2 under fp8 all-gathers the FP8 linears' weights in float8 (1 byte; tensorwise scaling), the rest in bf16
+    gather_fp8 = training.precision is Precision.FP8 and strategy.family == "fsdp2"
+    fp8_share = min(1.0, fp8_params(model) / model.params) if gather_fp8 else 0.0
     lat = acc.latency_s
     overlap = assumptions.overlap
     # CPU ranks run gloo on the cores that compute: FSDP/ZeRO-3's per-unit gathers and reduce-scatters, which the
@@ -344,7 +452,7 @@ def estimate_time(
             outer = group // inner
         bw = hardware.collective_bw(inner, ranks_per_node=min(inner, per_node_dp))
         grads = local * reduce_b
-        params = local * cb
+        params = local * (cb * (1 - fp8_share) + fp8_share)
         if not strategy.shard_grads:  # DDP, NO_SHARD, ZeRO-1: gradients reduced once per step, in the last backward
             # DDP / NO_SHARD all-reduce (RS + AG); ZeRO-1 only reduce-scatters the gradients, each rank updates its
             # partition and the parameters are all-gathered: Psi + Psi = the same 2 Psi as DDP (ZeRO paper Sec. 7.2.1)

@@ -203,6 +203,12 @@ class TrainingShape:
     it decides how many micro-batches' activations a stage holds at once and the bubble."""
     pp_virtual: int = 0
     """Pipeline stages per rank (``JD_PP_VIRTUAL``); 0: 2 for ``interleaved-1f1b``, else 1."""
+    compile: bool | None = None
+    """Regional ``torch.compile`` of each repeated block (``JD_COMPILE``); ``None``: what the worker does by default,
+    on for GPUs and off for CPU processes (:meth:`speed_options`)."""
+    fused_optimizer: bool | None = None
+    """The optimizer's fused implementation (``JD_FUSED``) instead of torch's default ``foreach`` one; ``None``: the
+    worker's default, on for GPUs and off for CPU processes (:meth:`speed_options`)."""
 
     def __post_init__(self) -> None:
         for f in ("micro_batch", "seq_len"):
@@ -229,6 +235,10 @@ class TrainingShape:
         if schedule not in PP_SCHEDULES:
             raise PlanInputError(f"unknown pp-schedule {self.pp_schedule!r}; valid: {', '.join(PP_SCHEDULES)}")
         object.__setattr__(self, "pp_schedule", schedule)
+        for f in ("compile", "fused_optimizer"):
+            value = getattr(self, f)
+            if value is not None and not isinstance(value, bool):
+                raise PlanInputError(f"{f.replace('_', '-')} must be True, False or None (the default), got {value!r}")
         virtual = self.pp_virtual
         if not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 0:
             raise PlanInputError(f"pp-virtual must be a non-negative integer, got {virtual!r}")
@@ -238,6 +248,16 @@ class TrainingShape:
             )
         if virtual == 1 and schedule == "interleaved-1f1b":
             raise PlanInputError("pp-schedule interleaved-1f1b needs pp-virtual >= 2 stages per rank (0: 2)")
+
+    def speed_options(self, vendor: str) -> tuple[bool, bool]:
+        """``(compile, fused optimizer)`` on an accelerator of ``vendor`` (``"cpu"`` for CPU processes).
+
+        The fields where given, else the worker's defaults (:mod:`jupyter_dist.worker._speed`: on for CUDA, off on CPU).
+        """
+        gpu = vendor != "cpu"
+        compiled = gpu if self.compile is None else self.compile
+        fused = gpu if self.fused_optimizer is None else self.fused_optimizer
+        return compiled, fused
 
     @property
     def pp_stages_per_rank(self) -> int:

@@ -1,0 +1,127 @@
+"""The planner's compile / fused-optimizer / fp8 step-time terms, the fp8 MFU peak and FSDP2's float8 all-gather
+(issue 31).
+
+The measured figures are the issue's table (issue 31, "Why"): measured by this project on one H100 80GB SXM (torch
+2.11, one process), a 1.4B GPT-2-style model (LayerNorm, GELU MLP, learned positions, fused qkv), micro-batch 4,
+sequence 2048, bf16 autocast, AdamW. Its dimensions are not in the table; 24 layers x 2048 wide (16 heads, GPT-2's
+50,257-token vocabulary) is what its figures back out to: 1.414B parameters, and its MFU column (0.39 at 42,619
+tokens/s) is 9.07 GFLOP per token, the 6 N + 12 L h s of this shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jupyter_dist.errors import PlanInputError
+from jupyter_dist.plan import STRATEGIES, Assumptions, Hardware, ModelSpec, ParallelDims, TrainingShape
+from jupyter_dist.plan.perf import OPTIMIZER_BYTES, estimate_time, fp8_params, mfu_peak, training_flops_per_token
+
+GPT2_1B4 = ModelSpec(layers=24, hidden=2048, heads=16, vocab=50257, gated_mlp=False, norm="layernorm")
+H100 = Hardware.from_names("h100-80gb", gpus_per_node=1)
+MEASURED = {"eager": 42_619, "fused": 48_831, "compiled": 52_536, "fp8": 57_190}  # tokens/s, the issue's table
+SETUPS = {
+    "eager": {"compile": False, "fused_optimizer": False},
+    "fused": {"compile": False, "fused_optimizer": True},
+    "compiled": {"compile": True, "fused_optimizer": True},
+    "fp8": {"compile": True, "fused_optimizer": True, "precision": "fp8"},
+}
+
+
+def _time(setup: str, model: ModelSpec = GPT2_1B4, hw: Hardware = H100, strategy: str = "ddp", dp: int = 1):
+    shape = TrainingShape(micro_batch=4, seq_len=2048, **SETUPS[setup])
+    return estimate_time(model, shape, hw, STRATEGIES[strategy], ParallelDims(dp=dp), grad_accum=1,
+                         assumptions=Assumptions())  # fmt: skip
+
+
+def test_the_reference_model_has_the_tables_size_and_flops() -> None:
+    assert GPT2_1B4.params == pytest.approx(1.414e9, rel=1e-3)
+    model_f, _ = training_flops_per_token(GPT2_1B4, 2048, TrainingShape().checkpointing)
+    assert model_f * MEASURED["eager"] / 989e12 == pytest.approx(0.39, abs=0.005)  # the table's MFU column
+
+
+@pytest.mark.parametrize(("before", "after"), [("eager", "fused"), ("fused", "compiled")])
+def test_fused_and_compile_speed_up_as_measured(before: str, after: str) -> None:
+    """Each step's speed-up goes the measured way and is within 6 % of the measured ratio (fused: predicted 1.129
+    against 1.146; compile: 1.023 against 1.076, the fused elementwise traffic being a count, not a fit)."""
+    predicted = _time(after).tokens_per_s / _time(before).tokens_per_s
+    measured = MEASURED[after] / MEASURED[before]
+    assert predicted > 1.0
+    assert predicted == pytest.approx(measured, rel=0.06), f"{before}->{after}: {predicted:.3f} vs {measured:.3f}"
+
+
+@pytest.mark.xfail(strict=True, reason="the model predicts fp8 1.34x compiled bf16 on this 2048-wide model, measured "
+                   "1.09x: torchao's float8 linears at this width gain less than the FP8 peak's roofline gives "
+                   "(the transposed casts for the weight gradient and the scale computations are not counted)")
+def test_fp8_speeds_up_as_measured() -> None:
+    predicted = _time("fp8").tokens_per_s / _time("compiled").tokens_per_s
+    assert predicted == pytest.approx(MEASURED["fp8"] / MEASURED["compiled"], rel=0.1)
+
+
+def test_fp8_goes_the_measured_way() -> None:
+    assert _time("fp8").tokens_per_s > _time("compiled").tokens_per_s
+
+
+def test_the_optimizer_step_is_its_traffic_and_fused_moves_a_third() -> None:
+    eager, fused = _time("eager"), _time("fused")
+    seconds = 84 * GPT2_1B4.params / (H100.accelerator.memory_bw * 0.9)
+    assert eager.breakdown["optimizer"] == pytest.approx(seconds, rel=1e-9)
+    assert fused.breakdown["optimizer"] / eager.breakdown["optimizer"] == pytest.approx(28 / 84, rel=1e-9)
+    assert OPTIMIZER_BYTES[("adamw", True)] < OPTIMIZER_BYTES[("adamw", False)]
+    # sharded optimizer states: each rank steps its share
+    hw8 = Hardware.from_names("h100-80gb", gpus_per_node=8)
+    zero = estimate_time(GPT2_1B4, TrainingShape(micro_batch=4, seq_len=2048, fused_optimizer=False), hw8,
+                         STRATEGIES["fsdp2"], ParallelDims(dp=8), grad_accum=1, assumptions=Assumptions())  # fmt: skip
+    assert zero.breakdown["optimizer"] == pytest.approx(eager.breakdown["optimizer"] / 8, rel=0.01)
+
+
+def test_compile_shrinks_only_the_blocks_elementwise_traffic() -> None:
+    fused, compiled = _time("fused"), _time("compiled")
+    assert compiled.breakdown["matmul"] == fused.breakdown["matmul"]
+    assert compiled.breakdown["attention"] == fused.breakdown["attention"]
+    assert compiled.breakdown["elementwise"] < fused.breakdown["elementwise"]
+
+
+def test_the_defaults_are_the_workers_on_gpu_and_off_on_cpu() -> None:
+    default = TrainingShape(micro_batch=4, seq_len=2048)
+    assert default.speed_options("nvidia") == (True, True)
+    assert default.speed_options("cpu") == (False, False)
+    assert TrainingShape(compile=False).speed_options("nvidia") == (False, True)
+    gpu_default = estimate_time(GPT2_1B4, default, H100, STRATEGIES["ddp"], ParallelDims(dp=1), grad_accum=1,
+                                assumptions=Assumptions())  # fmt: skip
+    assert gpu_default.step_time_s == _time("compiled").step_time_s
+    assert TrainingShape.from_dict(TrainingShape(compile=False).to_dict()).compile is False
+
+
+@pytest.mark.parametrize("field", ["compile", "fused_optimizer"])
+def test_speed_options_are_validated(field: str) -> None:
+    with pytest.raises(PlanInputError, match=f"{field.replace('_', '-')} must be True, False or None"):
+        TrainingShape(**{field: "yes"})
+
+
+def test_fp8_mfu_is_against_the_mixed_peak() -> None:
+    """MFU of an fp8 plan: against the peak at which the model's FLOPs would run, FP8 for the blocks' linears and
+    bf16 for the rest, so it lies below the bf16-peak figure and between the two peaks' definitions."""
+    shape = TrainingShape(micro_batch=4, seq_len=2048, precision="fp8")
+    peak = mfu_peak(GPT2_1B4, shape, H100)
+    acc = H100.accelerator
+    assert acc.peak_flops("bf16") < peak < acc.peak_flops("fp8")
+    model_f, _ = training_flops_per_token(GPT2_1B4, 2048, shape.checkpointing)
+    fast = 6 * fp8_params(GPT2_1B4)
+    assert model_f / peak == pytest.approx(fast / acc.peak_flops("fp8") + (model_f - fast) / acc.peak_flops("bf16"))
+    t = _time("fp8")
+    assert t.mfu == pytest.approx(t.model_flops / (t.step_time_s * peak), rel=1e-12)
+    assert t.mfu < t.model_flops / (t.step_time_s * acc.peak_flops("bf16"))
+    assert mfu_peak(GPT2_1B4, TrainingShape(), H100) == acc.peak_flops("bf16")
+
+
+def test_fsdp2_all_gathers_fp8_weights_in_one_byte() -> None:
+    """FSDP2 + fp8: the blocks' FP8 linears are all-gathered at 1 byte per element (torchao's float8 all-gather),
+    the rest at 2; gradients are reduced as under bf16-mixed. DDP gathers nothing, so its bytes do not change."""
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8)
+    bf16 = _time("compiled", hw=hw, strategy="fsdp2", dp=8).comm_bytes["data_parallel"]
+    fp8 = _time("fp8", hw=hw, strategy="fsdp2", dp=8).comm_bytes["data_parallel"]
+    share = fp8_params(GPT2_1B4) / GPT2_1B4.params
+    gathered = 2 * (7 / 8) * GPT2_1B4.params * 2  # forward + backward ring all-gathers of the bf16 model, one rank
+    assert bf16 - fp8 == pytest.approx(gathered * share / 2, rel=1e-6)
+    ddp_bf16 = _time("compiled", hw=hw, dp=8).comm_bytes["data_parallel"]
+    assert _time("fp8", hw=hw, dp=8).comm_bytes["data_parallel"] == ddp_bf16
