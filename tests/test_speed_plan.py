@@ -125,3 +125,12 @@ def test_fsdp2_all_gathers_fp8_weights_in_one_byte() -> None:
     assert bf16 - fp8 == pytest.approx(gathered * share / 2, rel=1e-6)
     ddp_bf16 = _time("compiled", hw=hw, dp=8).comm_bytes["data_parallel"]
     assert _time("fp8", hw=hw, dp=8).comm_bytes["data_parallel"] == ddp_bf16
+
+
+def test_the_plan_says_what_it_assumed() -> None:
+    from jupyter_dist.plan import plan
+
+    gpu = plan("gpt2", Hardware.from_names("h100-80gb", gpus_per_node=1)).to_text()
+    assert "blocks compiled, fused optimizer" in gpu
+    cpu = plan("gpt2", Hardware.from_names("cpu", gpus_per_node=2)).to_text()
+    assert "blocks eager, foreach optimizer" in cpu

@@ -185,6 +185,8 @@ class Plan:
         t = self.training
         attention = ("attention: PyTorch SDPA on CPU" if hw.unit == "process"
                      else f"flash-attention {'on' if t.flash_attention else 'off'}")  # fmt: skip
+        compiled, fused = t.speed_options(hw.accelerator.vendor)  # what the step time assumes (perf.py)
+        attention += f", blocks {'compiled' if compiled else 'eager'}, {'fused' if fused else 'foreach'} optimizer"
         return (
             f"{self.model.name}: {fmt_count(self.model.params)} params ({self.model.params:,}) on "
             f"{hw.nodes} x {hw.gpus_per_node} {hw.accelerator.label} ({fmt_gib(hw.accelerator.memory_bytes)} each); "
