@@ -1,0 +1,53 @@
+"""Published runs the planner could not express before issue 31: FP8 training (and compile) against torchtitan.
+
+[torchtitan-bench] pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (formerly docs/performance.md),
+Tables 1 and 3: Llama 3.1 8B, FSDP, local batch 2, seq 8192 (its Llama 3 configs), selective activation
+checkpointing, on 8 and 128 H100s (Grand Teton: 96 GB HBM2e at 2.4 TB/s, 500 W; the catalog has the 80 GB SXM5 at
+3.35 TB/s and 700 W, so the rows are compared as ratios between the table's own lines, which share that hardware):
+TPS/GPU FSDP 5,762 / 5,605, + torch.compile 6,667 / 6,514, + compile + Float8 8,532 / 8,380.
+The step time is predicted with the fused optimizer in every line (the ratio is about compile and fp8 alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jupyter_dist.plan import PRESETS, STRATEGIES, Assumptions, Hardware, ParallelDims, TrainingShape
+from jupyter_dist.plan.perf import estimate_time
+
+MEASURED = {8: {"eager": 5762, "compiled": 6667, "fp8": 8532}, 128: {"eager": 5605, "compiled": 6514, "fp8": 8380}}
+SETUPS = {"eager": {"compile": False}, "compiled": {"compile": True}, "fp8": {"compile": True, "precision": "fp8"}}
+
+
+def _tokens_per_gpu(gpus: int, setup: str) -> float:
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=gpus // 8, interconnect="infiniband-ndr")
+    shape = TrainingShape(micro_batch=2, seq_len=8192, checkpointing="selective", fused_optimizer=True,
+                          **SETUPS[setup])  # fmt: skip
+    t = estimate_time(PRESETS["llama-3-8b"], shape, hw, STRATEGIES["fsdp2"], ParallelDims(dp=gpus), grad_accum=1,
+                      assumptions=Assumptions())  # fmt: skip
+    return t.tokens_per_s / gpus
+
+
+@pytest.mark.parametrize("gpus", [8, 128])
+def test_fp8_over_compiled_bf16_within_15_percent(gpus: int) -> None:
+    """Predicted 1.43x, measured 1.28x (Table 1) / 1.29x (Table 3)."""
+    predicted = _tokens_per_gpu(gpus, "fp8") / _tokens_per_gpu(gpus, "compiled")
+    measured = MEASURED[gpus]["fp8"] / MEASURED[gpus]["compiled"]
+    assert predicted == pytest.approx(measured, rel=0.15), f"{gpus} GPUs: {predicted:.3f} vs {measured:.3f}"
+
+
+@pytest.mark.parametrize("gpus", [8, 128])
+@pytest.mark.xfail(strict=True, reason="compile's gain is predicted at 2 %, measured 15.7 % / 16.2 %: the model "
+                   "prices compile only as fused elementwise traffic (a quarter of it), which is under a tenth of this "
+                   "step; what else compile removes in eager Llama (per-op dispatch under FSDP2, autocast casts, "
+                   "unfused RMSNorm/rotary at below-bandwidth rates) is not modelled")
+def test_compiled_over_eager_gain_within_15_percent(gpus: int) -> None:
+    predicted = _tokens_per_gpu(gpus, "compiled") / _tokens_per_gpu(gpus, "eager") - 1
+    measured = MEASURED[gpus]["compiled"] / MEASURED[gpus]["eager"] - 1
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+def test_compile_and_fp8_go_the_published_way() -> None:
+    for gpus in MEASURED:
+        eager, compiled, fp8 = (_tokens_per_gpu(gpus, s) for s in ("eager", "compiled", "fp8"))
+        assert eager < compiled < fp8
