@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run
+from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run_singles
 from test_worker import clean_env, run_bounded
 
 torch = pytest.importorskip("torch")
@@ -27,10 +27,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The single-process reference, with SGD and with AdamW."""
-    d = tmp_path_factory.mktemp("single")
-    out = {opt: run(d / f"ref-{opt}.pt", "ref", None, EQ_OPT=opt) for opt in ("sgd", "adamw")}
-    out["llama"] = run(d / "llama-sgd.pt", "llama", None, EQ_OPT="sgd")
-    return out
+    refs = {opt: ("ref", {"EQ_OPT": opt}) for opt in ("sgd", "adamw")}
+    refs["llama"] = ("llama", {"EQ_OPT": "sgd"})
+    return run_singles(tmp_path_factory.mktemp("single"), refs)  # in one process
 
 
 CONFIGS = {

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import RTOL, Launches, assert_equal_math, run
+from test_tensor_parallel import RTOL, Launches, assert_equal_math, run_singles
 from test_worker import clean_env, run_bounded
 
 from jupyter_dist.errors import ParallelismError
@@ -127,9 +127,17 @@ EXPECTED_MESH = {
 
 
 @pytest.fixture(scope="module")
-def single4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    d = tmp_path_factory.mktemp("single4")
-    return {opt: run(d / f"{opt}.pt", "ref", None, EQ_OPT=opt, EQ_LAYERS="4") for opt in ("sgd", "adamw")}
+def singles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every one-process reference of this module (the reference model and the Hugging Face Llama and Mixtral, 4
+    layers, SGD), trained in one process."""
+    refs = {"ref": ("ref", {"EQ_OPT": "sgd", "EQ_LAYERS": "4"})}
+    refs.update({m: (m, {"EQ_OPT": "sgd", "EQ_LAYERS": "4"}) for m in ("llama", "mixtral")})
+    return run_singles(tmp_path_factory.mktemp("singles"), refs)
+
+
+@pytest.fixture(scope="module")
+def single4(singles: dict[str, dict]) -> dict[str, dict]:
+    return {"sgd": singles["ref"]}
 
 
 CKPT_RESUMES = {"dp4": {}, "tp2xpp2": {"JD_PP": "2", "JD_TP": "2", "JD_MICROBATCHES": "4"}}
@@ -222,9 +230,8 @@ HF_MESH = {"hf-pp2-1f1b": "pp=2 x dp_shard=1", "hf-mixtral-pp2-gpipe": "pp=2 x d
 
 
 @pytest.fixture(scope="module")
-def single_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    d = tmp_path_factory.mktemp("single_hf")
-    return {m: run(d / f"{m}.pt", m, None, EQ_OPT="sgd", EQ_LAYERS="4") for m in ("llama", "mixtral")}
+def single_hf(singles: dict[str, dict]) -> dict[str, dict]:
+    return {m: singles[m] for m in ("llama", "mixtral")}
 
 
 @pytest.mark.slow

@@ -41,6 +41,20 @@ def run(out: Path, model: str, nproc: int | None, timeout: float = 240, **env: s
     return torch.load(out, weights_only=False)
 
 
+def run_singles(where: Path, refs: dict[str, tuple[str, dict[str, str]]], timeout: float = 240) -> dict[str, dict]:
+    """One-process references ``{name: (model, env)}``, all trained in one plain process (``parallel_train.py
+    --many``, no torchrun, no strategy): each from a fresh runtime and ``torch.manual_seed(0)``, exactly what one
+    :func:`run` per reference gives, with the interpreter's start and torch's import paid once instead of per
+    reference. Returns ``{name: result}``."""
+    spec = [{"out": str(where / f"{name}.pt"), "model": model, "env": env} for name, (model, env) in refs.items()]
+    spec_path = where / "singles.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = run_bounded([sys.executable, str(SCRIPT), "--many", str(spec_path)], clean_env(), timeout * len(refs),
+                       cwd=where)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return {name: torch.load(where / f"{name}.pt", weights_only=False) for name in refs}
+
+
 def assert_equal_math(ref: dict, got: dict, *, elementwise: bool = True) -> None:
     ref_l, got_l = torch.tensor(ref["losses"]), torch.tensor(got["losses"])
     assert len(got_l) == len(ref_l) == 10
@@ -111,10 +125,9 @@ class Launches:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
     """The single-process reference of every model, with SGD and with AdamW."""
-    d = tmp_path_factory.mktemp("single")
-    return {
-        (m, opt): run(d / f"{m}-{opt}.pt", m, None, EQ_OPT=opt) for m in MODELS for opt in ("sgd", "adamw")
-    }  # fmt: skip
+    refs = {f"{m}-{opt}": (m, {"EQ_OPT": opt}) for m in MODELS for opt in ("sgd", "adamw")}
+    got = run_singles(tmp_path_factory.mktemp("single"), refs)
+    return {(m, opt): got[f"{m}-{opt}"] for m in MODELS for opt in ("sgd", "adamw")}
 
 
 CONFIGS = {

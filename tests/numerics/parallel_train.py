@@ -5,7 +5,8 @@ Run whole (``python parallel_train.py OUT MODEL``, one process, no jd strategy) 
 ``torchrun --nproc-per-node N`` with ``JD_STRATEGY=fsdp2 JD_TP=2 JD_SP=1 ...`` for a parallel run, or
 ``parallel_train.py --many SPEC.json`` under torchrun: several configurations (``[{"out", "model", "env"}]``, each
 ``env`` on top of the launch's) trained in sequence in one launch, each from a fresh runtime (its own mesh) on the
-same process group -- what the tests do to pay torchrun's start once per world size. Every run sees the
+same process group -- what the tests do to pay torchrun's start once per world size (and, run whole with
+``--many``, the one-process references one after the other in one process). Every run sees the
 same global batch each step: rank ``r`` takes the ``jd.dp_rank``-th of ``jd.dp_size`` equal slices. Adding a model
 to the equal-math tests = adding a builder to ``MODELS``.
 
