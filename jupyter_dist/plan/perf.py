@@ -34,7 +34,8 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     (``_multi_tensor_adamw``) runs eight passes, each its own kernel reading and writing whole fp32 tensors (decay
     ``mul_``, ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div_``, ``add_``, ``addcdiv_``): 84 bytes per parameter;
     the fused kernel (``fused=True``) reads parameter, gradient and both states once and writes three: 28 bytes
-    (:data:`OPTIMIZER_BYTES`). On by default on GPUs, as the worker does (``TrainingShape.fused_optimizer``).
+    (:data:`OPTIMIZER_BYTES`). On by default on GPUs, as the worker does (``TrainingShape.fused_optimizer``). Not
+    counted for CPU processes, whose step time keeps the per-operator overhead model it was checked with.
 ``recompute``
     One more forward of what activation checkpointing dropped: the blocks (full) or the attention core
     (selective; Korthikanti et al. 2022, Sec. 5).
@@ -409,7 +410,9 @@ def estimate_time(
     parts = compute_parts(model, training, hardware, dims, tokens_per_gpu=tokens / world)
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
     dense, expert, _ = stage_params(model, dims, virtual)
-    if not strategy.offload_optimizer:  # offloaded, the step runs on the host (``offload`` below)
+    # offloaded, the step runs on the host (``offload`` below); a CPU process's step keeps the per-operator model its
+    # figures were checked with (the 2-process CPU runs: OPS_OPTIMIZER kernels in ``overhead``)
+    if not strategy.offload_optimizer and acc.vendor != "cpu":
         local = dense / (dims.shard_size if strategy.shard_optimizer else 1)
         local += expert / (dims.expert_shard_size if strategy.shard_optimizer else 1)
         parts["optimizer"] = optimizer_seconds(training, hardware, local, fused=fused)
