@@ -284,3 +284,32 @@ def test_compiled_blocks_equal_eager_under_ddp_and_tp(strategy: str, one_rank_me
     if strategy == "tp":
         assert isinstance(state.blocks[0].up.weight, DTensor)
     assert compiled == pytest.approx(eager, rel=COMPILE_RTOL)
+
+
+def test_compiled_blocks_equal_eager_in_a_pipeline_stage(one_rank_mesh: Any, tmp_path: Path) -> None:
+    """A pipeline stage (torch.distributed.pipelining, one stage on a 1-rank pp group, GPipe over 2 micro-batches)
+    whose blocks the worker's compile_blocks compiled: the losses equal eager's."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    def run(compile_: str) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        model = Tiny()
+        state = _speed.compile_blocks(env(tmp_path, compile=compile_), list(model.blocks), torch.device("cpu"))
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=one_rank_mesh.get_group())
+        schedule = ScheduleGPipe(stage, 2, loss_fn=torch.nn.functional.mse_loss)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+            parts: list[Any] = []
+            schedule.step(x, target=y, losses=parts)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(torch.stack(parts).detach().mean()))
+        return losses, state
+
+    eager, _ = run("0")
+    compiled, state = run("1")
+    assert state is not None and state.failed is None
+    assert compiled == pytest.approx(eager, rel=COMPILE_RTOL)
