@@ -16,9 +16,10 @@ venv's site-packages -- its package folders as symlinks, a copy of its ``.dist-i
 pip nor uv can uninstall it through the links: they refuse), its console scripts (``torchrun``). pip and uv see
 torch installed; an extra that asked for another torch would fail to resolve instead of swapping the build.
 
-Cost (2 shared cores at load 5-7): 5:11-6:22 for the file with a warm uv cache, 9-70 s per extra (install 4-27 s,
-integration 5-58 s); 6:04 with an empty cache (1.3 GB downloaded). No package index: the tests skip with the reason,
-or fail with ``JD_REQUIRE_EXTRAS=1`` (``.ci/run`` sets it).
+Cost: the installs run on three threads from the file's first test on (they wait on the index and the disk), so
+each integration finds its venv ready; measured at load 12-30 on 2 cores: 15 tests in 8:44, 182 CPU-s, every test
+after the first waiting 0 s for its install (9-90 s each, integrations 3-113 s). No package index: the tests skip
+with the reason, or fail with ``JD_REQUIRE_EXTRAS=1`` (``.ci/run`` sets it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -695,17 +698,26 @@ def test_the_wheel_carries_every_file_of_the_package(wheel: Path) -> None:
     assert on_disk - in_wheel == set(), "files of jupyter_dist/ missing from the wheel (pyproject package-data)"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("extra", EXTRAS)
-def test_extra_installed_alone_runs_its_integration(extra: str, uv: str, registry: None, wheel: Path,
-                                                   torch_layer: TorchLayer, tmp_path: Path) -> None:  # fmt: skip
-    """A fresh venv with torch and jupyter-dist[extra] only: it resolves, passes pip check, keeps the CPU torch, and
-    the extra's integration does its job with the real library (the pairs its script recorded are equal)."""
-    venv, work, home = tmp_path / "venv", tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    py = venv / "bin" / "python"
+@dataclass(frozen=True)
+class Installed:
+    """A venv with torch laid in and ``jupyter-dist[extra]`` installed, and what its installers said."""
+
+    venv: Path
+    first: subprocess.CompletedProcess[str]
+    """``uv pip install torch==...`` (the README's first step)."""
+    second: subprocess.CompletedProcess[str]
+    """``uv pip install jupyter-dist[extra]``."""
+    listed: dict[str, str]
+    """``uv pip list``: name -> version."""
+    dry: subprocess.CompletedProcess[str] | None
+    """``pip install --dry-run --no-deps torch==...`` (the ``torch`` extra only)."""
+    seconds: float
+
+
+def install_alone(extra: str, uv: str, wheel: Path, torch_layer: TorchLayer, venv: Path) -> Installed:
+    """A fresh venv at ``venv``: torch laid in, then torch's pin, then ``jupyter-dist[extra]``, as a user would."""
     t0 = time.monotonic()
+    py = venv / "bin" / "python"
     sh([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], timeout=120, what="uv venv")
     torch_layer.lay(venv)
     install = [uv, "pip", "install", "--python", str(py), "--constraints", str(CONSTRAINTS)]
@@ -713,19 +725,56 @@ def test_extra_installed_alone_runs_its_integration(extra: str, uv: str, registr
     first = sh([*install, torch_pin()], timeout=INSTALL_TIMEOUT, what="uv pip install torch")
     # ... then the extra, resolved alone
     second = sh([*install, f"{wheel}[{extra}]"], timeout=INSTALL_TIMEOUT, what=f"uv pip install jupyter-dist[{extra}]")
-    swapped = re.findall(rf"^ [-+~] (?:torch|{CUDA_PACKAGES.pattern})==\S+", first.stderr + second.stderr, re.M)
-    assert not swapped, f"installing jupyter-dist[{extra}] changed torch: {swapped}\n{second.stderr[-3000:]}"
     listed = json.loads(sh([uv, "pip", "list", "--python", str(py), "--format", "json"], timeout=60,
                            what="uv pip list").stdout)  # fmt: skip
-    versions = {p["name"]: p["version"] for p in listed}
-    assert versions.get("torch") == torch_layer.version, versions
-    assert versions.get("jupyter-dist"), versions
-    assert not [n for n in versions if CUDA_PACKAGES.fullmatch(n)], f"CUDA packages came: {versions}"
     sh([uv, "pip", "check", "--python", str(py)], timeout=60, what="uv pip check")
     sh([sys.executable, "-m", "pip", "--python", str(py), "check"], timeout=120, what="pip check")
+    dry = None
     if extra == "torch":  # pip, too, takes the laid torch as installed: it would not fetch another build
         dry = sh([sys.executable, "-m", "pip", "--python", str(py), "install", "--dry-run", "--no-deps", torch_pin()],
                  timeout=120, what="pip install --dry-run torch")  # fmt: skip
+    return Installed(venv=venv, first=first, second=second, listed={p["name"]: p["version"] for p in listed},
+                     dry=dry, seconds=time.monotonic() - t0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def installs(uv: str, registry: None, wheel: Path, torch_layer: TorchLayer,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Installed]]]:  # fmt: skip
+    """Every extra's venv, installed by three threads from the first test on, in the tests' order: the installs
+    wait on the package index and the disk, so they overlap the integrations (which use the CPU) instead of
+    coming one after the other between them. A failed install fails its own test."""
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="extra-install") as pool:
+        futures = {extra: pool.submit(install_alone, extra, uv, wheel, torch_layer,
+                                      tmp_path_factory.mktemp(f"extra-{extra}") / "venv")
+                   for extra in EXTRAS}  # fmt: skip
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", EXTRAS)
+def test_extra_installed_alone_runs_its_integration(extra: str, installs: dict[str, Future[Installed]],
+                                                   torch_layer: TorchLayer, tmp_path: Path) -> None:  # fmt: skip
+    """A fresh venv with torch and jupyter-dist[extra] only: it resolves, passes pip check, keeps the CPU torch, and
+    the extra's integration does its job with the real library (the pairs its script recorded are equal)."""
+    t0 = time.monotonic()
+    done = installs[extra].result()  # raises what the install raised (its pytest.fail message)
+    venv, work, home = done.venv, tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    py = venv / "bin" / "python"
+    first, second, versions = done.first, done.second, done.listed
+    swapped = re.findall(rf"^ [-+~] (?:torch|{CUDA_PACKAGES.pattern})==\S+", first.stderr + second.stderr, re.M)
+    assert not swapped, f"installing jupyter-dist[{extra}] changed torch: {swapped}\n{second.stderr[-3000:]}"
+    assert versions.get("torch") == torch_layer.version, versions
+    assert versions.get("jupyter-dist"), versions
+    assert not [n for n in versions if CUDA_PACKAGES.fullmatch(n)], f"CUDA packages came: {versions}"
+    if extra == "torch":
+        assert done.dry is not None
+        dry = done.dry
         assert "Requirement already satisfied: torch" in dry.stdout and "Would install" not in dry.stdout, tail(dry)
     t1 = time.monotonic()
 
@@ -742,7 +791,8 @@ def test_extra_installed_alone_runs_its_integration(extra: str, uv: str, registr
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
         pytest.fail(f"jupyter-dist[{extra}]'s integration: no end in {CHECK_TIMEOUT} s\n{err[-3000:]}")
     t2 = time.monotonic()
-    print(f"\n[extras alone] {extra}: venv + install {t1 - t0:.1f} s, integration {t2 - t1:.1f} s")
+    print(f"\n[extras alone] {extra}: venv + install {done.seconds:.1f} s (waited {t1 - t0:.1f} s), "
+          f"integration {t2 - t1:.1f} s")
     assert res.returncode == 0, f"jupyter-dist[{extra}]'s integration failed: {tail(res)}"
     assert result_file.exists(), f"the {extra} script wrote no result: {tail(res)}"
     result = json.loads(result_file.read_text())
