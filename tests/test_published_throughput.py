@@ -60,6 +60,7 @@ class Published:
     strategy: str
     measured: float
     unit: str  # "hfu" / "mfu" TFLOP/s per GPU, or "tokens" per s per GPU
+    compile: bool | None = None  # None: the planner's default for GPUs (compiled blocks, fused optimizer)
 
 
 A100, H100 = "a100-80gb", "h100-80gb"
@@ -125,7 +126,7 @@ RUNS = {
                                  strategy="zero1", measured=400, unit="mfu"),
     "torchtitan-8B": Published(model=PRESETS["llama-3-8b"], gpu=H100, interconnect="infiniband-ndr", gpus=8, tp=1,
                                pp=1, global_batch=16, micro_batch=2, seq=8192, checkpointing="selective",
-                               strategy="fsdp2", measured=5762, unit="tokens"),
+                               strategy="fsdp2", measured=5762, unit="tokens", compile=False),
     "torchtitan-a100-8B": Published(model=PRESETS["llama-3-8b"], gpu=A100, interconnect=HDR, gpus=64, tp=1, pp=1,
                                     global_batch=64, micro_batch=1, seq=8192, checkpointing="selective",
                                     strategy="fsdp2", measured=2973, unit="tokens"),
@@ -148,7 +149,7 @@ def predicted(run: Published) -> float:
                              interconnect=run.interconnect)  # fmt: skip
     dp = run.gpus // (run.tp * run.pp)
     mb = run.micro_batch or run.global_batch // dp
-    shape = TrainingShape(micro_batch=mb, seq_len=run.seq, checkpointing=run.checkpointing)
+    shape = TrainingShape(micro_batch=mb, seq_len=run.seq, checkpointing=run.checkpointing, compile=run.compile)
     t = estimate_time(run.model, shape, hw, STRATEGIES[run.strategy], ParallelDims(dp=dp, tp=run.tp, pp=run.pp),
                       grad_accum=run.global_batch // (dp * mb), assumptions=Assumptions())  # fmt: skip
     per_gpu = t.tokens_per_s / run.gpus
