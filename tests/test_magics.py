@@ -28,8 +28,11 @@ def test_dist_plan_returns_a_plan(ip: InteractiveShell) -> None:
 
 
 def test_dist_plan_assignment_in_a_cell(ip: InteractiveShell) -> None:
+    from jupyter_dist.plan import Hardware, plan
+
     res = ip.run_cell("p = %dist_plan --model gpt2 --gpus-per-node 2\np.recommended")
-    assert res.success and res.result == "ddp"
+    assert res.success and res.result == plan("gpt2", Hardware.from_names("h100-80gb", gpus_per_node=2)).recommended
+    assert ip.user_ns["p"].recommended == res.result
 
 
 def test_paths_with_spaces_and_quotes(ip: InteractiveShell, tmp_path: Path) -> None:

@@ -320,7 +320,7 @@ def optimizer_seconds(training: TrainingShape, hardware: Hardware, params: float
 
     :data:`OPTIMIZER_BYTES` per parameter; ``bf16-true`` keeps 2-byte parameters, gradients and states: half the bytes.
     """
-    per_param = OPTIMIZER_BYTES[(training.optimizer.value, fused)]
+    per_param: float = OPTIMIZER_BYTES[(training.optimizer.value, fused)]
     if training.precision is Precision.BF16_TRUE:
         per_param /= 2
     acc = hardware.accelerator
