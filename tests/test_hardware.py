@@ -107,3 +107,26 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_parse_count_rejects(bad: str) -> None:
     with pytest.raises(PlanInputError):
         parse_count(bad)
+
+
+def test_sixteen_gpu_nodes_of_v100_plan_with_their_nvswitch() -> None:
+    """A DGX-2 / HGX-2 node holds 16 V100s on NVSwitch (issue 31: 16-GPU nodes were refused): accepted, with the
+    tensor-parallel group of 16 inside the node at the NVLink rate; 17 refused in one line naming the valid range; a
+    plan that gives no node size still assumes the 8-GPU DGX-1."""
+    v100 = get_accelerator("v100-32gb")
+    assert (v100.max_gpus_per_node, v100.node_gpus) == (16, 8)
+    assert Hardware.from_names("v100-32gb").gpus_per_node == 8
+    dgx2 = Hardware.from_names("v100-32gb", gpus_per_node=16, nodes=2, interconnect="infiniband-edr")
+    assert dgx2.world_size == 32 and dgx2.interconnect.node_bw == 800e9 / 8
+    intra = v100.intra_node_bw * dgx2.intra_node_efficiency
+    assert dgx2.collective_bw(16, ranks_per_node=16) == intra  # the whole group on one node's NVSwitch
+    assert dgx2.collective_bw(32, ranks_per_node=16) == pytest.approx(800e9 / 8 * dgx2.interconnect.efficiency)
+    p = plan("llama-2-7b", dgx2, tp=16)  # 32 heads
+    assert p.candidates and all(c.dims.tp == 16 for c in p.candidates)
+    with pytest.raises(PlanInputError, match=r"gpus_per_node 17 exceeds the 16 .*V100.*use 1\.\.16"):
+        Hardware.from_names("v100-32gb", gpus_per_node=17)
+    with pytest.raises(PlanInputError, match=r"gpus_per_node 16 exceeds the 8 .*A100.*use 1\.\.8"):
+        Hardware.from_names("a100-80gb", gpus_per_node=16)
+    with pytest.raises(PlanInputError, match=r"default_gpus_per_node must be in 0\.\.8"):
+        Accelerator(name="x", label="X", memory_bytes=GiB, bf16_flops=1e12, fp16_flops=1e12, fp32_flops=1e12,
+                    intra_node_bw=1e9, intra_node_link="x", default_gpus_per_node=9)  # fmt: skip

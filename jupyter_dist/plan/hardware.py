@@ -3,6 +3,8 @@
 Figures are the vendors' datasheet numbers, dense (no structured sparsity):
 
 * NVIDIA V100 datasheet (SXM2): 125 TFLOPS fp16 tensor, no bf16, NVLink 2 at 300 GB/s bidirectional.
+* NVIDIA DGX-2 datasheet: 16 V100 32GB on NVSwitch (each GPU's six NVLink 2 links, 300 GB/s bidirectional, to every
+  other GPU of the node), 8 x 100 Gb/s InfiniBand EDR per node: ``gpus_per_node=16``, ``infiniband-edr``.
 * NVIDIA A10 datasheet: 125 TFLOPS bf16/fp16 dense (A10G, AWS's variant of the A10, is the same class; 24 GB).
 * NVIDIA L4 datasheet: 121 TFLOPS bf16/fp16 dense (242 with sparsity), PCIe Gen4 x16.
 * NVIDIA A100 datasheet: 312 TFLOPS bf16/fp16 dense, NVLink 3 at 600 GB/s bidirectional.
@@ -62,7 +64,9 @@ class Accelerator:
     host_link_bw: float = 25 * _GBs
     """Per-direction bandwidth between the GPU and host memory (bytes/s), used for CPU offload."""
     max_gpus_per_node: int = 8
-    """Largest common node size for this accelerator."""
+    """Largest node size built with this accelerator (16 for V100: NVIDIA's DGX-2 and HGX-2 put 16 on NVSwitch)."""
+    default_gpus_per_node: int = 0
+    """The node size a plan assumes when none is given; 0: :attr:`max_gpus_per_node` (V100: 8, the DGX-1)."""
     default_interconnect: str = "ethernet-100"
     """Key of the inter-node network such nodes usually have (see :data:`INTERCONNECTS`)."""
     node_cpu_memory_bytes: int = 1024 * GiB
@@ -102,6 +106,14 @@ class Accelerator:
             raise PlanInputError(f"accelerator {self.name!r}: bandwidths must be positive")
         if self.max_gpus_per_node < 1:
             raise PlanInputError(f"accelerator {self.name!r}: max_gpus_per_node must be >= 1")
+        if not 0 <= self.default_gpus_per_node <= self.max_gpus_per_node:
+            raise PlanInputError(f"accelerator {self.name!r}: default_gpus_per_node must be in "
+                                 f"0..{self.max_gpus_per_node} (0: max_gpus_per_node)")  # fmt: skip
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs per node when none is given (:attr:`default_gpus_per_node`, else :attr:`max_gpus_per_node`)."""
+        return self.default_gpus_per_node or self.max_gpus_per_node
         if self.memory_bw <= 0 or self.op_overhead_s < 0 or self.comm_scale <= 0 or self.collective_latency_s < 0:
             raise PlanInputError(
                 f"accelerator {self.name!r}: memory_bw and comm_scale must be positive, op_overhead_s and "
@@ -187,6 +199,7 @@ INTERCONNECTS: dict[str, Interconnect] = {
     for i in (
         Interconnect(name="infiniband-ndr", label="InfiniBand NDR, 8 x 400 Gb/s per node", node_bw=_gbit(3200)),
         Interconnect(name="infiniband-hdr", label="InfiniBand HDR, 8 x 200 Gb/s per node", node_bw=_gbit(1600)),
+        Interconnect(name="infiniband-edr", label="InfiniBand EDR, 8 x 100 Gb/s per node (DGX-2)", node_bw=_gbit(800)),
         Interconnect(name="roce-400", label="RoCE v2, 8 x 400 Gb/s per node", node_bw=_gbit(3200), efficiency=0.75),
         Interconnect(name="efa-3200", label="AWS EFA v2, 3,200 Gb/s per node (p5)", node_bw=_gbit(3200),
                      efficiency=0.7),
@@ -207,12 +220,14 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator(name="v100-16gb", label="NVIDIA V100 16GB SXM2", memory_bytes=16384 * MiB,
                     bf16_flops=0, fp16_flops=125 * _TFLOPS, fp32_flops=15.7 * _TFLOPS,
                     intra_node_bw=150 * _GBs, intra_node_link="NVLink 2", host_link_bw=12 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=488 * GiB,
+                    default_interconnect="ethernet-100", max_gpus_per_node=16,
+                    default_gpus_per_node=8, node_cpu_memory_bytes=488 * GiB,
                     memory_bw=900 * _GBs, matmul_efficiency=0.45, op_overhead_s=5e-6),
         Accelerator(name="v100-32gb", label="NVIDIA V100 32GB SXM2", memory_bytes=32768 * MiB,
                     bf16_flops=0, fp16_flops=125 * _TFLOPS, fp32_flops=15.7 * _TFLOPS,
                     intra_node_bw=150 * _GBs, intra_node_link="NVLink 2", host_link_bw=12 * _GBs,
-                    default_interconnect="ethernet-100", node_cpu_memory_bytes=768 * GiB,
+                    default_interconnect="ethernet-100", max_gpus_per_node=16,
+                    default_gpus_per_node=8, node_cpu_memory_bytes=768 * GiB,
                     memory_bw=900 * _GBs, matmul_efficiency=0.45, op_overhead_s=5e-6),
         Accelerator(name="a10g", label="NVIDIA A10G 24GB", memory_bytes=23028 * MiB,
                     bf16_flops=125 * _TFLOPS, fp16_flops=125 * _TFLOPS, fp32_flops=31.2 * _TFLOPS,
@@ -348,7 +363,7 @@ class Hardware:
         """Build from catalog names; the interconnect defaults to the one such nodes usually have."""
         acc = get_accelerator(gpu)
         ic = get_interconnect(interconnect if interconnect is not None else acc.default_interconnect)
-        return cls(accelerator=acc, gpus_per_node=gpus_per_node or acc.max_gpus_per_node, nodes=nodes,
+        return cls(accelerator=acc, gpus_per_node=gpus_per_node or acc.node_gpus, nodes=nodes,
                    interconnect=ic)  # fmt: skip
 
     @property

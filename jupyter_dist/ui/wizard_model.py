@@ -552,7 +552,7 @@ def inputs_from_args(args: Any, module_spec: ModelSpec | None = None) -> WizardI
                 setattr(inp, n, int(v))
     acc = get_accelerator(args.gpu) if getattr(args, "gpu", None) else ACCELERATORS[inp.gpu]
     inp.gpu = acc.name
-    inp.gpus_per_node = args.gpus_per_node or acc.max_gpus_per_node
+    inp.gpus_per_node = args.gpus_per_node or acc.node_gpus
     inp.nodes = args.nodes if args.nodes is not None else 1
     if getattr(args, "interconnect", None):
         if args.interconnect not in INTERCONNECTS:
