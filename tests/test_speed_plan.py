@@ -134,3 +134,33 @@ def test_the_plan_says_what_it_assumed() -> None:
     assert "blocks compiled, fused optimizer" in gpu
     cpu = plan("gpt2", Hardware.from_names("cpu", gpus_per_node=2)).to_text()
     assert "blocks eager, foreach optimizer" in cpu
+
+
+def test_plan_flags_price_eager_or_compiled_and_foreach_or_fused() -> None:
+    """``jupyter-dist plan`` / ``%dist_plan`` take ``--compile/--no-compile`` and ``--fused/--no-fused``: the plan is
+    the Python API's for the same fields, says what it assumed, and eager + foreach is the slower step on a GPU."""
+    import subprocess
+    import sys
+
+    from jupyter_dist.cli.flags import plan_from_args
+    from jupyter_dist.plan import plan
+
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=1)
+    fast = plan("gpt2", hw)
+    slow = plan("gpt2", hw, TrainingShape(compile=False, fused_optimizer=False))
+    assert slow.best.time.step_time_s > fast.best.time.step_time_s
+    import argparse
+
+    from jupyter_dist.cli.flags import add_plan_arguments
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    args = parser.parse_args(["--model", "gpt2", "--gpus-per-node", "1", "--no-compile", "--no-fused"])
+    got = plan_from_args(args)
+    assert got.best.time.step_time_s == slow.best.time.step_time_s
+    assert "blocks eager, foreach optimizer" in got.to_text()
+    on = plan_from_args(parser.parse_args(["--model", "gpt2", "--gpus-per-node", "1", "--compile", "--fused"]))
+    assert on.best.time.step_time_s == fast.best.time.step_time_s
+    res = subprocess.run([sys.executable, "-m", "jupyter_dist.cli", "plan", "--model", "gpt2", "--gpus-per-node", "1",
+                          "--no-compile"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and "blocks eager, fused optimizer" in res.stdout, res.stdout + res.stderr

@@ -140,6 +140,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                          "and the bubble)")  # fmt: skip
     tr.add_argument("--pp-virtual", type=int_arg(1, 1024), default=None,
                     help="pipeline stages per rank with interleaved-1f1b (default 2)")  # fmt: skip
+    tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="price regional torch.compile of each block (default: as the ranks run, on for GPUs, off "
+                         "for CPU processes)")  # fmt: skip
+    tr.add_argument("--fused", dest="fused_optimizer", action=argparse.BooleanOptionalAction, default=None,
+                    help="price the optimizer's fused kernel instead of torch's foreach one (default: as the ranks "
+                         "run, on for GPUs, off for CPU processes)")  # fmt: skip
     par = p.add_argument_group("parallelism")
     par.add_argument("--strategy", help="evaluate only this strategy (ddp, zero1..zero3, fsdp-*, fsdp2, ...)")
     for flag in ("tp", "pp", "cp", "ep"):
@@ -313,6 +319,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
         checkpointing=args.checkpointing, flash_attention=args.flash_attn,
         pp_schedule=getattr(args, "pp_schedule", "1f1b"), pp_virtual=getattr(args, "pp_virtual", None) or 0,
+        compile=getattr(args, "compile", None), fused_optimizer=getattr(args, "fused_optimizer", None),
     )  # fmt: skip
     assume: dict[str, Any] = {}
     if args.min_headroom is not None:
