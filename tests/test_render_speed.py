@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_render_torch import ROOT, Script, _dims, _plan, _steps, _train
+from test_render_torch import Script, _dims, _plan, _steps, _train, ruff_folder
 
 from jupyter_dist.plan.training import fp8_strategy_problem
 from jupyter_dist.render.common import RenderError, RenderOptions, layout_of
@@ -60,16 +57,7 @@ def ruff_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
     folder = tmp_path_factory.mktemp("speed_scripts")
     for cand, gpus, precision, optimizer in FLAVOURS:
         (folder / f"{_name(cand, precision, optimizer)}.py").write_text(_render(cand, gpus, precision, optimizer))
-    res = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "json", "--config",
-         str(ROOT / "pyproject.toml"), str(folder)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert res.returncode in (0, 1), res.stderr
-    findings: dict[str, list[str]] = {}
-    for item in json.loads(res.stdout or "[]"):
-        findings.setdefault(Path(item["filename"]).stem, []).append(f"{item['code']} line {item['location']['row']}")
-    return findings
+    return ruff_folder(folder, timeout=120)
 
 
 @pytest.mark.parametrize(

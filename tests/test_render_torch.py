@@ -547,16 +547,22 @@ def big_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any
             bundles[key] = b
             if "train.py" in b.files:
                 (folder / f"{key}.py").write_text(b.files["train.py"])
+    findings = ruff_folder(folder, timeout=300)
+    return {key: (b, findings.get(key, [])) for key, b in bundles.items()}
+
+
+def ruff_folder(folder: Path, *, timeout: float) -> dict[str, list[str]]:
+    """One ruff run with the project's rules over the scripts in ``folder``: file stem -> ``"CODE line N"`` each."""
     res = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "json", "--config",
          str(ROOT / "pyproject.toml"), str(folder)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert res.returncode in (0, 1), res.stderr
     findings: dict[str, list[str]] = {}
     for item in json.loads(res.stdout or "[]"):
         findings.setdefault(Path(item["filename"]).stem, []).append(f"{item['code']} line {item['location']['row']}")
-    return {key: (b, findings.get(key, [])) for key, b in bundles.items()}
+    return findings
 
 
 @pytest.mark.slow  # the fast tier (-m 'not slow') stays under 5 minutes
