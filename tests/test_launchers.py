@@ -242,8 +242,10 @@ def test_stop_ends_every_deepspeed_process(ip: InteractiveShell, runs: Path, ds_
 @pytest.mark.deepspeed
 def test_deepspeed_timeout_ends_every_process(ip: InteractiveShell, runs: Path, ds_cache: None) -> None:
     code = "import os, time\nprint(f'rank {os.environ[\"RANK\"]} stuck here', flush=True)\ntime.sleep(300)"
-    run = ip.run_cell_magic("dist_train", "--launcher deepspeed --nproc 2 --strategy none --timeout 15", code)
-    assert run.wait(90) == "timed out", run.summary() + run.launcher_log()
+    # the timeout counts from the launch: DeepSpeed's launcher and its ranks import deepspeed and torch before the
+    # cell prints (15 s was too short at 2-worker load: rank 1 had printed nothing yet, and its report was empty)
+    run = ip.run_cell_magic("dist_train", "--launcher deepspeed --nproc 2 --strategy none --timeout 40", code)
+    assert run.wait(120) == "timed out", run.summary() + run.launcher_log()
     meta = json.loads((run.dir / "run.json").read_text())
     assert "rank 1 stuck here" in meta["timeout_report"]["1"] and "rank 0 stuck here" in meta["timeout_report"]["0"]
     assert descendants_gone(run)
