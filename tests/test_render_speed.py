@@ -133,22 +133,6 @@ class _Rank0:
         return 0
 
 
-def _losses(model: Any, steps: int = 3) -> list[float]:
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(float(loss.detach()))
-    return out
-
-
 def test_the_scripts_compile_blocks_does_what_the_workers_does(tmp_path: Path, monkeypatch: Any,
                                                                 capsys: Any, caplog: Any) -> None:  # fmt: skip
     """Same blocks compiled, same losses as the worker's compile and as eager; the same fallback on a failure.
@@ -157,7 +141,7 @@ def test_the_scripts_compile_blocks_does_what_the_workers_does(tmp_path: Path, m
     guard and fallback are the templates', without inductor's C++ build, which ``tests/test_speed.py`` runs.
     """
     torch = pytest.importorskip("torch")
-    from test_speed import COMPILE_RTOL, Block, Tiny
+    from test_speed import COMPILE_RTOL, Block, Tiny, adamw_losses
 
     from jupyter_dist.worker import _speed
     from jupyter_dist.worker._env import WorkerEnv
@@ -171,15 +155,15 @@ def test_the_scripts_compile_blocks_does_what_the_workers_does(tmp_path: Path, m
         torch.manual_seed(0)
         return Tiny()
 
-    eager = _losses(model())
+    eager = adamw_losses(model())
     scripted = model()
     ns["compile_blocks"](scripted, True)
     worker = model()
     _speed.compile_blocks(WorkerEnv(distributed=False, compile="1"), list(worker.blocks), torch.device("cpu"))
     compiled = [[n for n, m in x.named_modules() if m._compiled_call_impl is not None] for x in (scripted, worker)]
     assert compiled == [["blocks.0", "blocks.1"]] * 2
-    from_script = _losses(scripted)
-    assert from_script == _losses(worker)
+    from_script = adamw_losses(scripted)
+    assert from_script == adamw_losses(worker)
     assert from_script == pytest.approx(eager, rel=COMPILE_RTOL)
     off = model()
     ns["compile_blocks"](off, False)
@@ -198,7 +182,7 @@ def test_the_scripts_compile_blocks_does_what_the_workers_does(tmp_path: Path, m
     ns["compile_blocks"](failing, True)
     worker = model()
     _speed.compile_blocks(WorkerEnv(distributed=False, compile="1"), list(worker.blocks), torch.device("cpu"))
-    assert _losses(failing) == eager == _losses(worker)
+    assert adamw_losses(failing) == eager == adamw_losses(worker)
     assert all(m._compiled_call_impl is None for m in failing.modules())
     printed = capsys.readouterr().out.splitlines()
     logged = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

@@ -69,6 +69,21 @@ def train(tmp_path: Path, steps: int = 4, opt_cls: Any = None, opt_kw: Any = Non
     return losses, rt
 
 
+def adamw_losses(model: Any, steps: int = 3) -> list[float]:
+    """``steps`` plain AdamW steps (lr 1e-2) of ``model`` on the seeded (8, 8) -> (8, 4) batches ``train`` uses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def speed_lines(caplog: Any, what: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if what in r.getMessage()]
 
@@ -266,17 +281,7 @@ def test_compiled_blocks_equal_eager_under_ddp_and_tp(strategy: str, one_rank_me
         state = _speed.compile_blocks(env(tmp_path, compile=compile_), list(model.blocks), torch.device("cpu"))
         if strategy == "ddp":
             model = DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss.detach()))
-        return losses, state
+        return adamw_losses(model), state
 
     eager, none = run("0")
     compiled, state = run("1")
