@@ -249,3 +249,38 @@ def test_cpu_plans_speak_cpu(precision: str) -> None:
         assert ("process runtime (Python, torch, gloo)" in text) == (p.best is not None)  # the peak's rows
     gpu = make_plan("gpt2", Hardware(accelerator=get_accelerator("h100-80gb"), gpus_per_node=2), shape)
     assert "Per-GPU memory" in gpu.to_text() and "flash-attention" in gpu.to_text()
+
+
+def test_light_edge_bounds_give_the_embedding_and_the_output_a_layer_place() -> None:
+    """Llama 3's split (Dubey et al. 2024, Sec. 3.3.2): 126 layers on 16 ranks x 8 one-layer stages, the first
+    stage's first chunk the embedding alone and the last stage's last chunk the output alone."""
+    from jupyter_dist.plan.pipeline import light_edge_bounds
+
+    bounds = light_edge_bounds(126, 128)
+    sizes = [end - start for start, end in bounds]
+    assert sizes[0] == sizes[-1] == 0 and set(sizes[1:-1]) == {1}
+    assert bounds[0][0] == 0 and bounds[-1][1] == 126
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))  # contiguous, every layer once
+    sixteen = [end - start for start, end in light_edge_bounds(126, 16)]
+    assert sixteen[0] == sixteen[-1] == 7 and set(sixteen[1:-1]) == {8}
+    with pytest.raises(ParallelismError, match="need at most 128"):
+        light_edge_bounds(126, 129)
+
+
+def test_llama3_pipeline_layout_is_planned_but_not_launched() -> None:
+    """pp 16 x 8 stages per rank over 126 layers is refused, unless the embedding and the output take a layer's place
+    (``pp_light_edges``); a launch of that plan's pipeline is refused in one line, the workers split by cost."""
+    from jupyter_dist.plan.candidates import resolve_launch
+
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=16)
+    shape = {"micro_batch": 1, "seq_len": 8192, "grad_accum": 32, "pp_schedule": "interleaved-1f1b", "pp_virtual": 8}
+    with pytest.raises(ParallelismError, match=r"cannot exceed the number of layers \(126\)$"):
+        plan("llama-3.1-405b", hw, TrainingShape(**shape), tp=8, pp=16)  # type: ignore[arg-type]
+    p = plan("llama-3.1-405b", hw, TrainingShape(**shape, pp_light_edges=True), tp=8, pp=16)  # type: ignore[arg-type]
+    assert p.candidates and all(c.dims.pp == 16 for c in p.candidates)
+    with pytest.raises(ParallelismError, match="pp-light-edges.*--pp 1"):
+        resolve_launch(p.candidates[0].name, p, 128, nproc_per_node=8)
+    assert resolve_launch(p.candidates[0].name, p, 128, nproc_per_node=8, degrees={"pp": 1}).dims.pp == 1
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).training.pp_light_edges
+    with pytest.raises(PlanInputError, match="pp-light-edges must be True or False"):
+        TrainingShape(pp_light_edges="yes")  # type: ignore[arg-type]

@@ -271,6 +271,12 @@ def resolve_launch(
     problem = runnable_problem(cand)
     if problem:
         raise ParallelismError(problem)
+    training = getattr(plan, "training", None) if plan is not None else None
+    if cand.pp > 1 and getattr(training, "pp_light_edges", False):
+        raise ParallelismError(
+            "the plan splits the pipeline as Llama 3 does (pp-light-edges: the first and last stage one layer "
+            "fewer), which the workers do not run; plan without pp-light-edges to launch it, or launch with --pp 1"
+        )
     dims = cand.dims_for(world)
     note = None
     if plan is not None and isinstance(planned_world, int) and planned_world != world:

@@ -241,21 +241,27 @@ def deepspeed_zero_model_states(params: int, stage: int, dp: int, *, grad_accum:
     return zero_paper_model_states(params, stage, dp, k)
 
 
-def pipeline_blocks(model: ModelSpec, pp: int) -> list[int]:
+def pipeline_blocks(model: ModelSpec, pp: int, *, light_edges: bool = False) -> list[int]:
     """Blocks per pipeline stage, split as the workers split them.
 
     :func:`~.pipeline.stage_bounds`, with the head and final norm costing ``(vocab * hidden + norm) / block``
-    blocks on the last stage.
+    blocks on the last stage; ``light_edges``: Llama 3's layout (:func:`~.pipeline.light_edge_bounds`), which only
+    the planner models.
     """
     if pp <= 1:
         return [model.layers]
-    from .pipeline import stage_bounds
+    from .pipeline import light_edge_bounds, stage_bounds
+
+    if light_edges:
+        return [end - start for start, end in light_edge_bounds(model.layers, pp)]
 
     head = (model.vocab * model.hidden + model.norm_params) / max(1, model.layer_params)
     return [end - start for start, end in stage_bounds(model.layers, pp, last_extra=head)]
 
 
-def stage_params(model: ModelSpec, dims: ParallelDims, virtual: int = 1) -> tuple[float, float, float]:
+def stage_params(
+    model: ModelSpec, dims: ParallelDims, virtual: int = 1, *, light_edges: bool = False
+) -> tuple[float, float, float]:
     """(dense, expert, block) parameters one rank holds before ZeRO/FSDP sharding, for the worst pipeline rank.
 
     Blocks are split ``pp x virtual`` ways as :func:`pipeline_blocks` says (stage ``i`` on rank ``i % pp``: a rank of
@@ -281,7 +287,7 @@ def stage_params(model: ModelSpec, dims: ParallelDims, virtual: int = 1) -> tupl
     first_whole = positions + (model.norm_params if n_stages == 1 else 0)
     last = model.lm_head_params + model.norm_params + (model.embedding_params if model.tied_embeddings else 0)
     last_whole = model.norm_params + (positions if model.tied_embeddings else 0)
-    counts = pipeline_blocks(model, n_stages)
+    counts = pipeline_blocks(model, n_stages, light_edges=light_edges)
 
     def stage(i: int) -> tuple[float, float]:
         blocks = counts[i]
@@ -576,7 +582,7 @@ def _activation_bytes(
     b = training.micro_batch
     h, v, t = model.hidden, model.vocab, dims.tp
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    counts = pipeline_blocks(model, dims.pp * virtual)
+    counts = pipeline_blocks(model, dims.pp * virtual, light_edges=training.pp_light_edges)
     per_layer = activation_bytes_per_layer(model, training, dims, layout=layout)
     # Korthikanti Sec. 4.3: input-embedding dropout mask (sbhp/t: "also parallelized along the sequence
     # dimension" with SP, replicated without it), final norm + output projection input, fp32 logits
@@ -759,7 +765,7 @@ def estimate_memory(
         # tests/test_memory_measured.py::test_strategy_state_bytes_equal_measured.
         ob += 4
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    dense, expert, block = stage_params(model, dims, virtual)
+    dense, expert, block = stage_params(model, dims, virtual, light_edges=training.pp_light_edges)
 
     shard = dims.shard_size
     eshard = dims.expert_shard_size

@@ -409,7 +409,7 @@ def estimate_time(
     fused = fused or strategy.family == "deepspeed"  # DeepSpeed steps with its own FusedAdam
     parts = compute_parts(model, training, hardware, dims, tokens_per_gpu=tokens / world)
     virtual = training.pp_stages_per_rank if dims.pp > 1 else 1
-    dense, expert, _ = stage_params(model, dims, virtual)
+    dense, expert, _ = stage_params(model, dims, virtual, light_edges=training.pp_light_edges)
     # offloaded, the step runs on the host (``offload`` below); a CPU process's step keeps the per-operator model its
     # figures were checked with (the 2-process CPU runs: OPS_OPTIMIZER kernels in ``overhead``)
     if not strategy.offload_optimizer and acc.vendor != "cpu":

@@ -16,8 +16,8 @@ from typing import Any
 
 from ..errors import ParallelismError
 
-__all__ = ["MAX_PIPELINE_STAGES", "PP_SCHEDULES", "Run", "expand_runs", "schedule_actions", "schedule_runs",
-           "stage_bounds", "stage_costs", "stages_per_rank"]  # fmt: skip
+__all__ = ["MAX_PIPELINE_STAGES", "PP_SCHEDULES", "Run", "expand_runs", "light_edge_bounds", "schedule_actions",
+           "schedule_runs", "stage_bounds", "stage_costs", "stages_per_rank"]  # fmt: skip
 
 MAX_PIPELINE_STAGES = 4096
 """Most pipeline stages (pp x stages per rank) the planner models (real pipelines use tens)."""
@@ -125,6 +125,29 @@ def stage_bounds(
         bounds.append((start, start + c))
         start += c
     return bounds
+
+
+def light_edge_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Llama 3's split: the embedding and the output layer take a block's place each (edge stages one block fewer).
+
+    Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783, Sec. 3.3.2: with one block per virtual stage
+    the first stage's first chunk is the embedding alone and the last stage's last chunk the output projection and
+    loss alone, which balances the pipeline's compute and memory.
+
+    ``n_layers + 2`` slots (embedding, the blocks, the output) in ``n_stages`` contiguous ranges as even as
+    :func:`stage_bounds` makes them; a stage's ``[start, end)`` are the blocks of its range, so an edge stage may
+    hold none (it needs ``n_stages <= n_layers + 2``).
+    """
+    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or n_stages < 1:
+        raise ParallelismError(f"pipeline stages must be a positive integer, got {n_stages!r}")
+    if n_stages > n_layers + 2:
+        raise ParallelismError(
+            f"{n_stages} pipeline stages with light edge stages need at most {n_layers + 2} (the {n_layers} layers, "
+            f"the embedding and the output); use pp x virtual stages <= {n_layers + 2}"
+        )
+    if n_stages == 1:
+        return [(0, n_layers)]
+    return [(max(0, a - 1), min(n_layers, b - 1)) for a, b in stage_bounds(n_layers + 2, n_stages)]
 
 
 def stage_costs(bounds: list[tuple[int, int]], *, first_extra: float = 0.0, last_extra: float = 0.0) -> list[float]:

@@ -83,15 +83,17 @@ def _dims_problem(model: ModelSpec, training: TrainingShape, dims: ParallelDims)
         return f"tp ({dims.tp}) must divide the attention heads ({model.heads}, {model.n_kv_heads} kv)"
     if model.d_ffn % dims.tp:
         return f"tp ({dims.tp}) must divide the MLP width ({model.d_ffn})"
-    if dims.pp > model.layers:
-        return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers})"
+    slots, edges = (model.layers + 2, " + 2 (pp-light-edges: the embedding and the output take a layer's place "
+                    "each)") if training.pp_light_edges else (model.layers, "")  # fmt: skip
+    if dims.pp > slots:
+        return f"pp ({dims.pp}) cannot exceed the number of layers ({model.layers}){edges}"
     virtual = training.pp_stages_per_rank
     if dims.pp > 1 and dims.pp * virtual > MAX_PIPELINE_STAGES:
         return (f"pp ({dims.pp}) x {virtual} stages per rank = {dims.pp * virtual:,} pipeline stages; the planner "
                 f"models at most {MAX_PIPELINE_STAGES:,}")  # fmt: skip
-    if dims.pp > 1 and dims.pp * virtual > model.layers:
+    if dims.pp > 1 and dims.pp * virtual > slots:
         return (f"pp ({dims.pp}) x {virtual} stages per rank ({training.pp_schedule}) cannot exceed the number of "
-                f"layers ({model.layers})")  # fmt: skip
+                f"layers ({model.layers}){edges}")  # fmt: skip
     if dims.cp > 1 and training.seq_len % (2 * dims.cp):
         return (
             f"seq-len ({training.seq_len}) must be a multiple of 2 x cp ({2 * dims.cp}) "

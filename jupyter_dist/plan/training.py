@@ -203,6 +203,11 @@ class TrainingShape:
     it decides how many micro-batches' activations a stage holds at once and the bubble."""
     pp_virtual: int = 0
     """Pipeline stages per rank (``JD_PP_VIRTUAL``); 0: 2 for ``interleaved-1f1b``, else 1."""
+    pp_light_edges: bool = False
+    """Llama 3's pipeline layout: the embedding and the output layer each take a block's place, so the first and the
+    last stage hold one block fewer (:func:`~.pipeline.light_edge_bounds`; with one block per virtual stage an edge
+    chunk holds only the embedding or the output). The planner models it; the workers split stages by cost
+    (:func:`~.pipeline.stage_bounds`) and do not run it, so a launch refuses a plan made with it."""
     compile: bool | None = None
     """Regional ``torch.compile`` of each repeated block (``JD_COMPILE``); ``None``: what the worker does by default,
     on for GPUs and off for CPU processes (:meth:`speed_options`)."""
@@ -235,6 +240,8 @@ class TrainingShape:
         if schedule not in PP_SCHEDULES:
             raise PlanInputError(f"unknown pp-schedule {self.pp_schedule!r}; valid: {', '.join(PP_SCHEDULES)}")
         object.__setattr__(self, "pp_schedule", schedule)
+        if not isinstance(self.pp_light_edges, bool):
+            raise PlanInputError(f"pp-light-edges must be True or False, got {self.pp_light_edges!r}")
         for f in ("compile", "fused_optimizer"):
             value = getattr(self, f)
             if value is not None and not isinstance(value, bool):
