@@ -43,6 +43,7 @@ from jupyter_dist.plan.perf import (
     StepTime,
     estimate_time,
     matmul_efficiency,
+    ring_latency,
     training_flops_per_token,
 )
 
@@ -198,6 +199,46 @@ def test_zero_communication_volumes(gpus: int) -> None:
     for name in ("fsdp-full-shard", "fsdp2"):
         assert vol[name] == pytest.approx(ring * psi * (4 + 2 * 2), rel=1e-12)
     assert vol["fsdp-shard-grad-op"] == pytest.approx(ring * psi * (4 + 2), rel=1e-12)
+
+
+@pytest.mark.parametrize(("nodes", "gpus_per_node", "n", "per_node", "intra", "inter"),
+                         [(1, 8, 8, 8, 7, 0), (16, 8, 128, 8, 112, 15), (124, 8, 124, 1, 0, 123)])  # fmt: skip
+def test_ring_latency_is_nccls_ring_model(
+    nodes: int, gpus_per_node: int, n: int, per_node: int, intra: int, inter: int
+) -> None:
+    """NCCL's ring all-gather / reduce-scatter (src/graph/tuning.cc): n - 1 steps, nodes - 1 of them on the network,
+    3.4 us per NVLink step and 9.6 us per network step (Simple protocol), on top of the small-message floor."""
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=gpus_per_node, nodes=nodes)
+    floor = hw.accelerator.latency_s
+    assert ring_latency(hw, n, ranks_per_node=per_node) == pytest.approx(floor + intra * 3.4e-6 + inter * 9.6e-6)
+    assert ring_latency(hw, 1, ranks_per_node=1) == 0.0
+    cpu = Hardware.from_names("cpu", gpus_per_node=2)
+    assert ring_latency(cpu, 2, ranks_per_node=2) == cpu.accelerator.latency_s  # gloo: the measured floor alone
+
+
+def test_fsdp_hides_all_but_the_first_gather_and_the_last_reduce_scatter_behind_long_compute() -> None:
+    """Per micro-batch, FSDP's forward gathers hide behind the forward and the backward's gathers and
+    reduce-scatters behind the backward, except the first unit's gather and the last unit's reduce-scatter."""
+    model, dp = PRESETS["llama-3-8b"], 128
+    hw = Hardware.from_names("h100-80gb", nodes=dp // 8, interconnect="infiniband-ndr")
+    t = step(model, "fsdp2", hw=hw, dims=ParallelDims(dp=dp), micro_batch=4, seq_len=8192, grad_accum=2)
+    units, ring, bw = model.layers + 1, (dp - 1) / dp, hw.collective_bw(dp, ranks_per_node=8)
+    gather, scatter = ring * model.params * 2 / bw / units, ring * model.params * 4 / bw / units  # bf16 / fp32
+    alpha = ring_latency(hw, dp, ranks_per_node=8)
+    assert t.breakdown["dp_comm"] == pytest.approx(2 * (gather + alpha + scatter + alpha), rel=1e-9)
+
+
+def test_fsdp_throughput_per_gpu_falls_as_the_ring_grows_when_the_collectives_latency_dominates() -> None:
+    """A small micro-batch (1 x 2048 tokens of an 8B model): three collectives per block and micro-batch, each
+    costing a ring latency that grows with the data-parallel size, outgrow the compute they hide behind."""
+    model = PRESETS["llama-3-8b"]
+    per_gpu = []
+    for dp in (64, 256, 1024):
+        hw = Hardware.from_names("h100-80gb", nodes=dp // 8, interconnect="infiniband-ndr")
+        t = step(model, "fsdp2", hw=hw, dims=ParallelDims(dp=dp), micro_batch=1, seq_len=2048)
+        per_gpu.append(t.tokens_per_s / dp)
+    assert per_gpu[0] > per_gpu[1] > per_gpu[2]
+    assert per_gpu[2] < 0.8 * per_gpu[0]
 
 
 def test_zero3_is_1_5x_ddp_in_bytes_when_both_move_16_bit_gradients() -> None:

@@ -6,6 +6,8 @@ checkpointing, on 8 and 128 H100s (Grand Teton: 96 GB HBM2e at 2.4 TB/s, 500 W; 
 3.35 TB/s and 700 W, so the rows are compared as ratios between the table's own lines, which share that hardware):
 TPS/GPU FSDP 5,762 / 5,605, + torch.compile 6,667 / 6,514, + compile + Float8 8,532 / 8,380.
 The step time is predicted with the fused optimizer in every line (the ratio is about compile and fp8 alone).
+The same tables, 128 GPUs over 8 (16 nodes over NDR-class 400 Gb/s per GPU against one NVLink node), are FSDP's
+scaling on that hardware: 0.973 / 0.977 / 0.982 per GPU.
 """
 
 from __future__ import annotations
@@ -51,3 +53,14 @@ def test_compile_and_fp8_go_the_published_way() -> None:
     for gpus in MEASURED:
         eager, compiled, fp8 = (_tokens_per_gpu(gpus, s) for s in ("eager", "compiled", "fp8"))
         assert eager < compiled < fp8
+
+
+@pytest.mark.parametrize("setup", ["eager", "compiled", "fp8"])
+def test_fsdp_from_8_to_128_gpus_within_15_percent(setup: str) -> None:
+    """Per-GPU throughput on 128 GPUs over 8 (Table 3 / Table 1). Predicted 1.003-1.005: at local batch 2 x 8192
+    tokens the 128-rank ring's latency (0.55 ms per collective, 99 per micro-batch) and the traffic hide behind a 2 s
+    micro-batch, only the first gather and the last reduce-scatter show (6 ms), and the optimizer's shard shrinks
+    16-fold (8 ms less); measured 0.973-0.982, a loss the model does not explain (stragglers across 16 nodes?)."""
+    predicted = _tokens_per_gpu(128, setup) / _tokens_per_gpu(8, setup)
+    measured = MEASURED[128][setup] / MEASURED[8][setup]
+    assert predicted == pytest.approx(measured, rel=0.15), f"{setup}: {predicted:.3f} vs {measured:.3f}"

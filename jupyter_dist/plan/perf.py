@@ -57,14 +57,18 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     ``2 (n-1)/n`` of the buffer per rank, all-gather and reduce-scatter ``(n-1)/n``) at the bus bandwidth of
     :meth:`Hardware.collective_bw`. Data parallel: DDP and ZeRO-1/2 move ``2 Psi`` per step, ZeRO-3/FSDP ``3 Psi``
     (ZeRO paper Sec. 7), hidden behind the backward pass (``Assumptions.overlap``) except the last bucket (DDP,
-    25 MB) or the first unit's gather and the last unit's reduce-scatter (FSDP/ZeRO-3: one block); ZeRO-1's
-    all-gather after the optimizer step is not hidden. Tensor parallel: 4 all-reduces of ``s b h`` per layer and
-    micro-batch (6 with full recomputation; Shoeybi et al. 2019), not overlapped, over NVLink inside a node and the
-    network across nodes. Pipeline: the GPipe/1F1B bubble ``(p-1)/m`` of the compute, ``(p-1)/(v m)`` interleaved
-    over ``v`` stages per rank (Narayanan et al. 2021), plus the stage-to-stage sends. Context parallel: the ring's
-    K/V passes, hidden behind the attention. Expert parallel: the
-    dispatch and combine all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic
-    and the CPU optimizer step.
+    25 MB); ZeRO-1's all-gather after the optimizer step is not hidden. ZeRO-3/FSDP run one all-gather per unit (a
+    block, and the root) in forward, one more per unit and a reduce-scatter in backward, one after another on one
+    stream, each paying :func:`ring_latency` (NCCL's ring: a step per rank, so the latency grows with the
+    data-parallel size while each rank's share of the bytes shrinks): the forward's gathers hide behind the forward
+    (prefetched one unit ahead) and the backward's behind the backward and its recomputation, except the first
+    unit's gather and the last unit's reduce-scatter, which nothing covers. Tensor parallel: 4 all-reduces of
+    ``s b h`` per layer and micro-batch (6 with full recomputation; Shoeybi et al. 2019), not overlapped, over
+    NVLink inside a node and the network across nodes. Pipeline: the GPipe/1F1B bubble ``(p-1)/m`` of the compute,
+    ``(p-1)/(v m)`` interleaved over ``v`` stages per rank (Narayanan et al. 2021), plus the stage-to-stage sends.
+    Context parallel: the ring's K/V passes, hidden behind the attention. Expert parallel: the dispatch and combine
+    all-to-alls (``k s b h`` per layer, twice in backward), not hidden. Offload: PCIe traffic and the CPU optimizer
+    step.
 
 MFU counts model FLOPs only (PaLM's definition); recomputation is executed but not counted. It is measured against
 the time those FLOPs would take at the datasheet peak of the units that run them: the bf16 (or fp16/fp32) peak, and
@@ -90,8 +94,9 @@ from .strategies import StrategySpec
 from .training import Checkpointing, Precision, TrainingShape
 
 __all__ = [
-    "BOUND_LABELS", "COMPUTE_PARTS", "FP8_CAST_BYTES", "OPTIMIZER_BYTES", "StepTime", "compute_parts",
-    "estimate_time", "fp8_cast_elements", "fp8_params", "mfu_peak", "optimizer_seconds", "training_flops_per_token",
+    "BOUND_LABELS", "COMPUTE_PARTS", "FP8_CAST_BYTES", "OPTIMIZER_BYTES", "RING_HOP_S", "StepTime", "compute_parts",
+    "estimate_time", "fp8_cast_elements", "fp8_params", "mfu_peak", "optimizer_seconds", "ring_latency",
+    "training_flops_per_token",
 ]  # fmt: skip
 
 BOUND_LABELS = {
@@ -242,6 +247,30 @@ def training_flops_per_token(
     else:
         extra = 0.0
     return model_flops, model_flops + extra
+
+
+RING_HOP_S = {"nvlink": 3.4e-6, "network": 9.6e-6}
+"""Latency of one step of a ring all-gather / reduce-scatter (NCCL's Simple protocol), by the link the step crosses:
+NVIDIA/nccl ``src/graph/tuning.cc`` (``hwLat``, ring / Simple: NVLink 3.4 us, network 9.6 us per step, on top of
+``baseLat`` 8.4 us). A ring of ``n`` ranks on ``k`` nodes takes ``n - 1`` steps, ``k - 1`` of them across the
+network (its ``nsteps`` / ``nInterSteps``), so the latency of a collective grows linearly with the ring."""
+
+
+def ring_latency(hardware: Hardware, n: int, *, ranks_per_node: int) -> float:
+    """Seconds one ring all-gather or reduce-scatter over ``n`` ranks costs before its bytes count (alpha).
+
+    The small-message floor (:attr:`~.hardware.Accelerator.latency_s`: launch and handshake) plus :data:`RING_HOP_S`
+    per step of the ring, ``ranks_per_node`` of its ranks on each node. CPU processes (gloo) keep the floor alone,
+    which their figures were measured with.
+    """
+    acc = hardware.accelerator
+    if n <= 1:
+        return 0.0
+    if acc.vendor == "cpu":
+        return acc.latency_s
+    nodes = 1 if hardware.nodes == 1 else -(-n // max(1, min(ranks_per_node, n)))
+    hops = (n - nodes) * RING_HOP_S["nvlink"] + (nodes - 1) * RING_HOP_S["network"]
+    return acc.latency_s + hops * acc.comm_scale
 
 
 def _ring(n: int, factor: float) -> float:
@@ -470,13 +499,23 @@ def estimate_time(
                 once += gather
             dp_bytes += once
             dp_exposed += t_exposed
-        else:
+        elif strategy.shard_params:  # ZeRO-3 / FSDP: per unit and pass, one collective after another on one stream
+            units = blocks + 1  # the blocks and the root module
+            alpha = ring_latency(hardware, inner, ranks_per_node=min(inner, per_node_dp))
+            gather = _ring(inner, 1) * params / bw  # the whole stage's all-gathers of one pass
+            scatter = _ring(inner, 1) * grads / bw
+            forward_c = (compute_mb - parts.get("recompute", 0.0) / m) / 3
+            backward_c = compute_mb - forward_c  # the backward's matmuls and the recomputed forward
+            # forward: the gathers run one unit ahead of the compute (prefetch), the first has nothing to hide behind;
+            # backward: the gathers again and the reduce-scatters, the last of which starts when the compute ends
+            fwd = max(gather / units + alpha, gather + units * alpha - sharded_overlap * forward_c)
+            bwd = max(scatter / units + alpha, gather + scatter + 2 * units * alpha - sharded_overlap * backward_c)
+            dp_bytes += _ring(inner, 1) * (grads + 2 * params) * m
+            dp_exposed += m * (fwd + bwd)
+        else:  # ZeRO-2 / SHARD_GRAD_OP: reduce-scatter per micro-batch (DeepSpeed's and FSDP's own gathers)
             per_mb = _ring(inner, 1) * grads
             calls = 1.0  # collectives per unit (a block, or the root module) and micro-batch
-            if strategy.shard_params:
-                per_mb += 2 * _ring(inner, 1) * params  # all-gather in forward and again in backward
-                calls += 2
-            elif strategy.keeps_gathered_params or strategy.family == "deepspeed":
+            if strategy.keeps_gathered_params or strategy.family == "deepspeed":
                 per_mb += _ring(inner, 1) * params / (1 if strategy.keeps_gathered_params else m)
                 calls += 1 if strategy.keeps_gathered_params else 1 / m
             t_mb = per_mb / bw + calls * (blocks + 1) * lat
