@@ -19,42 +19,67 @@ pytest.importorskip("torch")
 CELL = """
 import os, signal
 import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
-# DeepSpeed strategies use the optimizer of the generated config
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-if os.environ["JD_STRATEGY"].startswith("zero"):
-    opt = None
-model, opt = jd.wrap(model, opt)
-first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-got = jd.resume()
-start = 0 if got is None else got[1] + 1
-print("start", start, "attempt", os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
-for step in range(start, 30):
-    g = torch.Generator().manual_seed(1000 * step + jd.rank)  # the data position is the step
-    X = torch.randn(32, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(model(X), X.sum(1, keepdim=True))  # dropout draws from the global RNG
-    jd.backward(loss)
-    jd.step(opt)
-    jd.log(step, loss=loss)
-    if MODE == "kill_in_save" and step == 19 and jd.rank == 1 and first_attempt:
-        real_save = torch.save
-        def dying_save(*a, **k):  # the rank dies while the checkpoint of step 19 is being written
+
+
+def train(mode, saving):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 1))
+    # DeepSpeed strategies use the optimizer of the generated config
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if os.environ["JD_STRATEGY"].startswith("zero"):
+        opt = None
+    model, opt = jd.wrap(model, opt)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    got = jd.resume() if saving else None
+    start = 0 if got is None else got[1] + 1
+    if saving:
+        print("start", start, "attempt", os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
+    for step in range(start, 30):
+        g = torch.Generator().manual_seed(1000 * step + jd.rank)  # the data position is the step
+        X = torch.randn(32, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(X), X.sum(1, keepdim=True))  # dropout draws from the global RNG
+        jd.backward(loss)
+        jd.step(opt)
+        if not saving:
+            continue
+        jd.log(step, loss=loss)
+        if mode == "kill_in_save" and step == 19 and jd.rank == 1 and first_attempt:
+            real_save = torch.save
+            def dying_save(*a, **k):  # the rank dies while the checkpoint of step 19 is being written
+                os.kill(os.getpid(), signal.SIGKILL)
+            torch.save = dying_save
+        jd.checkpoint({"model": model, "optimizer": opt}, step)
+        if mode in ("kill", "stop") and step == 17 and jd.rank == 1 and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
-        torch.save = dying_save
-    jd.checkpoint({"model": model, "optimizer": opt}, step)
-    if MODE in ("kill", "stop") and step == 17 and jd.rank == 1 and first_attempt:
-        os.kill(os.getpid(), signal.SIGKILL)
-params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    return [p.clone() for p in params]
+
+
+out = os.environ["JD_RUN_DIR"]
+final = train(MODE, True)
 if jd.rank == 0:
-    torch.save([p.clone() for p in params], os.path.join(os.environ["JD_RUN_DIR"], "final.pt"))
+    torch.save(final, os.path.join(out, "final.pt"))
+# The uninterrupted run the test compares with: the same cell again in the same processes, after the run ended, in
+# a fresh runtime without the run's directory (no resume, no checkpoints, no records), from the same seed
+from jupyter_dist.worker._runtime import fresh_runtime
+
+del os.environ["JD_RUN_DIR"]
+fresh_runtime()
+uninterrupted = train("none", False)
+if jd.rank == 0:
+    torch.save(uninterrupted, os.path.join(out, "uninterrupted.pt"))
 """
 
 
-def final_params(run: Any) -> list[Any]:
+def final_params(run: Any, name: str = "final") -> list[Any]:
+    """The run's final parameters, or (``name="uninterrupted"``) those of the uninterrupted run its ranks trained
+    after it: the same cell from the same seed in a fresh runtime (``fresh_runtime()``, as the equal-math launches
+    train their runs in turn), with no resume and no checkpoints. Its processes started no differently from a
+    separate launch's, so the comparison is the one with a separate uninterrupted launch, without paying for one."""
     import torch
 
-    return torch.load(run.dir / "final.pt")  # type: ignore[no-any-return]
+    return torch.load(run.dir / f"{name}.pt")  # type: ignore[no-any-return]
 
 
 def train(ip: Any, strategy: str, mode: str, extra: str = "") -> Any:
@@ -69,23 +94,10 @@ def same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.fixture(scope="module")
-def reference(ip: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
-    """Final parameters of uninterrupted runs, per strategy (computed once per module)."""
-    magics = ip.magics_manager.registry["DistMagics"]
-    out = {}
-    for strategy in ("ddp", "fsdp2"):
-        magics.runs_dir = str(tmp_path_factory.mktemp(f"ref-{strategy}"))
-        run = train(ip, strategy, "none")
-        assert run.wait(180) == "succeeded", run.summary()
-        out[strategy] = final_params(run)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "extra"), [("ddp", ""), ("fsdp2", ""), ("fsdp2", "--async-save")])
 def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends(
-    ip: Any, runs: Path, reference: dict[str, list[Any]], strategy: str, extra: str
+    ip: Any, runs: Path, strategy: str, extra: str
 ) -> None:
     run = train(ip, strategy, "kill", f"--max-restarts 1 {extra}")
     assert run.wait(180) == "succeeded", run.summary() + run.launcher_log()[-2000:]
@@ -95,7 +107,7 @@ def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends
     assert f"start {resumed} attempt 1" in run.logs(1)
     names = sorted(p.name for p in (run.dir / "checkpoints").iterdir())
     assert names == ["step-24", "step-29"], names  # --keep 2; the last async save was committed at exit
-    assert same(final_params(run), reference[strategy])
+    assert same(final_params(run), final_params(run, "uninterrupted"))
     # the dashboard marks the restart and the loss curve continues from the resumed step
     model = DashboardModel(2)
     model.ingest(run.records())
@@ -113,15 +125,13 @@ def test_a_killed_rank_restarts_resumes_and_ends_where_an_uninterrupted_run_ends
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_restarts_and_ends_where_an_uninterrupted_run_ends(ip: Any, runs: Path) -> None:
     pytest.importorskip("deepspeed")
-    ref = train(ip, "zero2", "none", "--env DS_ACCELERATOR=cpu")
-    assert ref.wait(300) == "succeeded", ref.summary()
     run = train(ip, "zero2", "kill", "--env DS_ACCELERATOR=cpu --max-restarts 1")
     assert run.wait(300) == "succeeded", run.summary()
     assert "start 15 attempt 1" in run.logs(1)
     assert (run.dir / "checkpoints" / "step-29" / "deepspeed").is_dir()  # DeepSpeed's own checkpoint format
     # bit-exact like DDP and FSDP2: jd.resume rebuilds the beta**t running products that DeepSpeed's CPU Adam keeps
     # only in process memory (without that: 1.2e-10 and 4.7e-10 off; see replay_cpu_adam_steps, issue 16)
-    assert same(final_params(run), final_params(ref))
+    assert same(final_params(run), final_params(run, "uninterrupted"))
 
 
 @pytest.mark.slow  # the fast tier (-m 'not slow') stays under 5 minutes
@@ -150,22 +160,22 @@ def test_deepspeed_cpu_adam_resumes_bit_exactly_after_the_step_products_are_repl
 
 
 @pytest.mark.slow
-def test_a_checkpoint_half_written_when_its_rank_died_is_ignored(ip: Any, runs: Path, reference: Any) -> None:
+def test_a_checkpoint_half_written_when_its_rank_died_is_ignored(ip: Any, runs: Path) -> None:
     run = train(ip, "ddp", "kill_in_save", "--max-restarts 1")
     assert run.wait(180) == "succeeded", run.summary()
     assert "start 15 attempt 1" in run.logs(1)  # step-19 was never completed: back to step 14
-    assert same(final_params(run), reference["ddp"])
+    assert same(final_params(run), final_params(run, "uninterrupted"))
 
 
 @pytest.mark.slow
-def test_a_stopped_run_continues_in_a_new_cell_with_resume(ip: Any, runs: Path, reference: Any) -> None:
+def test_a_stopped_run_continues_in_a_new_cell_with_resume(ip: Any, runs: Path) -> None:
     first = train(ip, "ddp", "stop")  # no restarts: the run fails when rank 1 dies at step 17
     assert first.wait(180) == "failed"
     assert (first.dir / "checkpoints" / "step-14" / "COMPLETE").exists()
     second = train(ip, "ddp", "none", f"--resume {first.dir}")
     assert second.wait(180) == "succeeded", second.summary()
     assert "start 15" in second.logs(0)
-    assert same(final_params(second), reference["ddp"])
+    assert same(final_params(second), final_params(second, "uninterrupted"))
     assert second._meta["env"]["JD_CHECKPOINT_DIR"] == str(first.dir / "checkpoints")
 
 
