@@ -284,3 +284,17 @@ def test_llama3_pipeline_layout_is_planned_but_not_launched() -> None:
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).training.pp_light_edges
     with pytest.raises(PlanInputError, match="pp-light-edges must be True or False"):
         TrainingShape(pp_light_edges="yes")  # type: ignore[arg-type]
+
+
+def test_light_edges_hold_the_embedding_and_the_output_in_a_layers_place() -> None:
+    """Llama 3 405B on 16 ranks x 8 stages: the edge ranks hold 7 blocks and the embedding / the output, the others 8
+    blocks, so the most loaded rank (what the memory model sizes) holds 8 blocks and nothing else."""
+    from jupyter_dist.plan import PRESETS, ParallelDims
+    from jupyter_dist.plan.memory import stage_params
+
+    model = PRESETS["llama-3.1-405b"]
+    dense, _, block = stage_params(model, ParallelDims(dp=1, pp=16), 8, light_edges=True)
+    assert dense == pytest.approx(8 * block, rel=1e-12)
+    assert 7 * block + model.embedding_params < dense  # the edge ranks are lighter
+    with pytest.raises(ParallelismError, match="128 pipeline stages need at least 128 layers"):
+        stage_params(model, ParallelDims(dp=1, pp=16), 8)
