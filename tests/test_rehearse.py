@@ -187,25 +187,54 @@ def test_the_magic_and_the_cli_hand_their_flags_to_rehearse(ip: Any, capsys: pyt
 # --------------------------------------------------------------------------------------------------- real processes
 @pytest.fixture(scope="module")
 def rehearsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Rehearsal, dict[int, dict[str, Any]]]]:
-    """Each case rehearsed (its ranks) and run for real (all its processes), on first use."""
+    """Each case rehearsed (its ranks) and run for real (all its processes), on first use.
+
+    The real runs of one world size share one torchrun launch (``rehearse_real.py`` runs their specs in turn,
+    DeepSpeed's last): the first case of a world size asked for rehearses every case of that size, then launches them
+    together. A case whose rehearsal failed fails the tests that read it; a failed launch fails every case of its
+    size.
+    """
 
     class Runs(dict):  # type: ignore[type-arg]
         def __missing__(self, name: str) -> tuple[Rehearsal, dict[int, dict[str, Any]]]:
-            model, world, degrees, ranks = CASES[name]
-            where = tmp_path_factory.mktemp(name.replace("+", "_"))
-            p = cpu_plan(model, world, **degrees)
-            r = rehearse(p, name, ranks=ranks, workdir=where / "rehearsal", timeout=600)
-            assert r.ok, [(x.rank, x.error, (where / "rehearsal" / f"rank{x.rank}.log").read_text()[-3000:])
-                          for x in r.ranks if not x.ok]  # fmt: skip
+            world = CASES[name][1]
+            group = sorted((n for n in CASES if CASES[n][1] == world), key=lambda n: n.startswith("zero"))
+            where = tmp_path_factory.mktemp(f"world{world}")
+            done: dict[str, Rehearsal] = {}
+            failed: dict[str, str] = {}
+            for case in group:
+                model, _, degrees, ranks = CASES[case]
+                home = where / case.replace("+", "_")
+                r = rehearse(cpu_plan(model, world, **degrees), case, ranks=ranks, workdir=home / "rehearsal",
+                             timeout=600)  # fmt: skip
+                if r.ok:
+                    done[case] = r
+                else:
+                    failed[case] = repr([(x.rank, x.error, (home / "rehearsal" / f"rank{x.rank}.log").read_text()
+                                          [-3000:]) for x in r.ranks if not x.ok])  # fmt: skip
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                    str(REAL), str(where / "rehearsal" / f"rank{ranks[0]}.spec.json"), str(where / "real")]  # fmt: skip
-            proc = run_bounded(argv, clean_env(), 300 + 60 * world, cwd=where)
-            assert proc.returncode == 0, proc.stdout[-6000:]
-            real = {k: json.loads((where / f"real.rank{k}.json").read_text()) for k in range(world)}
-            self[name] = (r, real)
+                    str(REAL)]  # fmt: skip
+            for case, r in done.items():
+                home = where / case.replace("+", "_")
+                argv += [str(home / "rehearsal" / f"rank{r.ranks[0].rank}.spec.json"), str(home / "real")]
+            proc = run_bounded(argv, clean_env(), 300 + 60 * world * len(done), cwd=where) if done else None
+            for case in group:
+                if case in failed or proc is None or proc.returncode != 0:
+                    self[case] = failed.get(case) or f"the launch of world {world} failed:\n{proc.stdout[-6000:]}"
+                    continue
+                home = where / case.replace("+", "_")
+                real = {k: json.loads((home / f"real.rank{k}.json").read_text()) for k in range(world)}
+                self[case] = (done[case], real)
             return self[name]
 
-    return Runs()
+    class Read(dict):  # type: ignore[type-arg]
+        def __missing__(self, name: str) -> tuple[Rehearsal, dict[int, dict[str, Any]]]:
+            got = runs[name]
+            assert not isinstance(got, str), f"{name}: {got}"
+            return got  # type: ignore[no-any-return]
+
+    runs = Runs()
+    return Read()
 
 
 @pytest.mark.slow
