@@ -357,7 +357,8 @@ def test_the_scripts_mesh_covers_the_processes_every_launcher_starts(cand: str) 
     lay = layout_of(p, opts)
     s = Script(render_train_script(p, opts))
     argv = torchrun_command(p, opts).argv
-    world = int(argv[argv.index("--nproc-per-node") + 1]) * int(argv[argv.index("--nnodes") + 1])
+    nodes = int(argv[argv.index("--nnodes") + 1]) if "--nnodes" in argv else 1
+    world = int(argv[argv.index("--nproc-per-node") + 1]) * nodes
     sbatch = render_sbatch(p, opts)
     per_node = re.search(r"#SBATCH --gpus-per-node=(\d+)", sbatch)
     nodes = re.search(r"#SBATCH --nodes=(\d+)", sbatch)
@@ -708,6 +709,23 @@ def _assert_trained(out: str, first: int, last: int) -> list[tuple[int, float]]:
     return steps
 
 
+def _assert_first_half(a: str, first: int) -> list[tuple[int, float]]:
+    """The first run of a train-and-resume check: ``first`` steps from scratch, the loss falls."""
+    steps_a = _assert_trained(a, 1, first)
+    assert steps_a[-1][1] < steps_a[0][1] - 0.2, f"the loss did not go down: {steps_a}"
+    assert RESUMED_RE.search(a) is None
+    return steps_a
+
+
+def _assert_resumed(a: str, b: str, first: int, second: int) -> None:
+    """The second run resumed at step ``first`` from the first run's trained weights and went on to ``second``."""
+    steps_a = _assert_first_half(a, first)
+    resumed = RESUMED_RE.search(b)
+    assert resumed is not None and int(resumed.group(2)) == first, b[-3000:]
+    steps_b = _assert_trained(b, first + 1, second)  # the step counter continues
+    assert steps_b[0][1] < steps_a[0][1]  # from the trained weights, not from scratch
+
+
 def _train_twice(
     tmp_path: Path,
     p: Plan,
@@ -720,14 +738,9 @@ def _train_twice(
 ) -> tuple[str, str]:
     """Run ``first`` steps, then run again up to ``second``: the loss falls, and the second run resumes."""
     a = _train(tmp_path, p, cand, first, launcher=launchers[0], extra_env=extra_env)
-    steps_a = _assert_trained(a, 1, first)
-    assert steps_a[-1][1] < steps_a[0][1] - 0.2, f"the loss did not go down: {steps_a}"
-    assert RESUMED_RE.search(a) is None
+    _assert_first_half(a, first)
     b = _train(tmp_path, p, cand, second, launcher=launchers[1], extra_env=extra_env)
-    resumed = RESUMED_RE.search(b)
-    assert resumed is not None and int(resumed.group(2)) == first, b[-3000:]
-    steps_b = _assert_trained(b, first + 1, second)  # the step counter continues
-    assert steps_b[0][1] < steps_a[0][1]  # from the trained weights, not from scratch
+    _assert_resumed(a, b, first, second)
     return a, b
 
 
@@ -740,57 +753,227 @@ needs_torch = pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(
                                  .exists(), reason="torch is not installed")  # fmt: skip
 
 
-@pytest.mark.slow
-@needs_torch
-def test_ddp_script_trains_and_resumes_bf16_selective_accumulation(tmp_path: Path) -> None:
-    _train_twice(tmp_path, _tiny_plan("bf16-mixed", "selective", 2), "ddp")
-    assert (tmp_path / "ckpt" / "step-4" / ".metadata").exists()
-    assert (tmp_path / "ckpt" / "step-6" / ".metadata").exists()
+# ---------------------------------------------------------------------------------------------------------------
+# Shared launches: every torchrun run of one world size trains in one launch (tests/_script_driver.py)
+# ---------------------------------------------------------------------------------------------------------------
+DRIVER = Path(__file__).with_name("_script_driver.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptRun:
+    """One generated script's run in a shared launch: its source, the arguments torchrun would pass it, its folder
+    (checkpoints under ``folder/ckpt``; a resumed run shares its first run's folder)."""
+
+    name: str
+    world: int
+    folder: Path
+    source: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    expect_failure: bool = False
+
+
+def _planned(
+    root: Path, name: str, p: Plan, cand: str, steps: int, *, folder: str = "", extra_args: tuple[str, ...] = ()
+) -> ScriptRun:
+    """``cand``'s script rendered for ``p`` as ``_train`` renders it, with the arguments and process count of the
+    project's torchrun command for it."""
+    d = root / (folder or name)
+    d.mkdir(parents=True, exist_ok=True)
+    script = d / f"{name}.py"
+    opts = RenderOptions(candidate=cand, script=str(script), lr=0.01, checkpoint_dir=str(d / "ckpt"),
+                         script_args=(*TINY, "--steps", str(steps), *extra_args))  # fmt: skip
+    cmd = torchrun_command(p, opts)
+    argv = cmd.argv
+    nodes = int(argv[argv.index("--nnodes") + 1]) if "--nnodes" in argv else 1
+    world = int(argv[argv.index("--nproc-per-node") + 1]) * nodes
+    after = argv[argv.index(str(script)) + 1 :]
+    return ScriptRun(name, world, d, render_train_script(p, opts), tuple(after), dict(cmd.env))
+
+
+def _local(root: Path, name: str, world: int, source: str, *args: str, expect_failure: bool = False) -> ScriptRun:
+    """``source`` run on ``world`` local processes for 5 steps (the plan's command is for its cluster)."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    argv = (*TINY, "--steps", "5", "--checkpoint-dir", str(d / "ckpt"), *args)
+    return ScriptRun(name, world, d, source, argv, expect_failure=expect_failure)
+
+
+def _no_device_id_source(p: Plan, opts: RenderOptions) -> str:
+    """The FSDP1 script without its ``device_id=device,`` line."""
+    source = render_train_script(p, opts)
+    line = next(x for x in source.splitlines() if x.strip().startswith("device_id=device,"))
+    return source.replace(line + "\n", "")
+
+
+def _shared_runs(root: Path) -> list[ScriptRun]:
+    """Every torchrun run of this file but DeepSpeed's, in launch order (references first, then each resumed run
+    after its first run)."""
+    tiny_bf16 = _tiny_plan("bf16-mixed", "selective", 2)
+    moe = render_train_script(_moe_plan(2, ep=2), RenderOptions(candidate="fsdp2+ep2", lr=0.01))
+    assert "\nEP = 2  #" in moe
+    one_fsdp1 = _plan(1, 1, micro_batch=2, grad_accum=1, seq_len=32, precision="bf16-mixed")
+    runs = [
+        # one process: the cp and ep references, FSDP1 without device_id
+        _planned(root, "one", _tp_plan(1, 1), "fsdp2", 5),
+        _local(root, "one-moe", 1, moe.replace("\nEP = 2  #", "\nEP = 1  #"), "--micro-batch", "4"),
+        _local(root, "fsdp1-no-device-id", 1, _no_device_id_source(one_fsdp1, RenderOptions(
+            candidate="fsdp-full-shard")), "--steps", "1", expect_failure=True),  # fmt: skip
+        # two processes
+        _planned(root, "dp", _dp_plan(), "fsdp2", 5),
+        _planned(root, "ddp", tiny_bf16, "ddp", 4),
+        _planned(root, "ddp-resumed", tiny_bf16, "ddp", 6, folder="ddp"),
+        _planned(root, "fsdp2", _tiny_plan("bf16-mixed", "full", 2), "fsdp2", 4),
+        _planned(root, "fsdp2-resumed", _tiny_plan("bf16-mixed", "full", 2), "fsdp2", 6, folder="fsdp2"),
+        _planned(root, "fsdp1", tiny_bf16, "fsdp-full-shard", 4),
+        _planned(root, "fsdp1-resumed", tiny_bf16, "fsdp-full-shard", 6, folder="fsdp1"),
+        *(_planned(root, f"pp-fsdp2+pp2-{s}", _pp_plan(2, pp=2), "fsdp2+pp2", 5, extra_args=("--schedule", s))
+          for s in ("1f1b", "gpipe")),  # fmt: skip
+        *(_planned(root, f"pp-interleaved{tail}", _pp_plan(2, "bf16-mixed", "full", pp=2), "fsdp2+pp2", steps,
+                   folder="pp-interleaved", extra_args=("--schedule", "interleaved-1f1b", "--layers", "4"))
+          for tail, steps in (("", 4), ("-resumed", 6))),  # fmt: skip
+        _planned(root, "fp16-pp", _pp_plan(2, "fp16-mixed", pp=2), "fsdp2+pp2", 5),
+        _planned(root, "cp-fsdp2+cp2", _tp_plan(1, 2, cp=2), "fsdp2+cp2", 5),
+        _planned(root, "ep-fsdp2+ep2", _moe_plan(2, ep=2), "fsdp2+ep2", 5),
+    ]
+    for cand, model, checkpointing in BF16_CP_EP:
+        dims = {"model": model, **_dims(cand)}
+        p = _plan(1, 2, micro_batch=2, grad_accum=2, seq_len=32, precision="bf16-mixed", checkpointing=checkpointing,
+                  **dims)  # fmt: skip
+        runs += [_planned(root, f"bf16-{cand}", p, cand, 4),
+                 _planned(root, f"bf16-{cand}-resumed", p, cand, 6, folder=f"bf16-{cand}")]  # fmt: skip
+    # four processes
+    hybrid_opts = RenderOptions(candidate="fsdp2-hybrid+tp2", lr=0.01)
+    hybrid = render_train_script(_tp_plan(2, 2, **_dims("fsdp2-hybrid+tp2")), hybrid_opts)
+    p = _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True)
+    runs += [
+        _planned(root, "tp-fsdp2+tp2+sp", _tp_plan(1, 4, tp=2, sp=True), "fsdp2+tp2+sp", 5),
+        _local(root, "tp-fsdp2-hybrid+tp2", 4, hybrid),  # one machine standing in for the plan's two nodes
+        _planned(root, "tp-sp", p, "fsdp2+tp2+sp", 4),
+        _planned(root, "tp-sp-resumed", p, "fsdp2+tp2+sp", 6, folder="tp-sp"),
+        _planned(root, "pp-fsdp2+tp2+pp2+sp-1f1b", _pp_plan(4, tp=2, sp=True, pp=2), "fsdp2+tp2+pp2+sp", 5,
+                 extra_args=("--schedule", "1f1b")),  # fmt: skip
+        *(_planned(root, f"cp-{cand}", _tp_plan(1, 4, **_dims(cand)), cand, 5)
+          for cand in ("fsdp2+tp2+cp2+sp", "fsdp2+pp2+cp2")),  # fmt: skip
+        _planned(root, "ep-zero1+pp2+ep2", _moe_plan(4, **_dims("zero1+pp2+ep2")), "zero1+pp2+ep2", 5),
+    ]
+    return runs
+
+
+class SharedLaunches:
+    """The runs of :func:`_shared_runs`, one torchrun launch per world size, started when a test first asks for one
+    of its runs; each test reads its own run's output (every rank's prints, rank 0 first).
+
+    A run that fails ends its launch: its test fails with its traceback, the tests of the runs after it with the
+    launch's log."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.runs = {r.name: r for r in _shared_runs(root)}
+        self.launched: dict[int, str] = {}  # world size -> the launch's log
+
+    def _launch(self, world: int) -> str:
+        if world not in self.launched:
+            folder = self.root / f"launch-{world}"
+            folder.mkdir()
+            spec = []
+            for r in self.runs.values():
+                if r.world == world:
+                    script = r.folder / f"{r.name}.py"
+                    script.write_text(r.source)
+                    spec.append({"name": r.name, "script": str(script), "argv": list(r.argv), "env": r.env,
+                                 "cwd": str(r.folder), "log": str(r.folder / f"{r.name}.log"),
+                                 "expect_failure": r.expect_failure})  # fmt: skip
+            (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+            argv = ["torchrun", "--standalone", "--nproc-per-node", str(world), str(DRIVER), str(folder / "spec.json")]
+            self.launched[world] = "the launch did not end"
+            rc, out = _run(Command(argv=argv), folder, timeout=900)
+            failed = [f"{r.name} failed:\n{json.loads(f.read_text())['error'][-3000:]}" for r in self.runs.values()
+                      if r.world == world and not r.expect_failure for f in r.folder.glob(f"{r.name}.log.rank*.json")
+                      if json.loads(f.read_text())["rc"] != 0][:1]  # fmt: skip
+            self.launched[world] = f"the {world}-process launch ended with {rc}: {''.join(failed)}\n{out[-3000:]}"
+        return self.launched[world]
+
+    def result(self, name: str) -> tuple[int, str]:
+        """The run's exit status (the highest of its ranks') and output."""
+        run = self.runs[name]
+        launch = self._launch(run.world)
+        outcomes = [run.folder / f"{name}.log.rank{rank}.json" for rank in range(run.world)]
+        if not all(f.exists() for f in outcomes):
+            pytest.fail(f"run {name} did not finish in its shared launch; {launch}")
+        out = "".join((run.folder / f"{name}.log.rank{rank}").read_text() for rank in range(run.world))
+        return max(json.loads(f.read_text())["rc"] for f in outcomes), out
+
+    def output(self, name: str) -> str:
+        """The output of a run that must succeed."""
+        rc, out = self.result(name)
+        assert rc == 0, out[-6000:]
+        return out
+
+    def folder(self, name: str) -> Path:
+        return self.runs[name].folder
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> SharedLaunches:
+    """This file's torchrun runs (but DeepSpeed's), three launches in all (1, 2 and 4 processes), once per module."""
+    return SharedLaunches(tmp_path_factory.mktemp("shared"))
 
 
 @pytest.mark.slow
 @needs_torch
-def test_fsdp2_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tmp_path: Path) -> None:
-    a, _ = _train_twice(tmp_path, _tiny_plan("bf16-mixed", "full", 2), "fsdp2")
+def test_ddp_script_trains_and_resumes_bf16_selective_accumulation(shared: SharedLaunches) -> None:
+    """Train 4 steps, then resume to 6. Both runs train in the shared 2-process launch, one after the other: the
+    second is a fresh run of the script (its own ``runpy`` execution, new model and optimizer, a new process group)
+    whose only way to the first run's weights and step is the checkpoint the first run wrote to disk, so it proves
+    the resume as a second launch did."""
+    _assert_resumed(shared.output("ddp"), shared.output("ddp-resumed"), 4, 6)
+    assert (shared.folder("ddp") / "ckpt" / "step-4" / ".metadata").exists()
+    assert (shared.folder("ddp") / "ckpt" / "step-6" / ".metadata").exists()
+
+
+@pytest.mark.slow
+@needs_torch
+def test_fsdp2_script_trains_and_resumes_bf16_full_checkpointing_accumulation(shared: SharedLaunches) -> None:
+    """Train then resume in the shared launch (why that proves the resume: the ddp test above)."""
+    a = shared.output("fsdp2")
+    _assert_resumed(a, shared.output("fsdp2-resumed"), 4, 6)
     assert "fsdp2 on 2 ranks (cpu), bf16-mixed" in a
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-4", "step-6"]
-    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
+    ckpt = shared.folder("fsdp2") / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-6"]
+    assert len(list((ckpt / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
 
 
 @pytest.mark.slow
 @needs_torch
-def test_fsdp2_script_trains_fp32_without_accumulation(dp_run: tuple[str, Path]) -> None:
-    """The data-parallel reference's own run (``dp_run``: fsdp2, fp32, accumulation 1, 5 steps) read here."""
-    out, folder = dp_run
+def test_fsdp2_script_trains_fp32_without_accumulation(shared: SharedLaunches) -> None:
+    """The data-parallel reference's own run (``dp``: fsdp2, fp32, accumulation 1, 5 steps) read here."""
+    out = shared.output("dp")
     assert layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).grad_accum == 1
     steps = _assert_trained(out, 1, 5)
     assert steps[-1][1] < steps[0][1] - 0.2, f"the loss did not go down: {steps}"
     assert "fsdp2 on 2 ranks (cpu), fp32" in out
-    assert (folder / "ckpt" / "step-5" / ".metadata").exists()
+    assert (shared.folder("dp") / "ckpt" / "step-5" / ".metadata").exists()
 
 
 @pytest.mark.slow
 @needs_torch
-def test_fsdp1_script_trains_and_resumes_on_cpu_with_device_id(tmp_path: Path) -> None:
-    """FSDP1 runs on CPU when it is given ``device_id=torch.device("cpu")``, which the script always passes."""
-    _train_twice(tmp_path, _tiny_plan("bf16-mixed", "selective", 2), "fsdp-full-shard")
+def test_fsdp1_script_trains_and_resumes_on_cpu_with_device_id(shared: SharedLaunches) -> None:
+    """FSDP1 runs on CPU when it is given ``device_id=torch.device("cpu")``, which the script always passes (train
+    then resume in the shared launch: why that proves the resume, the ddp test above)."""
+    _assert_resumed(shared.output("fsdp1"), shared.output("fsdp1-resumed"), 4, 6)
 
 
 @pytest.mark.slow
 @needs_torch
-def test_fsdp1_script_needs_an_accelerator_on_cpu_without_device_id(tmp_path: Path) -> None:
+def test_fsdp1_script_needs_an_accelerator_on_cpu_without_device_id(shared: SharedLaunches) -> None:
     """Why the script passes ``device_id``: without it PyTorch's FSDP1 refuses to run where there is no GPU.
 
-    One process is enough (the plan made for one GPU: torchrun starts one rank): FSDP's constructor refuses before
-    any communication, whatever the world size; the two-process FSDP1 runs are the resume test above."""
-    p = _plan(1, 1, micro_batch=2, grad_accum=1, seq_len=32, precision="bf16-mixed")
-    script = tmp_path / "train.py"
-    opts = RenderOptions(candidate="fsdp-full-shard", script=str(script), checkpoint_dir=str(tmp_path / "ckpt"),
-                         script_args=(*TINY, "--steps", "1"))  # fmt: skip
-    source = render_train_script(p, opts)
-    line = next(x for x in source.splitlines() if x.strip().startswith("device_id=device,"))
-    script.write_text(source.replace(line + "\n", ""))
-    rc, out = _run(torchrun_command(p, opts), tmp_path)
+    One process is enough (the plan made for one GPU: one rank, in the shared 1-process launch): FSDP's constructor
+    refuses before any communication, whatever the world size; the two-process FSDP1 runs are the resume test
+    above."""
+    rc, out = shared.result("fsdp1-no-device-id")
+    assert "device_id=device," not in shared.runs["fsdp1-no-device-id"].source
     assert rc != 0
     assert "FSDP needs a non-CPU accelerator device" in out
 
@@ -841,20 +1024,13 @@ def _dp_plan() -> Plan:
 
 
 @pytest.fixture(scope="module")
-def dp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    """The data-parallel reference, run once per module: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 4
-    without accumulation; its output and folder. test_fsdp2_script_trains_fp32_without_accumulation reads the same
-    run. Each replica's micro-batch of 4 is the 4 samples a micro-batch 2 x accumulation 2 run takes in two micro-steps
+def dp_losses(shared: SharedLaunches) -> list[float]:
+    """The data-parallel reference's losses: fsdp2 on 2 processes (dp 2), fp32, 5 steps of micro-batch 4 without
+    accumulation (the ``dp`` run; test_fsdp2_script_trains_fp32_without_accumulation reads the same run). Each
+    replica's micro-batch of 4 is the 4 samples a micro-batch 2 x accumulation 2 run takes in two micro-steps
     (DistributedSampler's order), so the tp, pp and cp scripts (which accumulate) compare against the same mean: the
     two references' losses agree to 3e-7 here, inside the 1e-5 of the comparisons."""
-    folder = tmp_path_factory.mktemp("dp")
-    return _train(folder, _dp_plan(), "fsdp2", 5), folder
-
-
-@pytest.fixture(scope="module")
-def dp_losses(dp_run: tuple[str, Path]) -> list[float]:
-    """The data-parallel reference's losses (dp_run)."""
-    return [loss for _, loss in _assert_trained(dp_run[0], 1, 5)]
+    return [loss for _, loss in _assert_trained(shared.output("dp"), 1, 5)]
 
 
 @pytest.mark.slow
@@ -864,7 +1040,7 @@ def dp_losses(dp_run: tuple[str, Path]) -> list[float]:
     [("fsdp2+tp2+sp", 1, 4, "dp_shard=2 x tp=2"), ("fsdp2-hybrid+tp2", 2, 2, "dp_replicate=2 x dp_shard=1 x tp=2")],
 )
 def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
-    tmp_path: Path, dp_losses: list[float], cand: str, nodes: int, gpus: int, mesh: str
+    shared: SharedLaunches, dp_losses: list[float], cand: str, nodes: int, gpus: int, mesh: str
 ) -> None:
     """Equal math: dp 2 x tp 2 (tp ranks load the same batch) trains like dp 2 alone, fp32, to 1e-5 relative.
 
@@ -875,15 +1051,7 @@ def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
     p = _tp_plan(nodes, gpus, **_dims(cand))
     opts = RenderOptions(candidate=cand)
     assert layout_of(p, opts).global_batch == layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).global_batch
-    if nodes == 1:
-        out = _train(tmp_path, p, cand, 5)
-    else:  # one machine standing in for the plan's two nodes
-        script = tmp_path / "train.py"
-        script.write_text(render_train_script(p, RenderOptions(candidate=cand, lr=0.01)))
-        args = [*TINY, "--steps", "5", "--checkpoint-dir", str(tmp_path / "ckpt")]
-        cmd = Command(argv=["torchrun", "--standalone", "--nproc-per-node", "4", str(script), *args])
-        rc, out = _run(cmd, tmp_path)
-        assert rc == 0, out[-6000:]
+    out = shared.output(f"tp-{cand}")
     assert f"fsdp2{'-hybrid' * (nodes > 1)} on 4 ranks (cpu), fp32" in out and f"mesh {mesh}" in out
     losses = [loss for _, loss in _assert_trained(out, 1, 5)]
     assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
@@ -892,11 +1060,13 @@ def test_tp_script_on_4_processes_has_the_losses_of_the_data_parallel_script(
 
 @pytest.mark.slow
 @needs_torch
-def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(tmp_path: Path) -> None:
-    """fsdp2+tp2+sp with the plan's bf16-mixed and full activation checkpointing saves through DCP and resumes."""
-    a, _ = _train_twice(tmp_path, _tp_plan(1, 4, "bf16-mixed", "full", tp=2, sp=True), "fsdp2+tp2+sp")
+def test_tp_sp_script_trains_and_resumes_bf16_full_checkpointing_accumulation(shared: SharedLaunches) -> None:
+    """fsdp2+tp2+sp with the plan's bf16-mixed and full activation checkpointing saves through DCP and resumes (train
+    then resume in the shared 4-process launch: why that proves the resume, the ddp test)."""
+    a = shared.output("tp-sp")
+    _assert_resumed(a, shared.output("tp-sp-resumed"), 4, 6)
     assert "mesh dp_shard=2 x tp=2" in a
-    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank
+    assert len(list((shared.folder("tp-sp") / "ckpt" / "step-6").glob("*.distcp"))) == 4  # one shard file per rank
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -931,7 +1101,7 @@ def test_the_scripts_stage_bounds_are_the_planners() -> None:
      ("fsdp2+tp2+pp2+sp", 4, "1f1b", "pp=2 x dp_shard=1 x tp=2")],
 )  # fmt: skip
 def test_pp_script_has_the_losses_of_the_data_parallel_script(
-    tmp_path: Path, dp_losses: list[float], cand: str, gpus: int, schedule: str, mesh: str
+    shared: SharedLaunches, dp_losses: list[float], cand: str, gpus: int, schedule: str, mesh: str
 ) -> None:
     """Equal math: pp 2 (x tp 2 + sp) over 4 micro-batches of 2 trains like dp 2 x micro-batch 4, fp32, 1e-5.
 
@@ -943,7 +1113,9 @@ def test_pp_script_has_the_losses_of_the_data_parallel_script(
     p = _pp_plan(gpus, **_dims(cand))
     lay = layout_of(p, RenderOptions(candidate=cand))
     assert lay.global_batch == layout_of(_dp_plan(), RenderOptions(candidate="fsdp2")).global_batch == 8
-    out = _train(tmp_path, p, cand, 5, extra_args=("--schedule", schedule))
+    run = f"pp-{cand}-{schedule}"
+    assert shared.runs[run].world == gpus and shared.runs[run].argv[-2:] == ("--schedule", schedule)
+    out = shared.output(run)
     assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh} schedule {schedule}, 4 micro-batches" in out
     assert "pipeline stages (blocks): 0: 0..0, 1: 1..1" in out
     losses = [loss for _, loss in _assert_trained(out, 1, 5)]
@@ -953,23 +1125,17 @@ def test_pp_script_has_the_losses_of_the_data_parallel_script(
 
 @pytest.mark.slow
 @needs_torch
-def test_pp_script_trains_and_resumes_interleaved_bf16_full_checkpointing(tmp_path: Path) -> None:
+def test_pp_script_trains_and_resumes_interleaved_bf16_full_checkpointing(shared: SharedLaunches) -> None:
     """fsdp2+pp2 with interleaved 1F1B (2 stages per rank, 4 blocks), bf16-mixed and full activation checkpointing
-    saves one flattened DCP checkpoint of both ranks' stages and resumes from it."""
-    args = ("--schedule", "interleaved-1f1b", "--layers", "4")
-    p = _pp_plan(2, "bf16-mixed", "full", pp=2)
-    a = _train(tmp_path, p, "fsdp2+pp2", 4, extra_args=args)
-    steps_a = _assert_trained(a, 1, 4)
-    assert steps_a[-1][1] < steps_a[0][1] - 0.2, f"the loss did not go down: {steps_a}"
+    saves one flattened DCP checkpoint of both ranks' stages and resumes from it (train then resume in the shared
+    launch: why that proves the resume, the ddp test)."""
+    a = shared.output("pp-interleaved")
     assert "pipeline stages (blocks): 0: 0..0, 1: 1..1, 2: 2..2, 3: 3..3" in a
-    b = _train(tmp_path, p, "fsdp2+pp2", 6, extra_args=args)
-    resumed = RESUMED_RE.search(b)
-    assert resumed is not None and int(resumed.group(2)) == 4, b[-3000:]
-    steps_b = _assert_trained(b, 5, 6)
-    assert steps_b[0][1] < steps_a[0][1]
+    _assert_resumed(a, shared.output("pp-interleaved-resumed"), 4, 6)
     import torch.distributed.checkpoint as dcp
 
-    keys = set(dcp.FileSystemReader(str(tmp_path / "ckpt" / "step-6")).read_metadata().state_dict_metadata)
+    step6 = shared.folder("pp-interleaved") / "ckpt" / "step-6"
+    keys = set(dcp.FileSystemReader(str(step6)).read_metadata().state_dict_metadata)
     for layer in range(4):  # every stage's parameters under their whole-model names, one optimizer key each
         assert f"model.blocks.{layer}.attn.q_proj.weight" in keys
         assert f"optim.state.blocks.{layer}.attn.q_proj.weight.exp_avg" in keys
@@ -994,40 +1160,26 @@ def test_pp_script_refuses_a_1f1b_schedule_with_fewer_micro_batches_than_stages(
 # ---------------------------------------------------------------------------------------------------------------
 # Context and expert parallelism: CPU processes (gloo), the same math as one process on the same global batch
 # ---------------------------------------------------------------------------------------------------------------
-def _run_script(tmp_path: Path, source: str, nproc: int, *args: str) -> str:
-    """Run ``source`` as train.py on ``nproc`` local processes for 5 steps (the plan's command is for its cluster)."""
-    script = tmp_path / "train.py"
-    script.write_text(source)
-    argv = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(script), *TINY, "--steps", "5",
-            "--checkpoint-dir", str(tmp_path / "ckpt"), *args]  # fmt: skip
-    rc, out = _run(Command(argv=argv), tmp_path)
-    assert rc == 0, out[-6000:]
-    return out
-
-
 def _moe_plan(gpus: int, **dims: Any) -> Plan:
     dims = {"model": "mixtral-8x7b", **dims}
     return _plan(1, gpus, micro_batch=2, grad_accum=2, seq_len=32, precision="fp32", **dims)
 
 
 @pytest.fixture(scope="module")
-def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def one_process_losses(shared: SharedLaunches) -> list[float]:
     """The reference of the cp runs (dp 1): fsdp2 on one process, fp32, 5 steps of micro-batch 2 x accumulation 2."""
-    out = _train(tmp_path_factory.mktemp("one"), _tp_plan(1, 1), "fsdp2", 5)
-    return [loss for _, loss in _assert_trained(out, 1, 5)]
+    return [loss for _, loss in _assert_trained(shared.output("one"), 1, 5)]
 
 
 @pytest.fixture(scope="module")
-def one_process_moe_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def one_process_moe_losses(shared: SharedLaunches) -> list[float]:
     """The reference of the ep runs (dp 2): the fsdp2+ep2 script with EP = 1 on one process and micro-batch 4.
 
     The same samples per step as dp 2 x micro-batch 2 (DistributedSampler's two replicas take alternate indices of
     the same permutation), every expert on the one rank (the all-to-alls go nowhere).
     """
-    source = render_train_script(_moe_plan(2, ep=2), RenderOptions(candidate="fsdp2+ep2", lr=0.01))
-    assert "\nEP = 2  #" in source
-    out = _run_script(tmp_path_factory.mktemp("moe"), source.replace("\nEP = 2  #", "\nEP = 1  #"), 1,
-                      "--micro-batch", "4")  # fmt: skip
+    assert "\nEP = 1  #" in shared.runs["one-moe"].source
+    out = shared.output("one-moe")
     assert "fsdp2 on 1 ranks (cpu), fp32" in out
     return [loss for _, loss in _assert_trained(out, 1, 5)]
 
@@ -1040,7 +1192,7 @@ def one_process_moe_losses(tmp_path_factory: pytest.TempPathFactory) -> list[flo
      ("fsdp2+pp2+cp2", 4, "pp=2 x dp_shard=1 x cp=2")],
 )  # fmt: skip
 def test_cp_script_has_the_losses_of_one_process(
-    tmp_path: Path, one_process_losses: list[float], cand: str, gpus: int, mesh: str
+    shared: SharedLaunches, one_process_losses: list[float], cand: str, gpus: int, mesh: str
 ) -> None:
     """Equal math: cp 2 (with tp 2 + sp, or 2 pipeline stages) trains like one process, fp32, to 1e-5 relative.
 
@@ -1051,7 +1203,8 @@ def test_cp_script_has_the_losses_of_one_process(
     """
     p = _tp_plan(1, gpus, **_dims(cand))
     assert layout_of(p, RenderOptions(candidate=cand)).global_batch == 4
-    out = _train(tmp_path, p, cand, 5)
+    assert shared.runs[f"cp-{cand}"].world == gpus
+    out = shared.output(f"cp-{cand}")
     assert f"fsdp2 on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
     losses = [loss for _, loss in _assert_trained(out, 1, 5)]
     assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
@@ -1064,7 +1217,7 @@ def test_cp_script_has_the_losses_of_one_process(
     ("cand", "gpus", "mesh"), [("fsdp2+ep2", 2, "dp_shard=2"), ("zero1+pp2+ep2", 4, "pp=2 x dp_shard=2")]
 )
 def test_ep_script_has_the_losses_of_one_process(
-    tmp_path: Path, one_process_moe_losses: list[float], cand: str, gpus: int, mesh: str
+    shared: SharedLaunches, one_process_moe_losses: list[float], cand: str, gpus: int, mesh: str
 ) -> None:
     """Equal math: ep 2 over 2 data-parallel ranks (and zero1+pp2+ep2, Mixtral's recommended composition scaled
     down to 4 processes) trains the mixture of experts like one process holding every expert, fp32, to 1e-5.
@@ -1073,40 +1226,40 @@ def test_ep_script_has_the_losses_of_one_process(
     gradients sum every rank's tokens and are divided by the data-parallel size. A wrong dispatch, regrouping,
     combine or gradient scale shows in the losses.
     """
-    out = _train(tmp_path, _moe_plan(gpus, **_dims(cand)), cand, 5)
+    assert shared.runs[f"ep-{cand}"].world == gpus
+    out = shared.output(f"ep-{cand}")
     assert f"{cand.split('+')[0]} on {gpus} ranks (cpu), fp32" in out and f"mesh {mesh}" in out
     losses = [loss for _, loss in _assert_trained(out, 1, 5)]
     assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
     assert losses == pytest.approx(one_process_moe_losses, rel=1e-5)
 
 
+BF16_CP_EP = [("fsdp2+cp2", "gpt2", "selective"), ("fsdp2+ep2", "mixtral-8x7b", "full")]
+
+
 @pytest.mark.slow
 @needs_torch
-@pytest.mark.parametrize(("cand", "model", "checkpointing"),
-                         [("fsdp2+cp2", "gpt2", "selective"), ("fsdp2+ep2", "mixtral-8x7b", "full")])  # fmt: skip
+@pytest.mark.parametrize(("cand", "model", "checkpointing"), BF16_CP_EP)
 def test_cp_and_ep_scripts_train_and_resume_bf16_with_activation_checkpointing(
-    tmp_path: Path, cand: str, model: str, checkpointing: str
+    shared: SharedLaunches, cand: str, model: str, checkpointing: str
 ) -> None:
     """bf16-mixed, activation checkpointing (recomputed inside the sequence split / with the all-to-alls), DCP
-    checkpoints of the sequence-sharded and expert-split states, resumed."""
-    dims = {"model": model, **_dims(cand)}
-    p = _plan(1, 2, micro_batch=2, grad_accum=2, seq_len=32, precision="bf16-mixed", checkpointing=checkpointing,
-              **dims)  # fmt: skip
-    _train_twice(tmp_path, p, cand)
-    assert len(list((tmp_path / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one shard file per rank
+    checkpoints of the sequence-sharded and expert-split states, resumed (train then resume in the shared launch:
+    why that proves the resume, the ddp test)."""
+    _assert_resumed(shared.output(f"bf16-{cand}"), shared.output(f"bf16-{cand}-resumed"), 4, 6)
+    assert len(list((shared.folder(f"bf16-{cand}") / "ckpt" / "step-6").glob("*.distcp"))) == 2  # one per rank
 
 
 @pytest.mark.slow
 @needs_torch
 def test_fp16_pp_script_scales_the_loss_across_stages_and_trains_like_data_parallelism(
-    tmp_path: Path, dp_losses: list[float]
+    shared: SharedLaunches, dp_losses: list[float]
 ) -> None:
     """fp16-mixed under pp2: the last stage scales the loss, every stage unscales its gradients with the one
     ShardedGradScaler (overflow checks on all ranks); the losses follow the fp32 dp 2 reference to fp16's precision."""
-    p = _pp_plan(2, "fp16-mixed", pp=2)
-    source = render_train_script(p, RenderOptions(candidate="fsdp2+pp2"))
+    source = shared.runs["fp16-pp"].source
     assert "def scaled_loss(" in source and "scaler.update()" in source
-    out = _train(tmp_path, p, "fsdp2+pp2", 5)
+    out = shared.output("fp16-pp")
     assert "fsdp2 on 2 ranks (cpu), fp16-mixed" in out
     losses = [loss for _, loss in _assert_trained(out, 1, 5)]
     assert losses[-1] < losses[0] - 0.2, f"the loss did not go down: {losses}"
