@@ -326,6 +326,8 @@ def test_cuda_peaks_are_compared_without_the_context_and_the_allocator_reserve()
         (["--micro-batches", "1,x"], "--micro-batches wants a comma-separated list, got '1,x'"),
         (["--micro-batches", "0"], "--micro-batches must be positive integers, got [0]"),
         (["--candidates", "zero9"], "no candidate 'zero9' in the plan; have: ddp"),
+        (["--options", "compile,jit"], "--options: unknown option 'jit'; valid: compile, fused, fp8"),
+        (["--options", "fp8"], "--options fp8: precision fp8 needs FP8 tensor cores, which CPU process (gloo) lacks"),
         (["--gpu", "h100-80gb", "--gpus-per-node", "2"], "but this machine has 0 GPU(s): tune locally with --gpu cpu"),
     ],
 )
@@ -399,3 +401,175 @@ def test_a_plan_that_uses_a_calibration_names_its_file_and_how_to_drop_it(calibr
     assert f"(from {saved}; --no-calibration, or deleting that file, plans with the published figures)" in reason
     saved.unlink()
     assert load_calibration("cpu") is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speed options (compile, fused, fp8) as choices (issue 31)
+# ---------------------------------------------------------------------------------------------------------------
+def test_options_are_validated_in_one_line_naming_the_valid_ones() -> None:
+    from jupyter_dist.launch.tune import option_settings, parse_options, with_options
+
+    assert parse_options("fused, compile") == ("compile", "fused")  # canonical order
+    assert parse_options(None) == () and option_settings(()) == [{}]
+    with pytest.raises(JupyterDistError, match=r"^--options: unknown option 'jit'; valid: compile, fused, fp8$"):
+        parse_options("compile,jit")
+    assert option_settings(("compile", "fused")) == [
+        {"compile": False, "fused": False}, {"compile": False, "fused": True},
+        {"compile": True, "fused": False}, {"compile": True, "fused": True},
+    ]  # fmt: skip
+    fp8 = with_options(SHAPE, {"fp8": True})
+    assert fp8.precision.value == "fp8" and with_options(fp8, {"fp8": False}).precision.value == "bf16-mixed"
+    assert with_options(SHAPE, {"fp8": False}) == SHAPE  # fp32 stays fp32 with fp8 off
+    assert with_options(SHAPE, {"compile": True}).compile is True and SHAPE.compile is None
+
+
+def test_fp8_trials_are_refused_in_one_line_on_hardware_without_fp8() -> None:
+    p = plan(TINY, CPU2, SHAPE)
+    with pytest.raises(JupyterDistError, match=r"^--options fp8: precision fp8 needs FP8 tensor cores, which CPU .*"
+                                               r"lacks; GPUs with them: .*h100"):  # fmt: skip
+        tune(None, p, options=["compile", "fp8"], steps=4)
+
+
+def fake_runs(monkeypatch: pytest.MonkeyPatch, step_of: dict[str, float]) -> list[tuple[str, int, dict[str, str]]]:
+    """Replace the launch of each trial by a measurement: step time by the options it ran (no processes)."""
+    from jupyter_dist.launch import tune as tune_mod
+    from jupyter_dist.plan.calibration import options_key
+
+    started: list[tuple[str, int, dict[str, str]]] = []
+
+    def run_trial(start_run, cell, trial_plan, predicted, mb, *, speed, **kw):  # type: ignore[no-untyped-def]
+        key = options_key(trial_plan.training, "cpu")
+        # the worker is told what the trial was predicted with
+        assert speed == {"compile": "1" if "compile+" in key else "0", "fused": "1" if "+fused" in key else "0"}
+        started.append((predicted.name, mb, speed))
+        step = step_of[key] * (1.5 if predicted.name != "ddp" else 1.0)
+        measured = Measured(step_time_s=step, tokens_per_s=mb * 64 / step, peak_bytes={0: 300 * 2**20}, steps=8)
+        return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="ok", measured=measured)
+
+    monkeypatch.setattr(tune_mod, "_run_trial", run_trial)
+    return started
+
+
+def test_each_candidate_runs_with_every_option_setting_and_the_best_options_are_recommended(
+    monkeypatch: pytest.MonkeyPatch, calibration_dir: Path
+) -> None:
+    step_of = {"eager+foreach": 0.08, "eager+fused": 0.07, "compile+foreach": 0.05, "compile+fused": 0.04}
+    started = fake_runs(monkeypatch, step_of)
+    p = plan(TINY, CPU2, SHAPE)
+    result = tune(None, p, candidates=["ddp", "fsdp2"], micro_batches=[8], options="compile,fused", steps=4)
+    assert [(name, speed["compile"], speed["fused"]) for name, _, speed in started] == [
+        (n, c, f) for n in ("ddp", "fsdp2") for c in "01" for f in "01"
+    ]  # fmt: skip
+    assert [t.options for t in result.trials] == list(step_of) * 2
+    # each trial predicted with its options: the compiled blocks are priced faster than the eager ones
+    by = {(t.candidate, t.options): t.predicted.time.step_time_s for t in result.trials}
+    assert by[("ddp", "compile+foreach")] < by[("ddp", "eager+foreach")]
+    assert by[("ddp", "eager+fused")] < by[("ddp", "eager+foreach")]
+    best = result.best
+    assert best is not None and best.label == "ddp @ mb 8 compile+fused"
+    # the recommended plan runs what won, and the %%dist_train line it prints carries it
+    assert result.plan.recommended == "ddp" and result.plan.training.compile is True
+    assert result.plan.training.fused_optimizer is True
+    assert result.train_line() == "%%dist_train --plan best --nproc 2 --compile --env JD_FUSED=1"
+    text = result.to_text()
+    header = text.splitlines()[0].split()
+    assert header[:2] == ["trial", "options"]
+    rows = {tuple(line.split()[:5]) for line in text.splitlines()[2:10]}
+    assert {(n, "@", "mb", "8", k) for n in ("ddp", "fsdp2") for k in step_of} == rows  # the options column
+    assert "Train with it: %%dist_train --plan best --nproc 2 --compile --env JD_FUSED=1" in text
+    assert "<td>compile+fused</td>" in result.to_html()
+    # one calibration per option set, each from its own two trials; the plan uses the winner's
+    assert sorted(result.calibrations) == sorted(step_of)
+    assert all(c.trials == 2 and c.options == k for k, c in result.calibrations.items())
+    assert result.calibration is result.calibrations["compile+fused"]
+    assert any("(compile+fused)" in r for r in result.plan.reasons if r.startswith("Calibrated"))
+    assert not list(calibration_dir.iterdir())  # not saved unless asked
+    saved = Path(result.save_calibration())
+    assert saved.name == f"{hardware_key('cpu')}@compile+fused.json"
+    assert sorted(f.name for f in calibration_dir.iterdir()) == sorted(
+        f"{hardware_key('cpu')}{'' if k == 'eager+foreach' else '@' + k}.json" for k in step_of
+    )  # fmt: skip
+
+
+def test_eager_trials_alone_recommend_eager_and_print_no_speed_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_runs(monkeypatch, {"eager+foreach": 0.05, "eager+fused": 0.09})
+    result = tune(None, plan(TINY, CPU2, SHAPE), candidates=["ddp"], micro_batches=[8], options=["fused"], steps=4)
+    assert [t.label for t in result.trials] == ["ddp @ mb 8 eager+foreach", "ddp @ mb 8 eager+fused"]
+    assert result.best is result.trials[0] and result.plan.training.fused_optimizer is False
+    assert result.train_line("p") == "%%dist_train --plan p --nproc 2"  # the CPU ranks' default: eager, foreach
+    plain = tune(None, plan(TINY, CPU2, SHAPE), candidates=["ddp"], micro_batches=[8], steps=4)
+    assert [t.label for t in plain.trials] == ["ddp @ mb 8"] and plain.trials[0].options == "eager+foreach"
+    assert list(plain.calibrations) == ["eager+foreach"]
+
+
+def test_a_calibration_is_used_only_by_plans_with_the_options_it_measured(
+    calibration_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jupyter_dist.cli import main
+
+    compiled = plan(TINY, CPU2, replace(SHAPE, compile=True))
+    cal = replace(fit_calibration([fake_trial(compiled, "ddp", 0.05)], source="c"), options="compile+foreach")
+    path = cal.save()
+    assert path.name == f"{hardware_key('cpu')}@compile+foreach.json"
+    assert load_calibration("cpu") is None and load_calibration("cpu", "eager+foreach") is None  # not the eager model
+    assert load_calibration("cpu", "compile+foreach") == cal
+    assert main(["plan", *PLAN_FLAGS.split(), "--strategy", "ddp"]) == 0
+    assert "Calibrated on this hardware" not in capsys.readouterr().out
+    assert main(["plan", *PLAN_FLAGS.split(), "--strategy", "ddp", "--compile"]) == 0
+    assert "Calibrated on this hardware by %dist_tune: 1 measured trial(s) (compile+foreach)" in capsys.readouterr().out
+    # an eager tune saved later keeps its own file: neither replaces the other
+    eager = fit_calibration([fake_trial(plan(TINY, CPU2, SHAPE), "ddp", 0.09)], source="e")
+    eager.save()
+    assert load_calibration("cpu") == eager and load_calibration("cpu", "compile+foreach") == cal
+    # a file written before the options existed is an eager one (what its trials ran)
+    old = {k: v for k, v in json.loads(eager.path().read_text()).items() if k != "options"}
+    eager.path().write_text(json.dumps(old))
+    assert load_calibration("cpu") == eager
+    with pytest.raises(JupyterDistError, match=r"calibration options must be compile\|eager \+ fused\|foreach"):
+        replace(eager, options="compiled")
+
+
+def test_rehearsed_memory_comes_with_every_options_calibration(calibration_dir: Path) -> None:
+    base = plan(TINY, CPU2, SHAPE)
+    rehearsed = Calibration(hardware_key=hardware_key("cpu"), accelerator="cpu", matmul_efficiency=0.5,
+                            op_overhead_s=1e-5, memory_offset_bytes=0, trials=0,
+                            memory_by_candidate={"ddp": 2**20}, rehearsed_for={"ddp": "shape"})  # fmt: skip
+    rehearsed.save()
+    alone = load_calibration("cpu", "compile+fused")
+    assert alone is not None and alone.trials == 0 and alone.memory_by_candidate == {"ddp": 2**20}
+    assert alone.path() == rehearsed.path()  # the rehearsals' file
+    cal = replace(fit_calibration([fake_trial(base, "ddp", 0.05)], source="c"), options="compile+fused")
+    cal.save()
+    assert json.loads(cal.path().read_text())["memory_by_candidate"] == {}  # kept in the eager file only
+    both = load_calibration("cpu", "compile+fused")
+    assert both is not None and both.trials == 1 and both.memory_by_candidate == {"ddp": 2**20}
+
+
+@pytest.mark.slow
+def test_dist_tune_measures_the_fused_optimizer_as_a_choice(
+    ip: object, runs: Path, calibration_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real trials, ddp with torch's foreach AdamW and with its fused kernel (``--options fused``): the fused
+    one ran fused (rank 0's log says so; the other's does not), both are rows with their options, and the returned
+    Plan and its ``%%dist_train`` line carry the winner's."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from jupyter_dist.launch.run import open_run
+
+    assert isinstance(ip, InteractiveShell)
+    best = ip.run_line_magic("dist_tune", PLAN_FLAGS + " --candidates ddp --micro-batches 8 --options fused "
+                             "--steps 4 --name fusedtrials")  # fmt: skip
+    result = ip.user_ns["fusedtrials"]
+    assert [t.options for t in result.trials] == ["eager+foreach", "eager+fused"]
+    assert all(t.ok for t in result.trials), result.to_text()
+    said = ["steps with its fused implementation" in open_run(t.run_dir).logs(0) for t in result.trials]
+    assert said == [False, True]
+    out = capsys.readouterr().out
+    assert "ddp @ mb 8  eager+fused" in out and "ddp @ mb 8  eager+foreach" in out  # the table, options column
+    won = result.best
+    assert won is not None and isinstance(best, Plan) and best.recommended == "ddp"
+    assert best.training.fused_optimizer is (won.options == "eager+fused")
+    assert ("--env JD_FUSED=1" in result.train_line()) is (won.options == "eager+fused")
+    assert f"Train with it: {result.train_line()}" in out
+    assert sorted(result.calibrations) == ["eager+foreach", "eager+fused"]
+    assert all(c.trials == 1 for c in result.calibrations.values())

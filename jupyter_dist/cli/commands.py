@@ -104,7 +104,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     result = tune_from_args(args, code=code, on_trial=progress)
     if args.json:
         print(json.dumps({
-            "trials": [{"candidate": t.candidate, "micro_batch": t.micro_batch, "status": t.status, "error": t.error,
+            "trials": [{"candidate": t.candidate, "micro_batch": t.micro_batch, "options": getattr(t, "options", ""),
+                        "status": t.status, "error": t.error,
                         "predicted": {"step_time_s": t.predicted.time.step_time_s,
                                       "tokens_per_s": t.predicted.time.tokens_per_s,
                                       "peak_bytes": t.predicted.memory.total},

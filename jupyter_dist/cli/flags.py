@@ -326,9 +326,9 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         assume["min_headroom"] = args.min_headroom
     calibration = None
     if getattr(args, "calibration", True) and args.efficiency is None:  # --efficiency wins over a measurement
-        from ..plan.calibration import load_calibration
+        from ..plan.calibration import load_calibration, options_key
 
-        calibration = load_calibration(acc.name)
+        calibration = load_calibration(acc.name, options_key(training, acc.vendor))  # a tune of these options only
     return plan(spec, hardware, training, strategy=args.strategy, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                 sp=args.sp, assumptions=Assumptions(**assume), calibration=calibration)  # fmt: skip
 
@@ -413,6 +413,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--candidates", metavar="A,B,...", help="measure these candidates instead (names the plan prints)")
     g.add_argument("--micro-batches", metavar="N,M,...",
                    help="micro-batch sizes to try (default: the planned one, half and double)")  # fmt: skip
+    g.add_argument("--options", metavar="compile,fused,fp8",
+                   help="speed options to measure on and off, every combination, for each candidate: compile (torch."
+                        "compile of each block), fused (the optimizer's fused kernel), fp8 (FP8 GPUs only; default: "
+                        "none, as the plan says)")  # fmt: skip
     g.add_argument("--steps", type=int_arg(WARMUP_STEPS + 1, 10_000), default=8,
                    help=f"steps per trial, the first {WARMUP_STEPS} not timed (default 8)")  # fmt: skip
     g.add_argument("--trial-timeout", type=float_arg(0.0, MAX_SECONDS, lo_open=True), default=300.0, metavar="S",
@@ -528,4 +532,5 @@ def tune_from_args(
     names = _csv(getattr(args, "candidates", None), "--candidates")
     return tune(code, plan, top=args.top, micro_batches=sizes, candidates=names, steps=args.steps,
                 backend=backend, cluster=cluster, runs_dir=args.tune_runs_dir or runs_dir or "runs",
-                trial_timeout=args.trial_timeout, save=args.save, on_trial=on_trial)  # fmt: skip
+                trial_timeout=args.trial_timeout, save=args.save, on_trial=on_trial,
+                options=getattr(args, "options", None))  # fmt: skip

@@ -11,6 +11,17 @@ From the trials a :class:`~jupyter_dist.plan.calibration.Calibration` is fitted 
 least squares over the trials' predicted parts; the memory offset as the largest measured-minus-planned peak) and
 saved for this hardware; later plans use it and say so. The best measured candidate comes back as a Plan.
 
+Speed options are choices like the others (``options=("compile", "fused")``, ``--options compile,fused``): every
+candidate and micro-batch is tried with each on/off combination of the named options (regional ``torch.compile`` of
+the blocks, the optimizer's fused kernel, ``fp8`` training), predicted and run with the same setting (``JD_COMPILE``,
+``JD_FUSED``, ``JD_PRECISION``). The table says what each trial ran, the best trial's options go into the returned
+Plan and the ``%%dist_train`` line the result prints, and the trials of each option set fit their own calibration
+(:attr:`~jupyter_dist.plan.calibration.Calibration.options`): a compiled run never calibrates the eager model.
+
+One piece (about 600 lines): the choices a tune varies (candidates, micro-batch sizes, speed options), the trial
+loop and the :class:`TuneResult` it fills and shows (table, chart, the ``%%dist_train`` line) are one flow that the
+magic, the CLI and the tests drive through :func:`tune`; the measurement and the fit are :mod:`.measure`'s.
+
 The cell reads its shape from the environment: ``JD_MICRO_BATCH`` (sequences per rank per step), ``JD_SEQ_LEN`` and
 ``JD_TUNE_STEPS`` (steps to run); without a cell, :data:`TUNE_CELL` trains the reference transformer of the plan's
 model shape.
@@ -19,6 +30,7 @@ model shape.
 from __future__ import annotations
 
 import html
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,11 +42,15 @@ from .base import DEFAULT_BACKEND
 from .measure import WARMUP_STEPS, Measured, Trial, fit_calibration, measure_run
 
 __all__ = [
+    "SPEED_OPTIONS",
     "TUNE_CELL",
     "WARMUP_STEPS",
     "Measured",
     "Trial",
     "TuneResult",
+    "TuneTrial",
+    "option_settings",
+    "parse_options",
     "fit_calibration",
     "measure_run",
     "trial_grid",
@@ -69,11 +85,40 @@ for step in range(STEPS):
 """
 """The built-in trial cell: the reference transformer with the plan's model shape, random tokens."""
 
+SPEED_OPTIONS = ("compile", "fused", "fp8")
+"""What ``--options`` varies: regional ``torch.compile`` of the blocks, the optimizer's fused kernel, FP8 training."""
+
+_COMPILE_FELL_BACK = "torch.compile of the blocks failed"
+"""What rank 0's log says when the blocks fell back to eager (:mod:`jupyter_dist.worker._speed`)."""
+
 _OOM_MARKERS = ("out of memory", "outofmemoryerror", "memoryerror", "cannot allocate memory", "killed by signal 9")
 
 
-_COLUMNS = ["trial", "step s (plan)", "step s (measured)", "tok/s (plan)", "tok/s (measured)", "peak MiB (plan)",
-            "peak MiB/rank (measured)", "result"]  # fmt: skip
+_COLUMNS = ["trial", "options", "step s (plan)", "step s (measured)", "tok/s (plan)", "tok/s (measured)",
+            "peak MiB (plan)", "peak MiB/rank (measured)", "result"]  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneTrial(Trial):
+    """A trial of a tune: a :class:`~.measure.Trial` and the speed options it ran with."""
+
+    options: str = ""
+    """What the trial ran (:func:`~jupyter_dist.plan.calibration.options_key`: ``"compile+fused"``,
+    ``"eager+foreach"``, ``"+fp8"`` with FP8)."""
+    varied: bool = False
+    """Whether the tune varied the options (then the label names them: the same candidate and micro-batch run once
+    per option set)."""
+
+    @property
+    def label(self) -> str:
+        """``candidate @ mb N``, with the options when the tune varied them."""
+        return f"{self.candidate} @ mb {self.micro_batch}" + (f" {self.options}" if self.varied else "")
+
+
+def _row(t: Trial) -> list[str]:
+    """A trial's table cells with its options (``-`` for a Trial built without them)."""
+    cells = t.row()
+    return [f"{t.candidate} @ mb {t.micro_batch}", getattr(t, "options", "") or "-", *cells[1:]]
 
 
 @dataclass(kw_only=True)
@@ -92,13 +137,47 @@ class TuneResult:
     """Where it was saved ("" when not: pass ``save=True`` / ``--save``, or ``result.save_calibration()``)."""
     not_run: list[tuple[str, str]] = field(default_factory=list)
     """Candidates left out because this machine cannot run them: ``(name, "needs DeepSpeed ...")``."""
+    calibrations: dict[str, Any] = field(default_factory=dict)
+    """One calibration per option set the successful trials ran (``"compile+fused"`` -> its fit); :attr:`calibration`
+    is the best trial's. All are saved together."""
+    nproc: int = 0
+    """Processes per node the trials ran (the ``%%dist_train`` line of :meth:`train_line`)."""
+    nodes: int = 1
+    """Nodes the trials ran on."""
 
     def save_calibration(self) -> str:
-        """Save the fitted calibration for the hardware it was measured on; returns the file (later plans use it)."""
+        """Save the fitted calibrations for the hardware they were measured on; returns the best trial's file.
+
+        One file per option set the trials ran; later plans with those options use it.
+        """
         if self.calibration is None:
             raise JupyterDistError("no calibration to save: no trial measured a step")
+        for cal in self.calibrations.values():
+            if cal is not self.calibration:
+                cal.save()
         self.calibration_path = str(self.calibration.save())
         return self.calibration_path
+
+    def train_line(self, var: str = "best") -> str:
+        """The ``%%dist_train`` line that trains like the best trial; ``""`` when no trial measured a step.
+
+        Its plan (``var``: the Plan the tune returned) and its speed options where they are not the ranks' default
+        (compiled and fused on GPUs, eager and foreach on CPU processes).
+        """
+        best = self.best
+        if best is None or self.plan is None:
+            return ""
+        vendor = self.plan.hardware.accelerator.vendor
+        compiled, fused = self.plan.training.speed_options(vendor)
+        gpu = vendor != "cpu"
+        flags = [f"--plan {var}", f"--nproc {self.nproc or self.plan.hardware.gpus_per_node}"]
+        if self.nodes > 1:
+            flags.append(f"--nodes {self.nodes}")
+        if compiled != gpu:
+            flags.append("--compile" if compiled else "--no-compile")
+        if fused != gpu:
+            flags.append("--env JD_FUSED=1" if fused else "--no-fused")
+        return "%%dist_train " + " ".join(flags)
 
     @property
     def best(self) -> Trial | None:
@@ -110,20 +189,25 @@ class TuneResult:
 
     def to_text(self) -> str:
         """The side-by-side table, the pick and the calibration."""
-        rows = [_COLUMNS] + [t.row() for t in self.trials]
+        rows = [_COLUMNS] + [_row(t) for t in self.trials]
         widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w)
+        lines = ["  ".join(c.ljust(w) if i in (0, 1, 8) else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
         lines.insert(1, "-" * len(lines[0]))
         best = self.best
         lines.append("")
         lines.append(f"Best measured: {best.label}" if best else "No trial measured a step.")
+        if self.train_line():
+            lines.append(f"Train with it: {self.train_line()}  (best = the Plan %dist_tune returned)")
         for cname, why in self.not_run:
             lines.append(f"Not run: {cname}: {why}")
         if self.calibration is not None:
             where = (f", saved to {self.calibration_path}" if self.calibration_path
                      else " (not saved: --save, or result.save_calibration(), makes later plans use it)")  # fmt: skip
             lines.append(f"Calibration{where}: {self.calibration.describe()}")
+            for cal in self.calibrations.values():
+                if cal is not self.calibration:
+                    lines.append(f"Calibration of the {cal.options} trials (saved with it): {cal.describe()}")
         return "\n".join(lines)
 
     def chart_svg(self, width: int = 560) -> str:
@@ -162,8 +246,10 @@ class TuneResult:
         body = []
         for t in self.trials:
             style = ' style="font-weight:bold;background:#e8f5e9"' if best is not None and t is best else ""
-            body.append(f"<tr{style}>" + "".join(f"<td>{e(c)}</td>" for c in t.row()) + "</tr>")
+            body.append(f"<tr{style}>" + "".join(f"<td>{e(c)}</td>" for c in _row(t)) + "</tr>")
         foot = f"<p>Best measured: <b>{e(best.label)}</b></p>" if best else "<p>No trial measured a step yet.</p>"
+        if self.train_line():
+            foot += f"<p>Train with it: <code>{e(self.train_line())}</code></p>"
         if self.calibration is not None:
             foot += f"<p>Calibration: {e(self.calibration.describe())}</p>"
         return (f'<div class="jupyter-dist-tune"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
@@ -176,12 +262,48 @@ class TuneResult:
 # ---------------------------------------------------------------------------------------------------------------
 # Trials
 # ---------------------------------------------------------------------------------------------------------------
-def _replan(base: Any, strategy: str, dims: Any, micro_batch: int) -> Any:
-    """The base plan's inputs with one candidate's strategy and degrees, at ``micro_batch``."""
+def parse_options(names: Sequence[str] | str | None) -> tuple[str, ...]:
+    """The speed options a tune varies, validated (``"compile,fused"`` or a list); unknown names are one line."""
+    if names is None:
+        return ()
+    given = [n.strip().lower() for n in (names.split(",") if isinstance(names, str) else names)]
+    given = [n for n in given if n]
+    bad = [n for n in given if n not in SPEED_OPTIONS]
+    if bad:
+        raise JupyterDistError(f"--options: unknown option {bad[0]!r}; valid: {', '.join(SPEED_OPTIONS)}")
+    return tuple(n for n in SPEED_OPTIONS if n in given)
+
+
+def option_settings(options: Sequence[str]) -> list[dict[str, bool]]:
+    """Every on/off combination of ``options`` (all off first): ``[{}]`` when none is varied."""
+    return [dict(zip(options, on, strict=True)) for on in itertools.product((False, True), repeat=len(options))]
+
+
+def with_options(training: Any, setting: dict[str, bool]) -> Any:
+    """``training`` with the options of ``setting`` set (the others as they were).
+
+    ``fp8`` on is precision ``fp8``; off, a plan in ``fp8`` trains in ``bf16-mixed`` (what FP8 keeps outside its
+    linears), any other precision stays.
+    """
+    changes: dict[str, Any] = {}
+    if "compile" in setting:
+        changes["compile"] = setting["compile"]
+    if "fused" in setting:
+        changes["fused_optimizer"] = setting["fused"]
+    if "fp8" in setting:
+        if setting["fp8"]:
+            changes["precision"] = "fp8"
+        elif training.precision.value == "fp8":
+            changes["precision"] = "bf16-mixed"
+    return replace(training, **changes)
+
+
+def _replan(base: Any, strategy: str, dims: Any, micro_batch: int, setting: dict[str, bool] | None = None) -> Any:
+    """The base plan's inputs with one candidate's strategy and degrees, at ``micro_batch``, with ``setting``."""
     from ..plan.planner import plan
 
     fixed = {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
-    training = replace(base.training, micro_batch=micro_batch)
+    training = with_options(replace(base.training, micro_batch=micro_batch), setting or {})
     return plan(base.model, base.hardware, training, strategy=strategy, sp=dims.sp if dims.tp > 1 else None,
                 assumptions=base.assumptions, **fixed)  # fmt: skip
 
@@ -271,8 +393,12 @@ def tune(
     save: bool = False,
     env: dict[str, str] | None = None,
     on_trial: Callable[[TuneResult], None] | None = None,
+    options: Sequence[str] | str | None = None,
 ) -> TuneResult:
     """Run the plan's top ``top`` fitting candidates (or the named ``candidates``) at each micro-batch size.
+
+    ``options`` (any of :data:`SPEED_OPTIONS`) runs each of them with every on/off combination of those speed
+    options; ``fp8`` is refused in one line on hardware without FP8 matmuls.
 
     ``micro_batches`` defaults to the planned one and its neighbours (half and double) where they fit.
     ``on_trial`` is called with the result after every trial (the magic redraws its table and chart there).
@@ -290,9 +416,16 @@ def tune(
         raise JupyterDistError(f"--steps must be 1..10000, got {steps}")
     if steps <= WARMUP_STEPS:
         raise JupyterDistError(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, got {steps}")
+    varied = parse_options(options)
+    if "fp8" in varied:
+        from ..plan.hardware import fp8_problem
+
+        problem = fp8_problem(plan.hardware.accelerator)
+        if problem:  # the worker refuses the same (JD_PRECISION=fp8 without FP8 matmuls)
+            raise JupyterDistError(f"--options fp8: {problem}; tune compile,fused here")
     chosen, sizes = trial_grid(plan, top=top, candidates=candidates, micro_batches=micro_batches,
                                runnable=missing_dependency)  # fmt: skip
-    from ..plan.calibration import published
+    from ..plan.calibration import options_key, published
 
     plan = replace(plan, hardware=published(plan.hardware))  # trials predicted from the published figures: the fit
     # is then absolute, not a correction of an older calibration
@@ -302,36 +435,47 @@ def tune(
     world = plan.hardware.world_size
     nodes = nodes or plan.hardware.nodes
     nproc = nproc or world // nodes
-    result = TuneResult(base=plan)
+    result = TuneResult(base=plan, nproc=nproc, nodes=nodes)
     if not candidates:  # the plan's better candidates this machine cannot run: said, not run
         best_names = {c.name for c in chosen}
         for c in plan.candidates:
             if c.fits and c.name not in best_names and missing_dependency(c) and len(result.not_run) < top:
                 result.not_run.append((c.name, missing_dependency(c)))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for cand in chosen:
+    vendor = plan.hardware.accelerator.vendor
+    for cand, setting in itertools.product(chosen, option_settings(varied)):
         why = missing_dependency(cand)
         if why:  # named by the user: said, not run
-            result.not_run.append((cand.name, why))
+            if (cand.name, why) not in result.not_run:
+                result.not_run.append((cand.name, why))
+            continue
+        why = _fp8_problem(cand) if setting.get("fp8") else ""
+        if why:  # the worker refuses it in one line: said, not run
+            result.not_run.append((f"{cand.name} with fp8", why))
             continue
         for mb in sizes:
             try:
-                trial_plan = _replan(plan, cand.strategy, cand.dims, mb)
+                trial_plan = _replan(plan, cand.strategy, cand.dims, mb, setting)
                 predicted = trial_plan.candidate(cand.name)
             except (JupyterDistError, KeyError):
-                if mb == planned:
+                if mb == planned and not setting:
                     raise
                 continue  # e.g. a micro-batch the global batch does not divide into
             if mb != planned and not predicted.fits:
                 continue  # a neighbour the plan says does not fit: not worth a run
+            compiled, fused = trial_plan.training.speed_options(vendor)
+            speed = {"compile": "1" if compiled else "0", "fused": "1" if fused else "0"}  # as it was predicted
             trial_env = {"JD_MICRO_BATCH": str(mb), "JD_SEQ_LEN": str(plan.training.seq_len),
                          "JD_TUNE_STEPS": str(steps),
                          "JD_TUNE_MODEL": f"{model.vocab},{model.hidden},{model.layers},{model.heads}",
                          **(env or {})}  # fmt: skip
             trial = _run_trial(start_run, cell, trial_plan, predicted, mb, nproc=nproc, nodes=nodes, backend=backend,
                                cluster=cluster, runs_dir=runs_dir, name=f"{name}-{stamp}-{len(result.trials)}",
-                               env=trial_env, timeout=trial_timeout)  # fmt: skip
-            result.trials.append(replace(trial, accelerator=trial_plan.hardware.accelerator))
+                               env=trial_env, timeout=trial_timeout, speed=speed)  # fmt: skip
+            fields = {f: getattr(trial, f) for f in Trial.__dataclass_fields__}
+            result.trials.append(TuneTrial(**{**fields, "accelerator": trial_plan.hardware.accelerator},
+                                           options=options_key(trial_plan.training, vendor),
+                                           varied=bool(varied)))  # fmt: skip
             if on_trial is not None:
                 on_trial(result)
     _finish(result, save=save, source=str(Path(runs_dir).expanduser().resolve()))
@@ -355,14 +499,21 @@ def _run_trial(
     name: str,
     env: dict[str, str],
     timeout: float,
+    speed: dict[str, str] | None = None,
 ) -> Trial:
-    """One trial: start it like %%dist_train, wait, measure; a failure is a result."""
+    """One trial: start it like %%dist_train, wait, measure; a failure is a result.
+
+    ``speed``: the worker's ``compile`` / ``fused`` fields (``"1"``/``"0"``), as the trial was predicted. Blocks whose
+    compilation failed run eager (one line in rank 0's log): such a trial is "failed (measured)", since it did not
+    measure what it was predicted for.
+    """
     from .options import RunOptions
 
     try:
         opts = RunOptions(nproc=nproc, nodes=nodes, strategy=predicted.name, plan=trial_plan, name=name,
                           runs_dir=runs_dir, timeout=timeout, env=env, backend=backend, cluster=cluster,
-                          worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25}, output="none")  # fmt: skip
+                          worker={"telemetry_interval_s": 0.0, "heartbeat_s": 0.25, **(speed or {})},
+                          output="none")  # fmt: skip
         run = start_run(cell, opts)
     except JupyterDistError as exc:
         return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
@@ -370,6 +521,10 @@ def _run_trial(
     run.wait()
     measured = measure_run(run)
     if run.status == "succeeded":
+        fell_back = _compile_fell_back(run) if (speed or {}).get("compile") == "1" else ""
+        if fell_back:
+            return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
+                         measured=measured, error=f"ran eager: {fell_back}", run_dir=str(run.dir))  # fmt: skip
         if measured.step_time_s is None:
             return Trial(candidate=predicted.name, micro_batch=mb, predicted=predicted, status="failed (measured)",
                          measured=measured, error=f"fewer than {WARMUP_STEPS + 2} steps logged with jd.log",
@@ -381,23 +536,49 @@ def _run_trial(
                  error=why, run_dir=str(run.dir))  # fmt: skip
 
 
+def _compile_fell_back(run: Any) -> str:
+    """Rank 0's line saying its compiled blocks fell back to eager, or ``""``."""
+    try:
+        text = run.logs(0, tail=400)
+    except JupyterDistError:
+        return ""
+    line = next((ln for ln in text.splitlines() if _COMPILE_FELL_BACK in ln), "")
+    return line[line.index(_COMPILE_FELL_BACK):][:160] if line else ""
+
+
 def _finish(result: TuneResult, *, save: bool, source: str) -> None:
     """Fit and save the calibration; the best measured candidate, re-planned with it, becomes ``result.plan``."""
+    from ..plan.calibration import options_key
     from ..plan.planner import plan as make_plan
 
     ok = [t for t in result.trials if t.ok]
     if not ok:
         return
-    cal = fit_calibration(ok, source=source)
-    result.calibration = cal
-    if cal is not None and save:
-        result.calibration_path = str(cal.save())
+    base = result.base
+    own = options_key(base.training, base.hardware.accelerator.vendor)
+    groups: dict[str, list[Trial]] = {}
+    for t in ok:  # each option set fits its own calibration: a compiled run does not calibrate the eager model
+        groups.setdefault(getattr(t, "options", "") or own, []).append(t)
+    for key, trials in groups.items():
+        fitted = fit_calibration(trials, source=source)
+        if fitted is not None:
+            result.calibrations[key] = replace(fitted, options=key)
     best = result.best
     assert best is not None
-    base = result.base
+    cal = result.calibrations.get(getattr(best, "options", "") or own)
+    result.calibration = cal
+    if cal is not None and save:
+        result.save_calibration()
     dims = best.predicted.dims
     fixed = {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep") if getattr(dims, k) > 1}
     shape = replace(base.training, micro_batch=best.micro_batch)
+    ran = str(getattr(best, "options", ""))
+    if ran:  # the best trial's options, resolved as it ran them
+        compiled, fused = _speed_of(ran)
+        shape = replace(shape, compile=compiled, fused_optimizer=fused)
+        fp8 = ran.endswith("+fp8")
+        if fp8 != (shape.precision.value == "fp8"):
+            shape = with_options(shape, {"fp8": fp8})
     tuned = make_plan(base.model, base.hardware, shape, strategy=best.predicted.strategy,
                       sp=dims.sp if dims.tp > 1 else None, assumptions=base.assumptions, calibration=cal,
                       **fixed)  # fmt: skip
@@ -408,6 +589,20 @@ def _finish(result: TuneResult, *, save: bool, source: str) -> None:
             + (f", peak {m.peak / 2**20:,.0f} MiB per rank ({m.memory_kind})" if m.peak else "") + ".")  # fmt: skip
     result.plan = replace(tuned, recommended=best.candidate if _has(tuned, best.candidate) else tuned.recommended,
                           reasons=(note, *tuned.reasons))  # fmt: skip
+
+
+def _fp8_problem(candidate: Any) -> str:
+    """Why the worker cannot run ``candidate`` in fp8 (its strategy or tensor parallelism), or ``""``."""
+    from ..plan.strategies import get_strategy
+    from ..plan.training import fp8_strategy_problem
+
+    return fp8_strategy_problem(get_strategy(candidate.strategy).family, candidate.dims.tp) or ""
+
+
+def _speed_of(options: str) -> tuple[bool, bool]:
+    """``(compile, fused)`` of an options key (``"compile+foreach+fp8"`` -> ``(True, False)``)."""
+    parts = options.split("+")
+    return parts[0] == "compile", parts[1] == "fused"
 
 
 def _has(plan: Any, name: str) -> bool:

@@ -688,9 +688,11 @@ class DistMagics(Magics):
         """Measure the plan's top candidates on this hardware, side by side with the plan; returns the best as a Plan.
 
         Takes the flags of ``%dist_plan`` (or ``--plan-var VAR``) plus ``--top``, ``--candidates``,
-        ``--micro-batches``, ``--steps``; as a cell magic the cell is the training script (it reads
-        ``JD_MICRO_BATCH``, ``JD_SEQ_LEN``, ``JD_TUNE_STEPS``), as a line magic the reference transformer of the
-        plan's shape is trained. Saves a calibration that later ``%dist_plan`` calls on this hardware use.
+        ``--micro-batches``, ``--steps`` and ``--options compile,fused,fp8`` (each speed option measured on and off,
+        like any other choice; the returned Plan carries the best trial's); as a cell magic the cell is the training
+        script (it reads ``JD_MICRO_BATCH``, ``JD_SEQ_LEN``, ``JD_TUNE_STEPS``), as a line magic the reference
+        transformer of the plan's shape is trained. Saves a calibration that later ``%dist_plan`` calls on this
+        hardware use.
 
         Examples
         --------

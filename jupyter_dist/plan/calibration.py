@@ -6,6 +6,13 @@ hardware in a user-level JSON file, ``~/.cache/jupyter-dist/calibration/<hardwar
 ``$JD_CALIBRATION_DIR`` when set), and used by later plans on the same hardware (``%dist_plan``, ``jupyter-dist
 plan``), which say so in their reasons. The key is the accelerator's catalog name for GPUs (an H100 is an H100) and
 ``cpu-<host name>`` for CPU processes, whose speed is the machine's (stdlib only).
+
+A calibration is for the speed options its trials ran with (:attr:`Calibration.options`: ``compile+fused``,
+``eager+foreach``, with ``+fp8`` for FP8 training; :func:`options_key`): blocks compiled by ``torch.compile`` and
+eager blocks have different kernels and per-operator costs, so a measurement of one never calibrates the other. Each
+option set has its own file, ``<hardware-key>@<options>.json``, except eager+foreach without FP8 (what CPU processes
+run by default, and what every calibration measured before the options existed), which keeps ``<hardware-key>.json``;
+the rehearsed candidates' memory (keyed by the whole plan, options included) lives there too.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from typing import Any
 from ..errors import PlanInputError
 from .hardware import Hardware
 
-__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "plan_shape", "published", "ENV_DIR"]
+__all__ = ["Calibration", "calibration_dir", "hardware_key", "load_calibration", "plan_shape", "published", "ENV_DIR",
+           "EAGER", "options_key"]  # fmt: skip
 
 ENV_DIR = "JD_CALIBRATION_DIR"
 """Environment variable naming the calibration folder (tests point it at a temporary one)."""
@@ -36,6 +44,26 @@ def calibration_dir() -> Path:
         return Path(given).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "jupyter-dist" / "calibration"
+
+
+EAGER = "eager+foreach"
+"""The options key of eager blocks, torch's foreach optimizer and no FP8: the file without an ``@<options>`` suffix."""
+
+
+def options_key(training: Any, vendor: str) -> str:
+    """The speed options a run of ``training`` on an accelerator of ``vendor`` uses, as a calibration is keyed.
+
+    ``compile`` or ``eager`` (the blocks), ``fused`` or ``foreach`` (the optimizer), ``+fp8`` with FP8 training:
+    ``"compile+fused"``, ``"eager+foreach"``, ``"compile+fused+fp8"``. ``None`` fields resolve as the ranks run them
+    (:meth:`~jupyter_dist.plan.training.TrainingShape.speed_options`).
+    """
+    compiled, fused = training.speed_options(vendor)
+    fp8 = getattr(training.precision, "value", training.precision) == "fp8"
+    return f"{'compile' if compiled else 'eager'}+{'fused' if fused else 'foreach'}{'+fp8' * fp8}"
+
+
+def _file(key: str, options: str) -> Path:
+    return calibration_dir() / (f"{key}.json" if options == EAGER else f"{key}@{options}.json")
 
 
 def hardware_key(accelerator: str) -> str:
@@ -79,6 +107,9 @@ class Calibration:
     instead of :attr:`memory_offset_bytes`: its planned peak is then the rehearsed one."""
     rehearsed_for: dict[str, str] = field(default_factory=dict)
     """Candidate name -> the plan its entry of :attr:`memory_by_candidate` was rehearsed for (:func:`plan_shape`)."""
+    options: str = EAGER
+    """The speed options the trials ran with (:func:`options_key`); the calibration is used only by plans that run
+    with the same ones (a file written before this field existed: eager+foreach, what its trials ran)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1:
@@ -89,6 +120,9 @@ class Calibration:
             raise PlanInputError("a calibration measures something: trials >= 1, or a rehearsed candidate's memory")
         if set(self.rehearsed_for) != set(self.memory_by_candidate):
             raise PlanInputError("calibration: every rehearsed candidate's memory says which plan it was measured for")
+        if not re.fullmatch(r"(compile|eager)\+(fused|foreach)(\+fp8)?", self.options):
+            raise PlanInputError(f"calibration options must be compile|eager + fused|foreach [+ fp8] (e.g. "
+                                 f"{EAGER}), got {self.options!r}")  # fmt: skip
 
     def memory_for(self, shape: str) -> dict[str, int]:
         """The rehearsed candidates' memory corrections (bytes) for a plan of this :func:`plan_shape`."""
@@ -106,7 +140,8 @@ class Calibration:
             return (f"no speed measured; the memory of {len(self.memory_by_candidate)} candidate(s) rehearsed "
                     f"({', '.join(sorted(self.memory_by_candidate))}) ({self.path()})")  # fmt: skip
         return (
-            f"{self.trials} measured trial(s) on {when}: matmul efficiency {self.matmul_efficiency:.3g}, "
+            f"{self.trials} measured trial(s) ({self.options}) on {when}: matmul efficiency "
+            f"{self.matmul_efficiency:.3g}, "
             f"{1e6 * self.op_overhead_s:.3g} us per operator, communication x{self.comm_scale:.3g} the model's, "
             f"memory {self.memory_offset_bytes / 2**20:+,.0f} MiB "
             f"per rank against the model ({self.path()})"
@@ -123,7 +158,7 @@ class Calibration:
 
     def path(self) -> Path:
         """The file this calibration is saved to."""
-        return calibration_dir() / f"{self.hardware_key}.json"
+        return _file(self.hardware_key, self.options if self.trials else EAGER)  # rehearsals alone: the eager file
 
     def save(self) -> Path:
         """Write it to :meth:`path` (atomically); returns the path.
@@ -135,7 +170,12 @@ class Calibration:
         path = self.path()
         path.parent.mkdir(parents=True, exist_ok=True)
         data = self.to_dict()
-        old = load_calibration(self.accelerator)
+        eager = path == _file(self.hardware_key, EAGER)
+        if eager:
+            data["options"] = EAGER  # rehearsals alone (trials 0) are kept there, whatever plan they were for
+        else:  # rehearsed memory lives in the eager file (load_calibration merges it in)
+            data["memory_by_candidate"], data["rehearsed_for"] = {}, {}
+        old = _read(path) if eager else None
         if old is not None and old.hardware_key == self.hardware_key:
             data["memory_by_candidate"] = {**old.memory_by_candidate, **self.memory_by_candidate}
             data["rehearsed_for"] = {**old.rehearsed_for, **self.rehearsed_for}
@@ -175,12 +215,33 @@ def plan_shape(model: Any, training: Any, hardware: Hardware, assumptions: Any =
             f"{t.checkpointing_name} [{digest}]")  # fmt: skip
 
 
-def load_calibration(accelerator: str) -> Calibration | None:
-    """The saved calibration of this accelerator (on this host, for CPU), or ``None``.
+def load_calibration(accelerator: str, options: str | None = None) -> Calibration | None:
+    """The saved calibration of this accelerator (on this host, for CPU) for runs with ``options``, or ``None``.
 
+    ``options`` is an :func:`options_key` (``None``: eager+foreach, the file every calibration had before the options
+    existed). A tune of other options never answers: a compiled run's rates are not an eager run's. The rehearsed
+    candidates' memory of the eager file comes with every options' calibration (each entry is for one whole plan,
+    its options included); with no tune of these options, a calibration of that memory alone (the published rates).
     A damaged file is ignored (``None``), as a cache should be.
     """
-    path = calibration_dir() / f"{hardware_key(accelerator)}.json"
+    key = hardware_key(accelerator)
+    base = _read(_file(key, EAGER))
+    if base is not None and base.options != EAGER:
+        base = None  # a file renamed by hand: not what its name says
+    if options is None or options == EAGER:
+        return base
+    own = _read(_file(key, options))
+    if own is not None and own.options != options:
+        own = None
+    rehearsed = ({**base.memory_by_candidate}, {**base.rehearsed_for}) if base is not None else ({}, {})
+    if own is not None:
+        return replace(own, memory_by_candidate=rehearsed[0], rehearsed_for=rehearsed[1])
+    if base is None or not base.memory_by_candidate:
+        return None
+    return replace(base, trials=0, memory_offset_bytes=0, step_error=0.0, options=options)
+
+
+def _read(path: Path) -> Calibration | None:
     try:
         return Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError, PlanInputError):
