@@ -446,27 +446,76 @@ STEP_PLANS = {  # --strategy: the mesh rank 0 reports (None: no device mesh)
 }  # fmt: skip
 
 
+STEP_DRIVER = """
+import json, os
+from jupyter_dist.worker._runtime import fresh_runtime
+
+# Each plan's ranks run the cell in turn, with the JD_* variables its own %%dist_train gives them (its --dry-run),
+# in a fresh runtime (the next jd.wrap builds that plan's mesh) and without the run's directory; rank 0 prints the
+# plan's losses after the cell's own output. DeepSpeed last: its import patches torch for the process.
+PLANS, CELL = json.loads(PLANS_JSON), CELL_TEXT
+real_log = jd.log
+for strategy, env in PLANS.items():
+    for key in {k for e in PLANS.values() for k in e} | {"JD_RUN_DIR"}:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    fresh_runtime()
+    losses = []
+
+    def log(step, loss=None, **metrics):
+        losses.append(float(loss))
+        return real_log(step, loss=loss, **metrics)
+
+    jd.log = log
+    if jd.is_main:
+        print("PLAN", strategy, flush=True)
+    exec(compile(CELL, f"<cell under {strategy}>", "exec"), {"__name__": "__main__", "jd": jd})
+    if jd.is_main:
+        print("LOSSES", strategy, json.dumps(losses), flush=True)
+    jd.barrier()
+jd.log = real_log
+"""
+
+
 @pytest.mark.slow
 def test_the_step_form_cell_runs_unchanged_under_every_plan(ip, runs: Path) -> None:  # noqa: ANN001
     """One cell, unchanged, through ``jd.train_step`` under ddp, fsdp2, DeepSpeed ZeRO-2, tensor (tp2+sp), pipeline
     (pp2: the stages carry the balance loss) and expert parallelism (ep2): on every rank it exits 0, the loss falls,
-    and the run used the plan's mesh. (Equal math for each lives in the parallelism tests.)"""
+    and the run used the plan's mesh. (Equal math for each lives in the parallelism tests.)
+
+    One launch: each plan's ``%%dist_train --dry-run`` gives the ``JD_*`` variables (and DeepSpeed config) its launch
+    would give the ranks, and one real ``%%dist_train`` launch of 2 processes runs the cell under each in turn, each
+    from a fresh runtime (as the equal-math launches train their configurations), instead of six launches."""
     pytest.importorskip("deepspeed")
-    import re
+    import json
 
     from conftest import descendants_gone
 
     cell = "STEPS = 16\n" + STEP_CELL
+    plans: dict[str, dict[str, str]] = {}
+    for i, strategy in enumerate(sorted(STEP_PLANS, key=lambda s: s.startswith("zero"))):  # DeepSpeed last
+        dry = ip.run_cell_magic("dist_train", f"--strategy {strategy} --nproc 2 --no-dashboard --dry-run", cell)
+        env = {k: v for k, v in dry.env.items() if k.startswith("JD_") and k not in ("JD_RUN_DIR", "JD_PATH")}
+        assert env["JD_STRATEGY"] == strategy.split("+")[0], (strategy, env)
+        for name, text in dry.files.items():  # DeepSpeed's config, written where the ranks can read it
+            (runs / f"{i}-{name}").write_text(text)
+            env = {k: str(runs / f"{i}-{v}") if v == name else v for k, v in env.items()}
+        plans[strategy] = env
+    assert list(plans)[-1] == "zero2" and "JD_DS_CONFIG" in plans["zero2"]
+    driver = f"PLANS_JSON = {json.dumps(plans)!r}\nCELL_TEXT = {cell!r}\n" + STEP_DRIVER
+    run = ip.run_cell_magic("dist_train", "--strategy ddp --nproc 2 --name every_plan --timeout 600 --no-dashboard",
+                            driver)  # fmt: skip
+    assert run.wait(600) == "succeeded", run.logs()
+    assert run.exit_codes == {0: 0, 1: 0}
+    out = run.logs(0)
+    parts = out.split("PLAN ")[1:]
+    assert [p.split()[0] for p in parts] == list(plans), out[-3000:]
     for strategy, mesh in STEP_PLANS.items():
-        name = "cell_" + re.sub(r"\W", "_", strategy)
-        run = ip.run_cell_magic("dist_train", f"--strategy {strategy} --nproc 2 --name {name} --timeout 300 "
-                                "--no-dashboard", cell)  # fmt: skip
-        assert run.wait(300) == "succeeded", (strategy, run.logs())
-        assert run.exit_codes == {0: 0, 1: 0}, strategy
-        losses = [r["loss"] for r in run.records("step") if r["rank"] == 0]
-        assert losses and losses[-1] < losses[0], (strategy, losses)
-        assert f"mesh {mesh}" in run.logs(0), (strategy, run.logs(0)[-2000:])
-        assert descendants_gone(run)
+        part = next(p for p in parts if p.split()[0] == strategy)
+        assert f"mesh {mesh}" in part, (strategy, part[-2000:])
+        losses = json.loads(part.split(f"LOSSES {strategy} ")[1].splitlines()[0])
+        assert len(losses) == 16 and losses[-1] < losses[0], (strategy, losses)
+    assert descendants_gone(run)
 
 
 @pytest.mark.slow
