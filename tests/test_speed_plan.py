@@ -41,20 +41,40 @@ def test_the_reference_model_has_the_tables_size_and_flops() -> None:
 
 @pytest.mark.parametrize(("before", "after"), [("eager", "fused"), ("fused", "compiled")])
 def test_fused_and_compile_speed_up_as_measured(before: str, after: str) -> None:
-    """Each step's speed-up goes the measured way and is within 6 % of the measured ratio (fused: predicted 1.129
-    against 1.146; compile: 1.023 against 1.076, the fused elementwise traffic being a count, not a fit)."""
+    """Each step's speed-up goes the measured way and is within 6 % of the measured ratio (fused: predicted 1.150
+    against 1.146; compile: 1.027 against 1.076, the fused elementwise traffic being a count, not a fit)."""
     predicted = _time(after).tokens_per_s / _time(before).tokens_per_s
     measured = MEASURED[after] / MEASURED[before]
     assert predicted > 1.0
     assert predicted == pytest.approx(measured, rel=0.06), f"{before}->{after}: {predicted:.3f} vs {measured:.3f}"
 
 
-@pytest.mark.xfail(strict=True, reason="the model predicts fp8 1.34x compiled bf16 on this 2048-wide model, measured "
+@pytest.mark.xfail(strict=True, reason="the model predicts fp8 1.31x compiled bf16 on this 2048-wide model, measured "
                    "1.09x: torchao's float8 linears at this width gain less than the FP8 peak's roofline gives "
                    "(the transposed casts for the weight gradient and the scale computations are not counted)")
 def test_fp8_speeds_up_as_measured() -> None:
     predicted = _time("fp8").tokens_per_s / _time("compiled").tokens_per_s
     assert predicted == pytest.approx(MEASURED["fp8"] / MEASURED["compiled"], rel=0.1)
+
+
+@pytest.mark.parametrize("setup", list(MEASURED))
+def test_the_reference_models_tokens_per_s_within_15_percent(setup: str) -> None:
+    """Each row of the issue's table, absolute, within the issue's 15 % (predicted / measured: eager 0.954, fused
+    0.957, compiled 0.914, fp8 1.098; with the former H100 matmul efficiency 0.50: 0.837, 0.824, 0.784, 0.965)."""
+    predicted = _time(setup).tokens_per_s
+    assert predicted == pytest.approx(MEASURED[setup], rel=0.15), f"{setup}: {predicted:.0f} vs {MEASURED[setup]}"
+
+
+def test_the_reference_models_matmuls_run_at_the_rate_its_step_leaves() -> None:
+    """The measured eager step (4 x 2048 tokens in 192.2 ms) less the parts the model prices apart from the matmuls
+    (attention, elementwise, optimizer: counted, not fitted) leaves the matmuls' time; the model's matmul rate at this
+    width is within 15 % of the rate that time implies (550-585 TFLOP/s over the table's three bf16 rows)."""
+    for setup in ("eager", "fused", "compiled"):
+        t = _time(setup)
+        measured_step = 4 * 2048 / MEASURED[setup]
+        left = measured_step - (t.step_time_s - t.breakdown["matmul"])
+        flops = 6 * GPT2_1B4.matmul_params * 4 * 2048
+        assert flops / t.breakdown["matmul"] == pytest.approx(flops / left, rel=0.15), setup
 
 
 def test_fp8_goes_the_measured_way() -> None:

@@ -81,8 +81,9 @@ class Accelerator:
     memory_bw: float = 2.0e12
     """Device memory (HBM/GDDR) bandwidth, bytes/s (datasheet): the rate of memory-bound elementwise work."""
     matmul_efficiency: float = 0.5
-    """Fraction of the dense peak that a training step's matrix multiplies reach (from published measured MFU on
-    this GPU; see :mod:`jupyter_dist.plan.perf`), or the calibrated one measured by ``%dist_tune``."""
+    """Fraction of the dense peak that a training step's matrix multiplies reach at width 8192 (from published
+    GEMM rates and measured MFU on this GPU, H100/H200 0.60, A100 0.60; see :mod:`jupyter_dist.plan.perf`), or the
+    calibrated one measured by ``%dist_tune``."""
     op_overhead_s: float = 5e-6
     """Seconds of host-side cost per operator (CUDA kernel launch ~5 us; eager CPU dispatch): bounds tiny models."""
     collective_latency_s: float = 2e-5
@@ -258,12 +259,12 @@ ACCELERATORS: dict[str, Accelerator] = {
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
                     default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
-                    fp8_flops=1979 * _TFLOPS, memory_bw=3350 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=1979 * _TFLOPS, memory_bw=3350 * _GBs, matmul_efficiency=0.6, op_overhead_s=5e-6),
         Accelerator(name="h200", label="NVIDIA H200 141GB SXM5", memory_bytes=143771 * MiB,
                     bf16_flops=989 * _TFLOPS, fp16_flops=989 * _TFLOPS, fp32_flops=67 * _TFLOPS,
                     intra_node_bw=450 * _GBs, intra_node_link="NVLink 4", host_link_bw=50 * _GBs,
                     default_interconnect="infiniband-ndr", node_cpu_memory_bytes=2048 * GiB,
-                    fp8_flops=1979 * _TFLOPS, memory_bw=4800 * _GBs, matmul_efficiency=0.5, op_overhead_s=5e-6),
+                    fp8_flops=1979 * _TFLOPS, memory_bw=4800 * _GBs, matmul_efficiency=0.6, op_overhead_s=5e-6),
         # A CPU process with gloo, for local runs and tests: 16 GiB and ~1 TFLOPS are placeholders, not a measurement.
         Accelerator(name="cpu", label="CPU process (gloo)", memory_bytes=16 * GiB, bf16_flops=0, fp16_flops=0,
                     fp32_flops=1e12, intra_node_bw=10 * _GBs, intra_node_link="shared memory",

@@ -5,13 +5,18 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
 ``matmul``
     The matrix multiplies' FLOPs (``6 N`` per token, N the matmul parameters a token passes through; Kaplan et al.
     2020, PaLM App. B) at the *achievable* rate of the GPU: ``peak x Accelerator.matmul_efficiency``. The
-    efficiencies are not GEMM micro-benchmarks but what well-tuned training reaches, taken from published measured
-    utilisation on that GPU (see :mod:`.hardware`): A100 0.60 (Korthikanti et al. 2022, arXiv:2205.05198, Table 5:
+    efficiencies are what well-tuned training reaches, taken from published measured utilisation and GEMM rates on
+    that GPU (see :mod:`.hardware`): A100 0.60 (Korthikanti et al. 2022, arXiv:2205.05198, Table 5:
     56-57 % HFU for the 530B/1T runs end to end, so the GEMMs themselves run at ~60 %; Narayanan et al. 2021 reach
-    52 % with full recomputation); H100 0.50 (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: 38-43 % BF16
-    MFU end to end on 8k-16k H100s, which leaves ~50 % for the matmuls once bubble and exposed communication are
-    taken out); V100 0.45 (Shoeybi et al. 2019: 39 TFLOP/s on one V100, 30 % of peak, whole step); MI300X 0.40 and
-    the PCIe/Ada parts 0.50 are estimates. ``%dist_tune`` measures the real figure (a calibration).
+    52 % with full recomputation); H100 and H200 0.60: the low end of cuBLAS's bf16 rate on an H100 SXM at
+    training shapes (600-750 of 989 TFLOP/s at M = 8192, K, N = 2048-8192); it puts Llama 3 405B (Dubey et al. 2024,
+    Table 4: 430 / 400 TFLOP/s per GPU on 8k / 16k H100s) at 1.06 / 1.07 of measured and issue 31's 1.4B GPT-2-style
+    model on one H100 at 0.91-0.96, whose step less its attention, elementwise and optimizer parts leaves 550-585
+    TFLOP/s for the matmuls (the former 0.50, backed out of Llama 3's MFU before this model priced those parts and
+    the bubble and communication itself, charged them twice: 420 TFLOP/s, the 1.4B eager step 230 ms against 192,
+    Llama 3 at 0.92 / 0.93); V100 0.45 (Shoeybi et al. 2019: 39 TFLOP/s on one V100,
+    30 % of peak, whole step); MI300X 0.40 and the PCIe/Ada parts 0.50 are estimates. ``%dist_tune`` measures the
+    real figure (a calibration).
 ``attention``
     The attention core, ``12 L H Q T`` FLOPs per token (PaLM App. B). With a fused kernel (FlashAttention-2, Dao
     2023, arXiv:2307.08691, Fig. 7/8) causal masking skips half of it, at 75 % of the matmul rate (FA2 reaches
