@@ -227,16 +227,29 @@ class SkySlurm:
                        check=True, timeout=120, capture_output=True)  # fmt: skip
 
     def torch_extensions(self) -> str:
-        """A ``TORCH_EXTENSIONS_DIR`` the job user can write, with the DeepSpeed ops this machine already built (if
-        any: the suite's ``TORCH_EXTENSIONS_DIR``, tests/conftest.py) copied in, so a ZeRO job does not compile them
-        again."""
+        """A ``TORCH_EXTENSIONS_DIR`` the job user can write, holding a copy of the DeepSpeed ops this checkout built
+        (the suite's ``TORCH_EXTENSIONS_DIR``: tests/conftest.py's ``deepspeed_ops`` built them before the first slow
+        test), so a ZeRO job loads them instead of compiling them.
+
+        A fresh copy in this session's folder, never one kept from an earlier session: ninja rebuilds an op whose build
+        command changed, and the command names the DeepSpeed install's paths. A folder kept in the job user's home
+        was shared by every checkout on the machine (seen: ``/work/main`` and ``/check/work/main`` taking turns), so
+        the job rebuilt ``deepspeed_shm_comm`` (150 s under load) whenever another checkout had run last. torch's
+        build ``lock`` is not copied (a copied one would make the job wait for a build that never ends). The suite's
+        folder is shared by those checkouts too, so its ops are loaded (built again if another checkout's run rebuilt
+        them since this session's first slow test) right before the copy: a build there is outside the job's wait."""
+        assert self.root is not None
         pw = pwd.getpwnam(USER)
-        target = Path(self.home) / ".cache" / "jd-torch-extensions"
-        cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the suite's one folder (tests/conftest.py)
-        if cache.is_dir() and not target.exists():
-            shutil.copytree(cache, target)
-        target.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(target.parent)], check=True, timeout=60)
+        target = self.root / "torch_extensions"
+        if not target.exists():
+            from conftest import build_deepspeed_ops
+
+            build_deepspeed_ops(apart=False, wait=True)
+            cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the suite's one folder (tests/conftest.py)
+            if cache.is_dir():
+                shutil.copytree(cache, target, ignore=shutil.ignore_patterns("lock"))
+            target.mkdir(exist_ok=True)
+            subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(target)], check=True, timeout=60)
         return str(target)
 
     def stop(self) -> None:
@@ -306,8 +319,6 @@ def require_sky_slurm() -> None:
     if os.environ.get("JD_REQUIRE_SLURM", "") not in ("", "0"):
         pytest.fail(f"JD_REQUIRE_SLURM is set but SkyPilot on SLURM cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
 
 
 if __name__ == "__main__":  # manual check: python tests/sky_slurm.py
