@@ -275,13 +275,12 @@ def test_dist_tune_in_ipython_measures_three_candidates_and_calibrates_later_pla
     assert check is not None and check["comparable"] and check["measured"].step_time_s == pytest.approx(measured)
 
 
-def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) -> None:
-    """A GPU plan rehearsed on CPU processes: the summary says so instead of comparing (no processes needed)."""
-    from jupyter_dist.launch.run import Run
+def logged_run_dir(path: Path) -> object:
+    """A finished 2-rank run's directory whose ranks logged 6 steps of 256 tokens, 50 ms apart, and their memory."""
     from jupyter_dist.launch.rundir import RunDir
     from jupyter_dist.telemetry.emitter import Emitter, JsonlFileSink, telemetry_path
 
-    rd = RunDir(tmp_path / "r")
+    rd = RunDir(path)
     now = [1000.0]
     for rank in (0, 1):
         em = Emitter(rank=rank, sinks=[JsonlFileSink(telemetry_path(rd.path, rank))], clock=lambda: now[0],
@@ -291,6 +290,14 @@ def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) 
             em.log({"tokens": 256.0}, step)
         em.memory()
         em.close()
+    return rd
+
+
+def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) -> None:
+    """A GPU plan rehearsed on CPU processes: the summary says so instead of comparing (no processes needed)."""
+    from jupyter_dist.launch.run import Run
+
+    rd = logged_run_dir(tmp_path / "r")
     gpu_plan = plan("llama-2-7b", "h100-80gb")
     meta = {"status": "succeeded", "world_size": 2, "candidate": gpu_plan.recommended, "strategy": "fsdp2"}
     run = Run(rd, meta, plan=gpu_plan)
@@ -306,6 +313,23 @@ def test_a_run_whose_plan_is_for_other_hardware_is_not_compared(tmp_path: Path) 
     assert check is not None and check["measured"].step_time_s == pytest.approx(0.05)
     assert check["measured"].tokens_per_s == pytest.approx(2 * 256 / 0.05)
     assert f"/ {0.05:.3g} s" in summary and "tokens/s" in summary
+
+
+def test_a_runs_calibration_is_keyed_by_the_speed_options_it_was_planned_with(tmp_path: Path,
+                                                                              calibration_dir: Path) -> None:
+    """``run.save_calibration()`` of a run planned with compiled blocks and the fused optimizer calibrates compiled,
+    fused plans only: the eager plans of the same hardware stay on the published rates."""
+    from jupyter_dist.launch.run import Run
+
+    compiled = replace(SHAPE, compile=True, fused_optimizer=True)
+    p = replace(plan(TINY, CPU2, compiled), recommended="ddp")
+    run = Run(logged_run_dir(tmp_path / "r"), {"status": "succeeded", "world_size": 2, "candidate": "ddp",
+                                               "strategy": "ddp"}, plan=p)  # fmt: skip
+    cal = run.save_calibration()
+    assert cal.options == "compile+fused"
+    assert cal.path() == calibration_dir / f"{hardware_key('cpu')}@compile+fused.json"
+    assert cal.path().is_file() and load_calibration("cpu") is None  # the eager file: not written
+    assert load_calibration("cpu", "compile+fused") == cal
 
 
 def test_cuda_peaks_are_compared_without_the_context_and_the_allocator_reserve() -> None:

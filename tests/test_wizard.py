@@ -604,3 +604,19 @@ def test_rehearse_button_rehearses_the_selected_candidate_for_real() -> None:
     (out,) = w.rehearse_out.outputs
     table = out["data"]["text/html"]
     assert "Rehearsal of fsdp2 (2 ranks)" in table and "<th>rank 0</th>" in table and "dp_shard0" in table
+
+
+def test_the_wizard_plans_with_the_calibration_of_the_speed_options_it_plans() -> None:
+    """On GPUs the wizard plans compiled blocks and the fused optimizer (the ranks' defaults there): a tune of those
+    options calibrates its plan, an eager tune of the same GPU does not."""
+    from jupyter_dist.plan.calibration import Calibration, hardware_key
+
+    def calibrated(options: str) -> bool:
+        Calibration(hardware_key=hardware_key("h100-80gb"), accelerator="h100-80gb", matmul_efficiency=0.3,
+                    op_overhead_s=1e-5, memory_offset_bytes=0, trials=2, options=options).save()  # fmt: skip
+        answer = evaluate(WizardInputs())
+        assert answer.plan is not None, answer.problems
+        return any("Calibrated on this hardware by %dist_tune" in r for r in answer.plan.reasons)
+
+    assert not calibrated("eager+foreach")
+    assert calibrated("compile+fused")

@@ -569,7 +569,14 @@ class Run(RunWatching):
         trial = Trial(candidate=check["candidate"], micro_batch=self.plan.training.micro_batch,
                       predicted=check["predicted"], status="ok", measured=check["measured"], run_dir=str(self.dir),
                       accelerator=self.plan.hardware.accelerator)  # fmt: skip
-        cal = fit_calibration([trial], source=str(self.dir))
+        from dataclasses import replace
+
+        from ..plan.calibration import options_key
+
+        # keyed by the speed options the run was planned with (compiled blocks, fused optimizer, fp8): a compiled
+        # run's rates calibrate compiled plans only
+        options = options_key(self.plan.training, self.plan.hardware.accelerator.vendor)
+        cal = replace(fit_calibration([trial], source=str(self.dir)), options=options)
         cal.save()
         return cal
 

@@ -282,11 +282,12 @@ def evaluate(inputs: WizardInputs) -> Answer:
     if spec is not None and hw is not None and shape is not None and not problems:
         assume = Assumptions() if inputs.min_headroom is None else Assumptions(min_headroom=inputs.min_headroom)
         try:
-            from ..plan.calibration import load_calibration  # %dist_tune's measurement of this hardware, if any
+            from ..plan.calibration import load_calibration, options_key  # %dist_tune's, for these speed options
 
             answer.plan = plan(spec, hw, shape, strategy=None if inputs.strategy == "auto" else inputs.strategy,
                                tp=inputs.tp or None, pp=inputs.pp or None, assumptions=assume,
-                               calibration=load_calibration(hw.accelerator.name))  # fmt: skip
+                               calibration=load_calibration(hw.accelerator.name,
+                                                            options_key(shape, hw.accelerator.vendor)))  # fmt: skip
         except JupyterDistError as exc:
             problems[_plan_field(inputs, str(exc))] = str(exc)
     answer.elapsed_ms = (time.perf_counter() - t0) * 1e3
