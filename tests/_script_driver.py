@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import json
 import os
 import runpy
 import sys
 import traceback
+
+_DTENSOR_CACHES = (
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+)
+"""(module, attribute path) of each cache function the driver calls between runs."""
 
 
 def _reset_torch_state() -> None:
@@ -36,17 +46,14 @@ def _reset_torch_state() -> None:
         import torch.distributed.tensor._random as dtensor_random
 
         dtensor_random._rng_tracker = None
-    with contextlib.suppress(ImportError, AttributeError):  # caches keyed by meshes, which compare by layout
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-        torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-        ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
-        _gen_transform_infos.cache_clear()
-        MeshTopoInfo.build_from_mesh.cache_clear()
+    # caches keyed by meshes, which compare by layout, each cleared on its own: a name a later torch drops skips only
+    # its own clear (the C++ dispatch fast path's is the one a tp run after a tp+sp run needs)
+    for module, path in _DTENSOR_CACHES:
+        with contextlib.suppress(ImportError, AttributeError):
+            target: object = importlib.import_module(module)
+            for name in path.split("."):
+                target = getattr(target, name)
+            target()  # type: ignore[operator]
     torch._dynamo.reset()
     gc.collect()
 
