@@ -32,6 +32,7 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -150,8 +151,8 @@ RUNS = {
 }  # fmt: skip
 
 
-def predicted(run: Published) -> float:
-    """The planner's figure for ``run``, in the paper's unit."""
+def estimate(run: Published) -> Any:
+    """The planner's estimate of ``run``'s step (its hardware, layout, micro-batch, schedule and options)."""
     hw = Hardware.from_names(run.gpu, gpus_per_node=min(8, run.gpus), nodes=max(1, run.gpus // 8),
                              interconnect=run.interconnect)  # fmt: skip
     dp = run.gpus // (run.tp * run.pp)
@@ -159,10 +160,16 @@ def predicted(run: Published) -> float:
     pipeline = {"pp_schedule": "interleaved-1f1b", "pp_virtual": run.virtual} if run.virtual else {}
     shape = TrainingShape(micro_batch=mb, seq_len=run.seq, checkpointing=run.checkpointing, compile=run.compile,
                           pp_light_edges=run.light_edges, **pipeline)  # fmt: skip
-    t = estimate_time(run.model, shape, hw, STRATEGIES[run.strategy], ParallelDims(dp=dp, tp=run.tp, pp=run.pp),
-                      grad_accum=run.global_batch // (dp * mb), assumptions=Assumptions())  # fmt: skip
+    return estimate_time(run.model, shape, hw, STRATEGIES[run.strategy], ParallelDims(dp=dp, tp=run.tp, pp=run.pp),
+                         grad_accum=run.global_batch // (dp * mb), assumptions=Assumptions())  # fmt: skip
+
+
+def predicted(run: Published) -> float:
+    """The planner's figure for ``run``, in the paper's unit."""
+    t = estimate(run)
     per_gpu = t.tokens_per_s / run.gpus
-    model_f, executed_f = training_flops_per_token(run.model, run.seq, shape.checkpointing)
+    checkpointing = TrainingShape(checkpointing=run.checkpointing).checkpointing
+    model_f, executed_f = training_flops_per_token(run.model, run.seq, checkpointing)
     return {"hfu": per_gpu * executed_f / 1e12, "mfu": per_gpu * model_f / 1e12, "tokens": per_gpu}[run.unit]
 
 
