@@ -298,3 +298,26 @@ def test_light_edges_hold_the_embedding_and_the_output_in_a_layers_place() -> No
     assert 7 * block + model.embedding_params < dense  # the edge ranks are lighter
     with pytest.raises(ParallelismError, match="128 pipeline stages need at least 128 layers"):
         stage_params(model, ParallelDims(dp=1, pp=16), 8)
+
+
+def test_the_plan_flags_take_llamas_pipeline_layout() -> None:
+    """``jupyter-dist plan`` / ``%dist_plan --pp-light-edges`` plans what ``TrainingShape(pp_light_edges=True)`` plans:
+    the same candidates and step times (and without the flag, the same layout is refused as too many stages)."""
+    import argparse
+
+    from jupyter_dist.cli.flags import add_plan_arguments, plan_from_args
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    flags = ["--model", "llama-3.1-405b", "--gpus-per-node", "8", "--nodes", "16", "--micro-batch", "1",
+             "--seq-len", "8192", "--grad-accum", "32", "--pp-schedule", "interleaved-1f1b", "--pp-virtual", "8",
+             "--tp", "8", "--pp", "16"]  # fmt: skip
+    with pytest.raises(ParallelismError, match="cannot exceed the number of layers"):
+        plan_from_args(parser.parse_args(flags))
+    got = plan_from_args(parser.parse_args([*flags, "--pp-light-edges"]))
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=8, nodes=16)
+    shape = TrainingShape(micro_batch=1, seq_len=8192, grad_accum=32, pp_schedule="interleaved-1f1b", pp_virtual=8,
+                          pp_light_edges=True)  # fmt: skip
+    want = plan("llama-3.1-405b", hw, shape, tp=8, pp=16)
+    assert got.training.pp_light_edges
+    assert {c.name: c.time.step_time_s for c in got.candidates} == {c.name: c.time.step_time_s for c in want.candidates}

@@ -140,6 +140,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                          "and the bubble)")  # fmt: skip
     tr.add_argument("--pp-virtual", type=int_arg(1, 1024), default=None,
                     help="pipeline stages per rank with interleaved-1f1b (default 2)")  # fmt: skip
+    tr.add_argument("--pp-light-edges", action="store_true",
+                    help="Llama 3's pipeline layout: the embedding and the output each take a layer's place, so the "
+                         "first and last stage hold one layer fewer (planned, not launched)")  # fmt: skip
     tr.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="price regional torch.compile of each block (default: as the ranks run, on for GPUs, off "
                          "for CPU processes)")  # fmt: skip
@@ -319,6 +322,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         global_batch=args.global_batch, precision=args.precision, optimizer=args.optimizer,
         checkpointing=args.checkpointing, flash_attention=args.flash_attn,
         pp_schedule=getattr(args, "pp_schedule", "1f1b"), pp_virtual=getattr(args, "pp_virtual", None) or 0,
+        pp_light_edges=getattr(args, "pp_light_edges", False),
         compile=getattr(args, "compile", None), fused_optimizer=getattr(args, "fused_optimizer", None),
     )  # fmt: skip
     assume: dict[str, Any] = {}
