@@ -9,6 +9,9 @@ first, and takes its next file only when it has nothing left to run.
   first and a 10-test notebook file of 15 minutes last, where one worker then runs it alone.
 - No file is handed to a worker while it still has two tests to run (xdist's rule): a worker running a file's long
   last tests would hold the next file while the other worker idles.
+- With more than two workers (``scripts/test.sh`` starts three for the full suite on two cores), the cluster files
+  are one worker's only work: they wait on daemons, SSH, the SLURM queue and SkyPilot's provisioning for much of
+  their time, so that worker runs beside the two that share every other file instead of holding one of them.
 """
 
 from __future__ import annotations
@@ -54,18 +57,37 @@ def make_scheduler(config: Any, log: Any) -> Any:
     seconds = file_seconds()
 
     class FileScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        cluster_node: Any = None
+        """With more than two workers: the one that runs the cluster files and nothing else."""
+
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
-            longest = max(self.workqueue, key=lambda s: estimate(s, seconds))
-            self.workqueue.move_to_end(longest, last=False)  # the base class hands out the first unit
+            if len(self.nodes) > 2 and self.cluster_node is None and "cluster" in self.workqueue:
+                self.cluster_node = node
+                pick = "cluster"
+            else:
+                others = [s for s in self.workqueue if s != "cluster" or self.cluster_node is None]
+                if not others:
+                    return
+                pick = max(others, key=lambda s: estimate(s, seconds))
+            self.workqueue.move_to_end(pick, last=False)  # the base class hands out the first unit
             super()._assign_work_unit(node)
+
+        def remove_node(self, node: Any) -> Any:
+            if node is self.cluster_node:  # crashed or done: a crashed one's tests go to whichever worker asks
+                self.cluster_node = None
+            return super().remove_node(node)
 
         def _reschedule(self, node: Any) -> None:
             if node.shutting_down:
                 return
-            if not self.workqueue:
+            if node is self.cluster_node:  # its one unit: it stops when that is done
+                if not self._pending_of(self.assigned_work[node]):
+                    node.shutdown()
+                return
+            if not any(s != "cluster" or self.cluster_node is None for s in self.workqueue):
                 node.shutdown()
                 return
             if self._pending_of(self.assigned_work[node]) > 1:  # one left: the worker holds it until the next arrives

@@ -31,12 +31,13 @@ class FakeNode:
         self.shutting_down = True
 
 
-def _scheduler(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float], collection: list[str]) -> Any:
+def _scheduler(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float], collection: list[str],
+               workers: int = 2) -> Any:  # fmt: skip
     monkeypatch.setattr(scheduling, "file_seconds", lambda: seconds)
     config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True), getvalue=lambda name: None)
-    monkeypatch.setattr("xdist.scheduler.loadscope.parse_tx_spec_config", lambda config: ["popen", "popen"])
+    monkeypatch.setattr("xdist.scheduler.loadscope.parse_tx_spec_config", lambda config: ["popen"] * workers)
     sched = scheduling.make_scheduler(config, None)
-    nodes = [FakeNode("gw0"), FakeNode("gw1")]
+    nodes = [FakeNode(f"gw{i}") for i in range(workers)]
     for node in nodes:
         sched.add_node(node)
         sched.add_node_collection(node, collection)
@@ -60,6 +61,30 @@ def test_the_longest_files_go_first_and_the_cluster_files_together(monkeypatch: 
     # one left, which the worker holds until more arrives: now the next longest file, a.py
     sched.mark_test_complete(gw0, gw0.sent[0][1])
     assert [collection[i] for i in gw0.sent[1]] == [f"tests/a.py::t{i}" for i in range(6)]
+
+
+def test_a_third_worker_runs_the_cluster_files_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    collection = [*(f"tests/b.py::t{i}" for i in range(2)), "tests/test_slurm.py::t0", "tests/test_wizard.py::t0",
+                  *(f"tests/{f}.py::t0" for f in "acdef")]  # fmt: skip
+    # the cluster files are not the longest: still one worker's only work
+    seconds = {"b.py": 2000.0, "test_slurm.py": 20.0, "test_wizard.py": 30.0, "a.py": 500.0, "c.py": 400.0,
+               "d.py": 300.0, "e.py": 200.0, "f.py": 100.0}  # fmt: skip
+    sched, (gw0, gw1, gw2) = _scheduler(monkeypatch, seconds, collection, workers=3)
+    assert [collection[i] for i in gw0.sent[0]] == ["tests/test_slurm.py::t0", "tests/test_wizard.py::t0"]
+    assert [collection[i] for i in gw1.sent[0]] == ["tests/b.py::t0", "tests/b.py::t1"]
+    assert [collection[i] for i in gw2.sent[0]] == ["tests/a.py::t0"]
+    assert sched.cluster_node is gw0
+    # the cluster worker finishes its files: it gets nothing more and stops, though files are left
+    for i in gw0.sent[0]:
+        sched.mark_test_complete(gw0, i)
+    assert len(gw0.sent) == 1 and gw0.shutting_down and "tests/d.py" in sched.workqueue
+    # the others share the rest, the longest first
+    sched.mark_test_complete(gw2, gw2.sent[0][0])
+    assert [collection[i] for i in gw2.sent[1]] == ["tests/c.py::t0"]
+    # a crashed cluster worker's files go back to the queue, and to the next worker that asks
+    sched2, (hw0, hw1, hw2) = _scheduler(monkeypatch, seconds, collection, workers=3)
+    assert sched2.remove_node(hw0) == "tests/test_slurm.py::t0"
+    assert sched2.cluster_node is None and "cluster" in sched2.workqueue
 
 
 def test_a_file_missing_from_the_table_counts_as_a_long_one(monkeypatch: pytest.MonkeyPatch) -> None:
