@@ -106,8 +106,8 @@ def test_durations_table_from_a_pytest_report_and_the_simulation(tmp_path: Path)
     # longest first on two workers: 10 | 6+4 -> 10 s; on one: 20 s
     assert durations.simulate({"p.py": 10.0, "q.py": 6.0, "r.py": 4.0}, 2) == 10.0
     assert durations.simulate({"p.py": 10.0, "q.py": 6.0, "r.py": 4.0}, 1) == 20.0
-    # three workers: the SLURM files on their own one (5 s), the rest on two
-    table = {"p.py": 10.0, "q.py": 6.0, "test_slurm.py": 5.0, "r.py": 3.0}
+    # three workers: the SLURM files on their own one (6 s), the rest on two
+    table = {"p.py": 10.0, "q.py": 6.0, "r.py": 3.0, **{name: 1.0 for name in scheduling.CLUSTER_FILES}}
     assert durations.simulate(table, 2) == 13.0 and durations.simulate(table, 3) == 10.0
 
 
