@@ -20,6 +20,9 @@ else
   quiet pip install -q -e ".[test]"
 fi
 # --fast: the tier to run before every commit (no torchrun job, kernel, browser or scheduler; docs/development.md)
+# the suite's own modules (jupyter_dist, tests/) get .pyc files like a user's do: with PYTHONDONTWRITEBYTECODE=1 every
+# worker recompiled the test files (collection 23 -> 12 CPU-s each) and every rank the package modules it imports
+unset PYTHONDONTWRITEBYTECODE
 WORKERS=3
 if [ "${1:-}" = "--fast" ]; then shift; set -- -m "not slow" "$@"; WORKERS=2; fi
 # xdist workers, one file each at a time (tests/scheduling.py): two share the files, and in the full suite a third
