@@ -184,3 +184,27 @@ def test_plan_flags_price_eager_or_compiled_and_foreach_or_fused() -> None:
     res = subprocess.run([sys.executable, "-m", "jupyter_dist.cli", "plan", "--model", "gpt2", "--gpus-per-node", "1",
                           "--no-compile"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0 and "blocks eager, fused optimizer" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])
+def test_eager_rmsnorm_is_priced_as_its_chain_of_fp32_kernels(tp: int, sp: bool) -> None:
+    """Eager, an RMSNorm model moves COMPOSITE_NORM_BYTES more per normalised element than the same model with a
+    fused norm: two norms per block (whole on every TP rank without sequence parallelism) and the final one; compiled,
+    nothing more (the chain fuses)."""
+    from dataclasses import replace
+
+    from jupyter_dist.plan.perf import COMPOSITE_NORM_BYTES, MEMORY_EFFICIENCY, compute_parts
+
+    rms = ModelSpec(name="m", layers=3, hidden=1024, heads=8, vocab=32000)
+    fused = replace(rms, norm="layernorm")
+    dims = ParallelDims(dp=1, tp=tp, sp=sp)
+    hw = Hardware.from_names("h100-80gb", gpus_per_node=2)
+    tokens = 4096.0
+    for compiled in (False, True):
+        shape = TrainingShape(micro_batch=2, seq_len=2048, precision="bf16-mixed", compile=compiled)
+        a, b = (compute_parts(m, shape, hw, dims, tokens_per_gpu=tokens)["elementwise"] for m in (rms, fused))
+        normed = 3 * 2 * 1024 * (tp if not sp else 1) + 1024
+        extra = (COMPOSITE_NORM_BYTES[0] + 2 * COMPOSITE_NORM_BYTES[1]) * normed * tokens / (
+            hw.accelerator.memory_bw * MEMORY_EFFICIENCY)  # fmt: skip
+        assert a - b == pytest.approx(0.0 if compiled else extra, abs=1e-15), compiled
+    assert COMPOSITE_NORM_BYTES[0] + 2 * COMPOSITE_NORM_BYTES[1] == 84

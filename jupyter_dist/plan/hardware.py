@@ -81,9 +81,18 @@ class Accelerator:
     memory_bw: float = 2.0e12
     """Device memory (HBM/GDDR) bandwidth, bytes/s (datasheet): the rate of memory-bound elementwise work."""
     matmul_efficiency: float = 0.5
-    """Fraction of the dense peak that a training step's matrix multiplies reach at width 8192 (from published
-    GEMM rates and measured MFU on this GPU, H100/H200 0.60, A100 0.60; see :mod:`jupyter_dist.plan.perf`), or the
-    calibrated one measured by ``%dist_tune``."""
+    """Fraction of the dense peak that a training step's matrix multiplies reach at width 8192, or the calibrated one
+    measured by ``%dist_tune``. From published GEMM rates and measured utilisation on that GPU: A100 0.60
+    (Korthikanti et al. 2022, arXiv:2205.05198, Table 5: 56-57 % HFU for the 530B/1T runs end to end, so the GEMMs
+    themselves run at ~60 %; Narayanan et al. 2021 reach 52 % with full recomputation); H100 and H200 0.60: the low
+    end of cuBLAS's bf16 rate on an H100 SXM at training shapes (600-750 of 989 TFLOP/s at M = 8192, K, N =
+    2048-8192); it puts Llama 3 405B (Dubey et al. 2024, Table 4: 430 / 400 TFLOP/s per GPU on 8k / 16k H100s) at
+    1.06 / 1.07 of measured and issue 31's 1.4B GPT-2-style model on one H100 at 0.91-0.96, whose step less its
+    attention, elementwise and optimizer parts leaves 550-585 TFLOP/s for the matmuls (the former 0.50, backed out
+    of Llama 3's MFU before :mod:`jupyter_dist.plan.perf` priced those parts, the bubble and communication itself,
+    charged them twice: 420 TFLOP/s, the 1.4B eager step 230 ms against 192, Llama 3 at 0.92 / 0.93); V100 0.45
+    (Shoeybi et al. 2019: 39 TFLOP/s on one V100, 30 % of peak, whole step); MI300X 0.40 and the PCIe/Ada parts
+    0.50 are estimates."""
     op_overhead_s: float = 5e-6
     """Seconds of host-side cost per operator (CUDA kernel launch ~5 us; eager CPU dispatch): bounds tiny models."""
     collective_latency_s: float = 2e-5

@@ -4,19 +4,9 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
 
 ``matmul``
     The matrix multiplies' FLOPs (``6 N`` per token, N the matmul parameters a token passes through; Kaplan et al.
-    2020, PaLM App. B) at the *achievable* rate of the GPU: ``peak x Accelerator.matmul_efficiency``. The
-    efficiencies are what well-tuned training reaches, taken from published measured utilisation and GEMM rates on
-    that GPU (see :mod:`.hardware`): A100 0.60 (Korthikanti et al. 2022, arXiv:2205.05198, Table 5:
-    56-57 % HFU for the 530B/1T runs end to end, so the GEMMs themselves run at ~60 %; Narayanan et al. 2021 reach
-    52 % with full recomputation); H100 and H200 0.60: the low end of cuBLAS's bf16 rate on an H100 SXM at
-    training shapes (600-750 of 989 TFLOP/s at M = 8192, K, N = 2048-8192); it puts Llama 3 405B (Dubey et al. 2024,
-    Table 4: 430 / 400 TFLOP/s per GPU on 8k / 16k H100s) at 1.06 / 1.07 of measured and issue 31's 1.4B GPT-2-style
-    model on one H100 at 0.91-0.96, whose step less its attention, elementwise and optimizer parts leaves 550-585
-    TFLOP/s for the matmuls (the former 0.50, backed out of Llama 3's MFU before this model priced those parts and
-    the bubble and communication itself, charged them twice: 420 TFLOP/s, the 1.4B eager step 230 ms against 192,
-    Llama 3 at 0.92 / 0.93); V100 0.45 (Shoeybi et al. 2019: 39 TFLOP/s on one V100,
-    30 % of peak, whole step); MI300X 0.40 and the PCIe/Ada parts 0.50 are estimates. ``%dist_tune`` measures the
-    real figure (a calibration).
+    2020, PaLM App. B) at the *achievable* rate of the GPU: ``peak x Accelerator.matmul_efficiency``, what
+    well-tuned training reaches, from published utilisation and GEMM rates on that GPU (the sources are at
+    ``Accelerator.matmul_efficiency``, :mod:`.hardware`). ``%dist_tune`` measures the real figure (a calibration).
 ``attention``
     The attention core, ``12 L H Q T`` FLOPs per token (PaLM App. B). With a fused kernel (FlashAttention-2, Dao
     2023, arXiv:2307.08691, Fig. 7/8) causal masking skips half of it, at 75 % of the matmul rate (FA2 reaches
@@ -26,7 +16,8 @@ The step is the sum of named parts (:attr:`StepTime.breakdown`, seconds, after o
     Memory-bound work: norms, residual adds, rotary, the MLP activation (``14 h + 5 f`` elements written and read per
     token and layer forward for a gated MLP, ``10 h + 2 f`` otherwise), three passes for forward + backward, and the
     loss (logits in fp32, softmax, their gradient: 16 bytes per vocabulary entry and token), at 70 % of the
-    datasheet memory bandwidth. Without sequence parallelism the norm/residual part is repeated on every TP rank.
+    datasheet memory bandwidth; eager RMSNorm as its chain of fp32 kernels (:data:`COMPOSITE_NORM_BYTES`). Without
+    sequence parallelism the norm/residual part is repeated on every TP rank.
 ``fp8`` (``Precision.FP8``)
     The blocks' linear layers (attention q, k, v, o and the MLP) at the accelerator's FP8 peak
     (``Accelerator.fp8_flops``, at the same efficiency); the attention core, the output layer and MoE routers stay at
@@ -149,6 +140,11 @@ gradients summed at each fork, GELU backward, the bias-gradient reductions, the 
 each region between two matmuls reads its inputs and writes its outputs once: forward 11h + 2f (a residual add fused
 with the next norm; the block's last add stays at the region boundary, as each block compiles alone) and backward
 10h + 3f (norm backward with the residual gradient, GELU backward with its bias reduction), 41h: 0.75."""
+COMPOSITE_NORM_BYTES = (76, 4)
+"""Bytes per element an eager RMSNorm moves beyond a fused norm, ``a + b cb`` forward + backward. This package's,
+Hugging Face's (Llama, Qwen, Gemma) and Meta's reference RMSNorm is ``x.float()``, ``pow(2)``, ``mean``, ``* rsqrt``,
+``type_as``, ``* weight``: forward 28 + 4 cb, autograd's backward 48 + 6 cb, where one fused kernel (LayerNorm,
+``aten._fused_rms_norm``) moves ~6 cb: 84 more bytes at cb = 2. Compiled, the chain fuses."""
 FP8_CAST_BYTES_EAGER = 5
 """Bytes per element of an eager FP8 cast: the amax read (2) as its own kernel, then the scaled cast (read 2, write
 1). Compiled, the read fuses into the cast (:data:`FP8_CAST_BYTES`)."""
@@ -407,6 +403,10 @@ def compute_parts(
     layer_fwd = cb * (h_part + f_part)
     loss = 16 * model.vocab  # fp32 logits, log-softmax, their gradient
     traffic_fwd = model.layers * layer_fwd * (COMPILED_ELEMENTWISE if compiled else 1.0)
+    if model.norm == "rmsnorm" and not compiled:  # two per block (and q/k per head), the final one: unfused chains
+        normed = (2 * h * (dims.tp if dims.tp > 1 and not dims.sp else 1) + (model.q_dim + model.kv_dim) *
+                  model.qk_norm) * model.layers + h  # fmt: skip
+        loss += (COMPOSITE_NORM_BYTES[0] + COMPOSITE_NORM_BYTES[1] * cb) * normed  # (with the loss: once, not x3)
     elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise + cast}
     block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
