@@ -1,7 +1,16 @@
 """binder/ builds an environment in which the quickstart runs: the steps repo2docker takes (runtime.txt's Python,
 ``pip install -r binder/requirements.txt``, ``binder/postBuild`` from the repository root) in a fresh virtual
 environment, then the quickstart executed there with ``jupyter-dist demo`` (nbclient on that environment's kernel,
-a real 2-process run). Docker itself is the one part not exercised."""
+a real 2-process run). Docker itself is the one part not exercised.
+
+What is real and what is laid in: the venv, both pip steps (``requirements.txt``'s resolution against the
+laid torch, then ``postBuild`` as written: its own pip, its constraint, its ``--no-cache-dir``), the notebook
+extra's packages, the CLI, the kernel and the 2-process torchrun run. torch itself is not downloaded or unpacked
+(the CPU wheel, ~200 MB): this environment's torch -- the CPU build ``constraints-cpu.txt`` pins -- is laid into
+the venv first by test_extras_alone's ``TorchLayer`` (its package folders as symlinks, its ``.dist-info`` without
+``RECORD``, its ``torchrun``). pip then sees ``torch==2.13.0`` installed: ``requirements.txt`` must be satisfied
+by it (a pin that named another torch would make pip try to replace it, which it cannot: no ``RECORD``, the test
+fails), and the test checks that the venv's python imports that very torch (issue 34)."""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_extras_alone import TorchLayer, torch_layer  # noqa: F401  (torch_layer: the fixture, used below)
 
 ROOT = Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"
@@ -30,9 +40,10 @@ def test_binder_files_agree_with_the_project() -> None:
 
 
 @pytest.mark.slow
-def test_binder_environment_runs_the_quickstart(tmp_path: Path) -> None:
+def test_binder_environment_runs_the_quickstart(tmp_path: Path, torch_layer: TorchLayer) -> None:  # noqa: F811
     env_dir = tmp_path / "binder-env"
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=120)
+    torch_layer.lay(env_dir)  # this environment's CPU torch instead of a 200 MB download (see the docstring)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PIP_CONSTRAINT"))}
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env['PATH']}"
     env["VIRTUAL_ENV"] = str(env_dir)
@@ -46,8 +57,10 @@ def test_binder_environment_runs_the_quickstart(tmp_path: Path) -> None:
 
     sh("pip", "install", "-q", "-r", str(BINDER / "requirements.txt"))
     sh("bash", str(BINDER / "postBuild"))
-    version = sh(str(env_dir / "bin" / "python"), "-c", "import torch; print(torch.__version__)").strip()
+    version, where = sh(str(env_dir / "bin" / "python"), "-c",
+                        "import torch; print(torch.__version__); print(torch.__file__)").split()  # fmt: skip
     assert version.startswith("2.13.0"), version
+    assert any(Path(where).resolve().is_relative_to(p) for p in torch_layer.packages), f"torch from {where}"
     out = sh(str(env_dir / "bin" / "jupyter-dist"), "demo", "--steps", "60", "--runs-dir", str(tmp_path / "runs"))
     assert "succeeded (2 ranks" in out, out
     (folder,) = list((tmp_path / "runs").iterdir())
