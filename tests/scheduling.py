@@ -83,8 +83,8 @@ def make_scheduler(config: Any, log: Any) -> Any:
         def _reschedule(self, node: Any) -> None:
             if node.shutting_down:
                 return
-            if node is self.cluster_node:  # its one unit: it stops when that is done
-                if not self._pending_of(self.assigned_work[node]):
+            if node is self.cluster_node:  # its one unit: told to stop once it holds its last test (a worker runs
+                if self._pending_of(self.assigned_work[node]) <= 1:  # that one only when more comes or it must stop)
                     node.shutdown()
                 return
             if not any(s != "cluster" or self.cluster_node is None for s in self.workqueue):
