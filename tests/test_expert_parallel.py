@@ -13,12 +13,10 @@ is computed per sequence, so its value does not depend on how the batch is split
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run_singles
-from test_worker import clean_env, run_bounded
 
 torch = pytest.importorskip("torch")
 
@@ -144,6 +142,7 @@ CKPT_RESUMES = {"dp4": {}, "ep2xdp2": {"JD_EP": "2"}}
 TP_CKPT_RESUMES = {"pp2xep2": {"JD_PP": "2", "JD_EP": "2", "JD_MICROBATCHES": "2"}, "ep2xdp2": {"JD_EP": "2"}}
 """Meshes that resume the checkpoint saved under tp2 x ep2 + sp (experts split by ep, attention by tp)."""
 HF_MODELS = ("mixtral", "qwen2_moe")
+EP_ERRORS = SCRIPT.parent / "ep_errors.py"
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +173,8 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["ckpt-tp-full"] = (4, "moe", {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
     for name, degrees in TP_CKPT_RESUMES.items():
         configs[f"ckpt-tp-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
+    # last in the 2-process launch: ep_errors.py run whole, in a fresh runtime
+    configs["ep-errors"] = (2, "moe", {"JD_STRATEGY": "fsdp2", "JD_EP": "2", "EQ_SCRIPT": str(EP_ERRORS)})
     return Launches(where, configs)
 
 
@@ -273,12 +274,11 @@ def test_checkpoint_saved_under_tp2_ep2_resumes_under_pp2_ep2_and_under_ep2_dp2(
 
 
 @pytest.mark.slow
-def test_wrong_expert_parallel_inputs_get_one_line_each(tmp_path: Path) -> None:
-    script = SCRIPT.parent / "ep_errors.py"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_EP="2"), 180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("CASE ")}
+def test_wrong_expert_parallel_inputs_get_one_line_each(launches: Launches) -> None:
+    """``ep_errors.py`` (each wrong input to ``jd.wrap`` under JD_EP=2), last in the 2-process launch."""
+    assert launches["ep-errors"] == {"script": str(EP_ERRORS)}
+    out = launches.stdout[2].splitlines()
+    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in out if ln.startswith("CASE ")}
     assert "needs a mixture-of-experts model with grouped experts" in lines["dense"], lines
     assert "Transformer has none" in lines["dense"] and "JD_EP=1" in lines["dense"]
     assert "ep=2 does not divide the 3 experts of layers.0.moe.experts" in lines["experts"], lines

@@ -8,12 +8,10 @@ whole global batch in one step, with one gradient reduction per step (counted by
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from test_tensor_parallel import RTOL, Launches, assert_equal_math, run_singles
-from test_worker import clean_env, run_bounded
 
 from jupyter_dist.errors import ParallelismError
 from jupyter_dist.plan.pipeline import stage_bounds, stage_costs
@@ -185,6 +183,9 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
         configs[name] = (2, "ref", {**accum, "JD_RUN_DIR": str(where / f"run-{name}")})
         configs[f"{name}-sync-every"] = (2, "ref", {**accum, "JD_RUN_DIR": str(where / f"run-{name}-sync-every"),
                                                     "EQ_SYNC_EVERY_MICROBATCH": "1", "EQ_STEPS": "2"})  # fmt: skip
+    (where / "pp_errors.py").write_text(SCRIPT_ERRORS)  # run whole, in a fresh runtime
+    configs["pp-errors"] = (2, "ref", {"JD_STRATEGY": "fsdp2", "JD_PP": "2", "JD_MICROBATCHES": "2",
+                                       "EQ_SCRIPT": str(where / "pp_errors.py")})  # fmt: skip
     if importlib.util.find_spec("deepspeed") is not None:  # last: DeepSpeed's import patches torch for the process
         from test_every_strategy import EXTENSIONS, ds_config
 
@@ -369,15 +370,13 @@ except WorkerError as e:
 
 
 @pytest.mark.slow
-def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(tmp_path: Path) -> None:
-    script = tmp_path / "pp_errors.py"
-    script.write_text(SCRIPT_ERRORS)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_PP="2", JD_MICROBATCHES="2"), 180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "CASE call: under pipeline parallelism (pp2) the model runs stage by stage" in proc.stdout
-    assert "use loss = jd.train_step(inputs, targets, loss_fn)" in proc.stdout
-    assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in proc.stdout
+def test_a_pipelined_model_refuses_direct_calls_and_odd_batches(launches: Launches) -> None:
+    """``SCRIPT_ERRORS`` under pp2, run whole in the 2-process launch (before DeepSpeed's configuration)."""
+    assert launches["pp-errors"] == {"script": str(launches.where / "pp_errors.py")}
+    out = launches.stdout[2]
+    assert "CASE call: under pipeline parallelism (pp2) the model runs stage by stage" in out, out[-4000:]
+    assert "use loss = jd.train_step(inputs, targets, loss_fn)" in out
+    assert "CASE batch: jd.train_step: a batch of 3 does not split into 2 micro-batches" in out, out[-4000:]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 SCRIPT = Path(__file__).resolve().parent / "numerics" / "parallel_train.py"
 MODELS = ("ref", "llama")
 RTOL = 1e-5
+TP_ERRORS = SCRIPT.parent / "tp_errors.py"
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +169,24 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["ckpt-full"] = (4, "ref", {"JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
+    torch.manual_seed(1)  # not the workers' seed: the weights must come from the folder
+    _parallel_train().llama_model().save_pretrained(where / "pre")
+    configs["pretrained-meta"] = (4, "llama", {"JD_STRATEGY": "fsdp2", "JD_TP": "2", "JD_SP": "1", "EQ_STEPS": "0",
+                                               "EQ_META": "1", "EQ_PRETRAINED": str(where / "pre"),
+                                               "EQ_LOGITS": "1"})  # fmt: skip
+    # last in the 2-process launch: tp_errors.py run whole, in a fresh runtime
+    configs["tp-errors"] = (2, "ref", {"JD_STRATEGY": "fsdp2", "JD_TP": "2", "EQ_SCRIPT": str(TP_ERRORS)})
     return Launches(where, configs)
+
+
+def _parallel_train():  # noqa: ANN202
+    """The worker module, imported here (its model builders and batches)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import parallel_train
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return parallel_train
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -217,23 +235,16 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, launches: Laun
         assert got == want, (rank, got, want)
 
 
-def test_pretrained_hf_checkpoint_loads_sharded_from_meta_with_the_same_logits(tmp_path: Path) -> None:
-    """A tiny HF Llama saved with save_pretrained, built on the meta device and loaded under dp2 x tp2 + sp (each rank
-    reading its own slices through DCP's HuggingFaceStorageReader), gives the unsharded model's logits."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from parallel_train import batch, llama_model
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+def test_pretrained_hf_checkpoint_loads_sharded_from_meta_with_the_same_logits(launches: Launches) -> None:
+    """A tiny HF Llama saved with save_pretrained (seed 1, in the fixture), built on the meta device and loaded under
+    dp2 x tp2 + sp (each rank reading its own slices through DCP's HuggingFaceStorageReader), gives the unsharded
+    model's logits."""
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(1)  # not the workers' seed: the weights must come from the folder
-    llama_model().save_pretrained(tmp_path / "pre")
-    reference = LlamaForCausalLM.from_pretrained(tmp_path / "pre")
+    reference = LlamaForCausalLM.from_pretrained(launches.where / "pre")
     with torch.no_grad():
-        want = reference(batch(0, 8, 16)[:, :-1]).logits
-    got = run(tmp_path / "out.pt", "llama", 4, JD_STRATEGY="fsdp2", JD_TP="2", JD_SP="1", EQ_STEPS="0", EQ_META="1",
-              EQ_PRETRAINED=str(tmp_path / "pre"), EQ_LOGITS="1")  # fmt: skip
+        want = reference(_parallel_train().batch(0, 8, 16)[:, :-1]).logits
+    got = launches["pretrained-meta"]
     assert got["mesh"] == "dp_shard=2 x tp=2"
     torch.testing.assert_close(got["logits"], want, rtol=RTOL, atol=1e-6)
 
@@ -250,12 +261,11 @@ def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(launches: 
                                    atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
 
 
-def test_wrong_tensor_parallel_inputs_get_one_line_each(tmp_path: Path) -> None:
-    script = SCRIPT.parent / "tp_errors.py"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_TP="2"), 180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("CASE ")}
+def test_wrong_tensor_parallel_inputs_get_one_line_each(launches: Launches) -> None:
+    """``tp_errors.py`` (each wrong input to ``jd.wrap`` under JD_TP=2), last in the 2-process launch."""
+    assert launches["tp-errors"] == {"script": str(TP_ERRORS)}
+    out = launches.stdout[2].splitlines()
+    lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in out if ln.startswith("CASE ")}
     assert "needs a layout for NoPlan" in lines["no-plan"] and "tp_plan=" in lines["no-plan"]
     assert "tp=2 does not divide the attention heads" in lines["heads"] and "(3)" in lines["heads"]
     assert "tp=2 does not divide the vocabulary of Transformer (63)" in lines["vocab"]

@@ -20,13 +20,17 @@ the math stays equal, only the reduction count shows it), ``EQ_STEP_FORM=1`` (tr
 always under pp), ``EQ_COUNT_COMM=1`` (save each step's collectives by name, counted by the runtime's comm stats,
 which need ``JD_RUN_DIR``). A model with an ``aux_loss()`` (mixture of experts) adds ``AUX_COEF`` times it to the
 loss. Besides ``JD_STRATEGY=fsdp2`` and its degrees, ``ddp`` and the DeepSpeed ``zero*`` strategies run too
-(``JD_DS_CONFIG``).
+(``JD_DS_CONFIG``). In ``--many`` only: ``EQ_REFUSE=1`` (the configuration must be refused: its result is
+``{"refused": "ErrorType: message"}``, or ``{"refused": None}`` if it trained; put it last in its launch) and
+``EQ_SCRIPT=PATH`` (run that check script whole in the configuration's fresh runtime, its lines on the launch's
+output; the result is ``{"script": PATH}``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 
 import torch
@@ -173,7 +177,21 @@ def main_many(spec_path: str) -> None:
         os.environ.update(cfg["env"])
         if i:
             fresh_runtime()
-        train(cfg["out"], cfg["model"])
+        if cfg["env"].get("EQ_SCRIPT"):
+            runpy.run_path(cfg["env"]["EQ_SCRIPT"], run_name="__main__")
+            result: dict | None = {"script": cfg["env"]["EQ_SCRIPT"]}
+        elif cfg["env"].get("EQ_REFUSE") == "1":
+            try:
+                train(cfg["out"], cfg["model"])
+            except Exception as e:  # every rank refuses the same way, so the launch goes on to the next one
+                result = {"refused": f"{type(e).__name__}: {e}"}
+            else:
+                result = {"refused": None}
+        else:
+            train(cfg["out"], cfg["model"])
+            result = None
+        if result is not None and jd.rank == 0:
+            torch.save(result, cfg["out"])
         if dist.is_initialized():
             dist.barrier()
         if jd.rank == 0:
