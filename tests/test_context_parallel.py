@@ -12,12 +12,10 @@ classic context-parallel mistake) run without an error and are caught.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run_singles
-from test_worker import clean_env, run_bounded
 
 torch = pytest.importorskip("torch")
 
@@ -72,6 +70,10 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
     for name, (nproc, degrees, _) in HF_CONFIGS.items():
         configs[name] = (nproc, "llama", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", **degrees})
+    # last in their launches: the checks around the attention (cp_checks.py run whole) and a refused strategy
+    checks = str(SCRIPT.parent / "cp_checks.py")
+    configs["cp-checks"] = (4, "ref", {"JD_STRATEGY": "fsdp2", "JD_CP": "2", "EQ_SCRIPT": checks})
+    configs["refuse-ddp"] = (2, "ref", {"JD_STRATEGY": "ddp", "JD_CP": "2", "EQ_STEPS": "1", "EQ_REFUSE": "1"})
     return Launches(where, configs)
 
 
@@ -139,15 +141,12 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(launches: Launches) -> None
         assert got == want, (rank, got, want)
 
 
-def test_everything_around_the_attention_and_one_line_errors(tmp_path: Path) -> None:
+def test_everything_around_the_attention_and_one_line_errors(launches: Launches) -> None:
     """dp2 x cp2: dp_rank counts dp only, each rank's head-tail chunks and positions, cp_unshard(cp_shard(x)) == x,
     and one line for each wrong input (before wrap, a model without attention cores, a length that does not split,
-    unequal lengths, nothing given)."""
-    script = SCRIPT.parent / "cp_checks.py"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
-    proc = run_bounded(argv, clean_env(JD_STRATEGY="fsdp2", JD_CP="2"), 240, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    out = proc.stdout.splitlines()
+    unequal lengths, nothing given). ``cp_checks.py`` runs whole, last in the 4-process launch, in a fresh runtime."""
+    assert launches["cp-checks"] == {"script": str(SCRIPT.parent / "cp_checks.py")}
+    out = launches.stdout[4].splitlines()
     lines = {ln.split(":", 1)[0][5:]: ln.split(":", 1)[1] for ln in out if ln.startswith("CASE ")}
     assert "call jd.wrap(model, optimizer) first" in lines["before-wrap"]
     assert "runs Hugging Face decoders of type llama, mistral" in lines["hf-model"]
@@ -160,12 +159,13 @@ def test_everything_around_the_attention_and_one_line_errors(tmp_path: Path) -> 
     assert checks == {f"CHECK {c}: ok" for c in ("dp-rank", "chunks", "positions", "round-trip")}, checks
 
 
-def test_context_parallel_with_a_strategy_other_than_fsdp2_is_one_line(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-            str(tmp_path / "out.pt"), "ref"]  # fmt: skip
-    proc = run_bounded(argv, clean_env(JD_STRATEGY="ddp", JD_CP="2", EQ_STEPS="1"), 180, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "context parallelism (cp2) needs JD_STRATEGY=fsdp2 or fsdp2-hybrid" in proc.stdout, proc.stdout[-3000:]
+def test_context_parallel_with_a_strategy_other_than_fsdp2_is_one_line(launches: Launches) -> None:
+    """JD_STRATEGY=ddp with JD_CP=2 is refused in jd.wrap (last in the 2-process launch, every rank refusing)."""
+    refused = launches["refuse-ddp"]["refused"]
+    assert refused is not None, "ddp with cp2 trained instead of being refused"
+    assert refused.startswith("WorkerError: "), refused
+    assert "context parallelism (cp2) needs JD_STRATEGY=fsdp2 or fsdp2-hybrid" in refused, refused
+    assert "\n" not in refused, refused
 
 
 # ------------------------------------------------------------------------------------------ no processes
