@@ -44,15 +44,14 @@ def simulate(seconds: dict[str, float], workers: int) -> float:
     from scheduling import estimate, scope_of  # tests/ is not a package
 
     units = {scope_of(f"tests/{name}") for name in seconds}
-    ends = [0.0] * workers
+    alone = 0.0  # the cluster unit's own worker, with more than two
     if workers > 2 and "cluster" in units:
         units.discard("cluster")
-        ends[0] = estimate("cluster", seconds)
-        ends = ends[1:] + ends[:1]  # the others fill up the remaining workers first
-    shared = len(ends) - (1 if workers > 2 and ends[-1] else 0)
+        alone, workers = estimate("cluster", seconds), workers - 1
+    ends = [0.0] * workers
     for s in sorted((estimate(u, seconds) for u in units), reverse=True):
-        ends[ends.index(min(ends[:shared]))] += s
-    return max(ends)
+        ends[ends.index(min(ends))] += s
+    return max(*ends, alone)
 
 
 def main() -> None:

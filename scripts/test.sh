@@ -19,10 +19,10 @@ if quiet pip install -q "uv>=0.4" && uv --version >/dev/null 2>&1; then
 else
   quiet pip install -q -e ".[test]"
 fi
-# --fast: the tier to run before every commit (no torchrun job, kernel, browser or scheduler; docs/development.md)
 # the suite's own modules (jupyter_dist, tests/) get .pyc files like a user's do: with PYTHONDONTWRITEBYTECODE=1 every
 # worker recompiled the test files (collection 23 -> 12 CPU-s each) and every rank the package modules it imports
 unset PYTHONDONTWRITEBYTECODE
+# --fast: the tier to run before every commit (no torchrun job, kernel, browser or scheduler; docs/development.md)
 if [ "${1:-}" = "--fast" ]; then shift; set -- -m "not slow" "$@"; fi
 # two xdist workers, one file each at a time (tests/scheduling.py); JD_TEST_WORKERS=0 runs in this process. Three
 # (the third running the SLURM/SkyPilot files alone) measured slower on 2 cores: 51 min against 44, 18 % more CPU

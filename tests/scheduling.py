@@ -9,9 +9,8 @@ first, and takes its next file only when it has nothing left to run.
   first and a 10-test notebook file of 15 minutes last, where one worker then runs it alone.
 - No file is handed to a worker while it still has two tests to run (xdist's rule): a worker running a file's long
   last tests would hold the next file while the other worker idles.
-- With more than two workers (``scripts/test.sh`` starts three for the full suite on two cores), the cluster files
-  are one worker's only work: they wait on daemons, SSH, the SLURM queue and SkyPilot's provisioning for much of
-  their time, so that worker runs beside the two that share every other file instead of holding one of them.
+- With more than two workers (``JD_TEST_WORKERS=3``; ``scripts/test.sh`` starts two, measured faster on two cores),
+  the cluster files are one worker's only work and the others share every other file.
 """
 
 from __future__ import annotations
@@ -63,12 +62,16 @@ def make_scheduler(config: Any, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
+        def _open_units(self) -> list[str]:
+            """The queued units any worker may take (the cluster unit is its own worker's once that is chosen)."""
+            return [s for s in self.workqueue if s != "cluster" or self.cluster_node is None]
+
         def _assign_work_unit(self, node: Any) -> None:
             if len(self.nodes) > 2 and self.cluster_node is None and "cluster" in self.workqueue:
                 self.cluster_node = node
                 pick = "cluster"
             else:
-                others = [s for s in self.workqueue if s != "cluster" or self.cluster_node is None]
+                others = self._open_units()
                 if not others:
                     return
                 pick = max(others, key=lambda s: estimate(s, seconds))
@@ -87,7 +90,7 @@ def make_scheduler(config: Any, log: Any) -> Any:
                 if self._pending_of(self.assigned_work[node]) <= 1:  # that one only when more comes or it must stop)
                     node.shutdown()
                 return
-            if not any(s != "cluster" or self.cluster_node is None for s in self.workqueue):
+            if not self._open_units():
                 node.shutdown()
                 return
             if self._pending_of(self.assigned_work[node]) > 1:  # one left: the worker holds it until the next arrives

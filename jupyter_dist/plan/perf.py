@@ -398,16 +398,15 @@ def compute_parts(
         attention += scores
     h, f = model.hidden, model.d_ffn * (model.top_k if model.is_moe else 1)
     h_part, f_part = (14 * h, 5 * f) if model.gated_mlp else (10 * h, 2 * f)
-    if dims.tp > 1 and not dims.sp:
-        h_part *= dims.tp  # norms and residuals run whole on every TP rank without sequence parallelism
-    layer_fwd = cb * (h_part + f_part)
+    whole = dims.tp if dims.tp > 1 and not dims.sp else 1  # norms and residuals whole on each TP rank without SP
+    layer_fwd = cb * (h_part * whole + f_part)
     loss = 16 * model.vocab  # fp32 logits, log-softmax, their gradient
     traffic_fwd = model.layers * layer_fwd * (COMPILED_ELEMENTWISE if compiled else 1.0)
-    if model.norm == "rmsnorm" and not compiled:  # two per block (and q/k per head), the final one: unfused chains
-        normed = (2 * h * (dims.tp if dims.tp > 1 and not dims.sp else 1) + (model.q_dim + model.kv_dim) *
-                  model.qk_norm) * model.layers + h  # fmt: skip
-        loss += (COMPOSITE_NORM_BYTES[0] + COMPOSITE_NORM_BYTES[1] * cb) * normed  # (with the loss: once, not x3)
-    elementwise = (ELEMENTWISE_PASSES * traffic_fwd + loss) * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
+    # eager RMSNorm's unfused kernels (forward and backward in the constant, not x3): two per block, whole per TP rank
+    normed = (2 * h * whole + (model.q_dim + model.kv_dim) * model.qk_norm) * model.layers + h  # q/k: Qwen3; final
+    chains = (COMPOSITE_NORM_BYTES[0] + COMPOSITE_NORM_BYTES[1] * cb) * normed if model.norm == "rmsnorm" else 0.0
+    moved = ELEMENTWISE_PASSES * traffic_fwd + loss + (0.0 if compiled else chains)
+    elementwise = moved * tokens_per_gpu / (acc.memory_bw * MEMORY_EFFICIENCY)
     parts = {"matmul": matmul, "attention": attention, "elementwise": elementwise + cast}
     block_matmul = 2 * (model.matmul_params - model.vocab * model.hidden * scale) * tokens_per_gpu / rate
     if fp8_rate:  # a recomputed forward multiplies in FP8 too (its casts are not counted again)
