@@ -162,6 +162,23 @@ def test_exit_on_cuda_writes_a_last_mem_record_with_the_runs_peak(tmp_path: Path
     em.close()
 
 
+def test_the_exit_record_stays_the_last_even_when_the_monitor_ticks_after_it(tmp_path: Path) -> None:
+    """A SIGTERMed rank writes ``exit`` then closes; a monitor round between the two wrote a ``mem`` after the exit
+    (CI, test_worker.py: rank 0's last record was ``mem``). After ``exit`` nothing more is written."""
+    clock = FakeClock()
+    em = emitter(tmp_path, clock)
+    em.log({"loss": 1.0}, step=0)
+    em.exit_record("terminated", signal="SIGTERM")
+    clock.t += 5.0
+    em.tick()  # a round already past its wait when the exit came
+    em.log({"loss": 0.5}, step=1)
+    em.flush()
+    kinds = [r["kind"] for r in file_records(tmp_path, 0)]
+    assert kinds[-2:] == ["step", "exit"] and kinds.count("exit") == 1
+    assert em._stop.is_set()  # and the monitor's loop ends at its next wait
+    em.close()
+
+
 class CountingTensor:
     """Stands in for a one-element tensor: counts .item() calls (each would be a GPU sync)."""
 

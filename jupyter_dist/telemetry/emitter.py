@@ -267,6 +267,7 @@ class Emitter:
         self._clock = clock
         self._lock = threading.RLock()
         self._closed = False
+        self._ended = False  # the ``exit`` record is written: it stays the rank's last
         self._failed = False
         self._monitor: threading.Thread | None = None
         self._stop = threading.Event()
@@ -333,7 +334,7 @@ class Emitter:
             return self._emit_locked(kind, fields)
 
     def _emit_locked(self, kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        if self._closed:
+        if self._closed or self._ended:
             return None
         record = make_record(kind, rank=self.rank, seq=self._seq, t=self._clock(), **fields)
         line = encode(record)
@@ -412,7 +413,11 @@ class Emitter:
         On CUDA (:attr:`cuda_device` set) a last ``mem`` and ``gpu`` record come first: the run's peak device memory,
         even when it ended before the monitor's first round (a short run on a GPU had only a record from before its
         first allocation).
+
+        The ``exit`` record is the rank's last: the monitor is told to stop first, and a round of it that was already
+        under way writes nothing after it (a ``mem`` after ``exit`` broke "the last record says how the rank ended").
         """
+        self._stop.set()
         self.flush()
         with contextlib.suppress(Exception):
             self.comm_record()
@@ -420,14 +425,18 @@ class Emitter:
             with contextlib.suppress(Exception):
                 self.memory()
         self.set_phase("done")
-        return self.emit(
-            "exit",
-            status=status,
-            error_type=None if error is None else type(error).__name__,
-            error=None if error is None else str(error),
-            step=self.last_step,
-            **fields,
-        )
+        if not self.enabled:
+            return None
+        with self._lock:
+            record = self._emit_locked("exit", {
+                "status": status,
+                "error_type": None if error is None else type(error).__name__,
+                "error": None if error is None else str(error),
+                "step": self.last_step,
+                **fields,
+            })  # fmt: skip
+            self._ended = True
+            return record
 
     def heartbeat(self) -> dict[str, Any] | None:
         """Write one ``hb`` record (last step, phase and seconds in it)."""
