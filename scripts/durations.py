@@ -7,6 +7,7 @@ table after adding slow tests:
     python scripts/durations.py /tmp/suite.log
 
 ``--simulate`` prints the wall time the scheduler would reach with 1-4 workers from the table, without running.
+``--cpu FILE`` prints the CPU seconds per file (and the 15 costliest tests) from a run with ``JD_TEST_CPU=FILE``.
 """
 
 from __future__ import annotations
@@ -54,12 +55,33 @@ def simulate(seconds: dict[str, float], workers: int) -> float:
     return max(*ends, alone)
 
 
+def cpu_table(path: str, top: int = 15) -> str:
+    """CPU and wall seconds per file, the costliest first, from the lines ``JD_TEST_CPU`` wrote."""
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    tests = []
+    for raw in Path(path).read_text(encoding="utf-8").splitlines():
+        rec = json.loads(raw)
+        f = files[rec["test"].split("::", 1)[0]]
+        f[0], f[1], f[2] = f[0] + rec["cpu"], f[1] + rec["wall"], f[2] + 1
+        tests.append((rec["cpu"], rec["wall"], rec["test"]))
+    cpu, wall = sum(v[0] for v in files.values()), sum(v[1] for v in files.values())
+    rows = [f"{cpu:9.0f} CPU-s {wall:7.0f} s  {sum(v[2] for v in files.values())} tests in {len(files)} files"]
+    rows += [f"{c:9.1f} CPU-s {w:7.1f} s  {int(n):4d}  {name}" for name, (c, w, n) in
+             sorted(files.items(), key=lambda kv: -kv[1][0])]  # fmt: skip
+    rows += ["", f"the {top} costliest tests:"] + [f"{c:9.1f} CPU-s {w:7.1f} s  {t}" for c, w, t in
+                                                    sorted(tests, reverse=True)[:top]]  # fmt: skip
+    return "\n".join(rows)
+
+
 def main() -> None:
     """Write the table from a log, and/or simulate the schedule from the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("log", nargs="?", help="a pytest log with --durations=0")
     ap.add_argument("--simulate", action="store_true", help="print the wall time 1-4 workers would reach")
+    ap.add_argument("--cpu", metavar="FILE", help="CPU seconds per file from a run with JD_TEST_CPU=FILE")
     a = ap.parse_args()
+    if a.cpu:
+        print(cpu_table(a.cpu))
     if a.log:
         seconds = parse(Path(a.log).read_text(encoding="utf-8", errors="replace"))
         if not seconds:

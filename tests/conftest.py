@@ -129,6 +129,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return rep
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[Any]:
+    """With ``JD_TEST_CPU=FILE``: append one JSON line per test to FILE, its wall seconds and the CPU seconds of this
+    process and the children it reaped meanwhile (torchrun and its ranks, kernels; not daemons that outlive the test,
+    such as SkyPilot's API server). Setup of module fixtures counts to the module's first test, as in --durations.
+    ``python scripts/durations.py --cpu FILE`` sums it per file."""
+    path = os.environ.get("JD_TEST_CPU")
+    if not path:
+        return (yield)
+    import json
+    import resource
+
+    def cpu() -> float:
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))  # fmt: skip
+
+    t0, c0 = time.monotonic(), cpu()
+    try:
+        return (yield)
+    finally:
+        line = {"test": item.nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(cpu() - c0, 2)}
+        with open(path, "a", encoding="utf-8") as fh:  # one short append per line: the workers' lines never mix
+            fh.write(json.dumps(line) + "\n")
+
+
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JupyterLabServer]:
     """A JupyterLab server (one per test module) serving a fresh temporary directory: ``jupyterlab.root_dir``."""
