@@ -243,6 +243,37 @@ def test_stop_cancels_the_job_sdk_boundary(ip: InteractiveShell, runs: Path, rec
     assert json.loads((run.dir / "run.json").read_text())["status"] == "stopped"
 
 
+def test_a_long_job_is_polled_less_often_and_its_end_seen_at_once_sdk_boundary(
+    ip: InteractiveShell, runs: Path, recorder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each state poll is an API request the server answers over SSH on the head node: while the state stays the
+    same the polls thin out (x1.5 each, up to poll_max_interval); the log stream's end wakes the watcher, so the end
+    is seen at once, not after the current wait; a stop is seen at once too (test above)."""
+    from jupyter_dist.launch.backends.skypilot import SkyPilotLauncher
+
+    monkeypatch.setattr(SkyPilotLauncher, "poll_interval", 0.3)
+    finish = threading.Event()
+
+    class LongJob(SkyRecorder):
+        def _gen(self) -> Iterator[str | None]:
+            yield from self.lines
+            while not finish.wait(0.1):
+                yield None
+            self.tail_done.set()  # the job ended: the stream ends, the status says SUCCEEDED
+
+    rec = recorder(LongJob(job_lines(range(3))[:4]))
+    run = ip.run_cell_magic("dist_train", "--backend skypilot --nodes 2 --nproc 1 --cluster jd-t", "pass")
+    wait_until(lambda: rec.named("job_status"), 10, "the first state poll")
+    time.sleep(4.0)
+    polls = len(rec.named("job_status"))
+    assert 4 <= polls <= 7, polls  # 0.3 s apart would be 14; thinning out: 0, 0.3, 0.75, 1.4, 2.4, 4.0 s
+    t0 = time.monotonic()
+    finish.set()
+    assert run.wait(10) == "succeeded", run.summary()
+    assert time.monotonic() - t0 < 1.5  # the wait in progress was ~2 s: the stream's end cut it short
+    assert SkyPilotLauncher(run_dir=run._rd).next_poll_in(20) == SkyPilotLauncher.poll_max_interval == 30.0
+
+
 def test_timeout_cancels_the_job_sdk_boundary(ip: InteractiveShell, runs: Path, recorder: Any) -> None:
     rec = recorder(SkyRecorder(job_lines(range(3))[:4], block_tail=True))
     run = ip.run_cell_magic("dist_train", "--backend skypilot --nodes 2 --nproc 1 --cluster jd-t --timeout 2", "pass")

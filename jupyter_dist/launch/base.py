@@ -170,6 +170,8 @@ class Follower:
 
     def __init__(self, target: Callable[[threading.Event], None], name: str) -> None:
         self.stop_event = threading.Event()
+        self.ended = threading.Event()
+        """Set when ``target`` returned (a stream that ends with its job: a sign to poll the job's state now)."""
         self.error: BaseException | None = None
 
         def run() -> None:
@@ -177,6 +179,8 @@ class Follower:
                 target(self.stop_event)
             except BaseException as exc:  # noqa: BLE001 - reported through .error, never kills the kernel
                 self.error = exc
+            finally:
+                self.ended.set()
 
         self.thread = threading.Thread(target=run, name=name, daemon=True)
         self.thread.start()
@@ -203,6 +207,14 @@ class RemoteLauncher(Launcher):
 
     job_id: str | None
     """The scheduler's id once submitted (SLURM job id, SkyPilot ``cluster/job``)."""
+
+    def next_poll_in(self, unchanged: int) -> float:
+        """Seconds the Run's watcher waits before the next :meth:`poll` (default: :attr:`poll_interval`).
+
+        ``unchanged``: how many polls in a row answered the state before them (about a submitted job). The watcher
+        polls at once when the output stream ends or the run is asked to stop.
+        """
+        return self.poll_interval
 
     @abstractmethod
     def poll(self) -> JobState:

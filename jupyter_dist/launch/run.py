@@ -89,6 +89,7 @@ class Run(RunWatching):
         self._timeout = timeout
         self._lock = threading.RLock()
         self._done = threading.Event()
+        self._poll_now = threading.Event()  # a remote run's watcher polls its job at once (asked to stop)
         self._stop_reason: str | None = None
         self.plan = plan
         self._dashboard: Any = None
@@ -418,6 +419,7 @@ class Run(RunWatching):
         self._note_where()  # each rank's phase and cell line, for the summary
         if isinstance(self._launcher, RemoteLauncher):  # scancel / sky cancel; the watcher sees the job end
             self._launcher.cancel()
+            self._poll_now.set()
             self._done.wait(grace + 60.0)
             if not self.done:
                 self._finalize()

@@ -273,6 +273,7 @@ class RunWatching:
         state = "unknown"
         unknown_since: float | None = None
         saved_job = (self._meta.get("launcher") or {}).get("job_id")
+        unchanged, last, stream_ended = 0, None, False  # polls that answered the state before them
         try:
             follower = lau.follow(self.router)
             while True:
@@ -281,6 +282,8 @@ class RunWatching:
                 except JupyterDistError as exc:  # the scheduler did not answer this time: try again
                     self._meta["poll_error"] = str(exc)
                     state = "unknown"
+                unchanged = unchanged + 1 if state == last and lau.job_id is not None else 0
+                last = state
                 changed = self._meta.get("status") != state or saved_job != lau.job_id
                 if state in ("pending", "running") and changed and self._stop_reason is None:
                     with self._lock:  # the job id goes into run.json as soon as it is known (reattach needs it)
@@ -301,7 +304,17 @@ class RunWatching:
                 if self._timeout is not None and time.time() - started > self._timeout and self._stop_reason is None:
                     self._stop_reason = TIMED_OUT
                     lau.cancel()
-                time.sleep(lau.poll_interval)
+                delay = lau.next_poll_in(unchanged)
+                if self._timeout is not None and self._stop_reason is None:  # never past the run's time limit
+                    delay = min(delay, max(0.0, started + self._timeout - time.time()) + 0.1)
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline:  # woken early: asked to stop, or the job's stream just ended
+                    if self._poll_now.is_set() or (not stream_ended and follower.ended.is_set()):
+                        stream_ended = stream_ended or follower.ended.is_set()
+                        self._poll_now.clear()
+                        unchanged, last = 0, None
+                        break
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         except Exception as exc:  # never die silently: the run is failed with the reason
             self._meta["error"] = f"{type(exc).__name__}: {exc}"
             state = FAILED

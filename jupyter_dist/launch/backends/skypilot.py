@@ -101,6 +101,7 @@ class SkyPilotLauncher(RemoteLauncher):
 
     kind = "skypilot"
     poll_interval = 3.0  # seconds between state polls (each one is an API request)
+    poll_max_interval = 30.0  # the longest wait between two polls of a job whose state does not change
     unknown_grace = 300.0  # an API server that does not answer (restarting: ~13 s) is waited for this long
 
     run_dir: RunDir
@@ -263,6 +264,15 @@ class SkyPilotLauncher(RemoteLauncher):
         if state in ("succeeded", "failed", "stopped"):
             self.state = "after"
         return state
+
+    def next_poll_in(self, unchanged: int) -> float:
+        """3 s, then 1.5 times longer after each poll that answered the same, up to 30 s.
+
+        A state poll is an API request that the server answers by running SkyPilot's job table on the cluster's head
+        node (over SSH: ~5 s and as many CPU-seconds on the local test cluster); a job runs for minutes or days in one
+        state. The end is seen at once all the same: the log stream ends with the job and the watcher polls then.
+        """
+        return min(self.poll_interval * 1.5**unchanged, self.poll_max_interval)
 
     def cancel(self) -> None:
         """Cancel the job (or the launch request, when no job exists yet)."""
