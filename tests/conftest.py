@@ -149,7 +149,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         return (yield)
     finally:
-        line = {"test": item.nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(cpu() - c0, 2)}
+        line = {"test": item.nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(cpu() - c0, 2),
+                "end": round(time.time(), 1), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
         with open(path, "a", encoding="utf-8") as fh:  # one short append per line: the workers' lines never mix
             fh.write(json.dumps(line) + "\n")
 
