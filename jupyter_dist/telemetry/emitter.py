@@ -425,16 +425,15 @@ class Emitter:
             with contextlib.suppress(Exception):
                 self.memory()
         self.set_phase("done")
-        if not self.enabled:
-            return None
-        with self._lock:
-            record = self._emit_locked("exit", {
-                "status": status,
-                "error_type": None if error is None else type(error).__name__,
-                "error": None if error is None else str(error),
-                "step": self.last_step,
+        with self._lock:  # reentrant: emit takes it again
+            record = self.emit(
+                "exit",
+                status=status,
+                error_type=None if error is None else type(error).__name__,
+                error=None if error is None else str(error),
+                step=self.last_step,
                 **fields,
-            })  # fmt: skip
+            )
             self._ended = True
             return record
 
