@@ -11,6 +11,10 @@ top and, for DeepSpeed, the peak the second backward allocates (PyTorch's MemTra
 
 from __future__ import annotations
 
+# first, as %%dist_train's preamble does: a rank imports torch outside the collector (a faster start)
+import jupyter_dist.worker  # noqa: F401
+
+# isort: split
 import json
 import sys
 from typing import Any

@@ -440,7 +440,9 @@ def test_find_blocks_and_optimizer_rebuild_rules() -> None:
 
 
 def test_launched_worker_without_torch_records_its_crash_and_redirects_stdio(tmp_path: Path) -> None:
-    """The hooks need no torch: a script that dies before touching jd still leaves an exit record and a log."""
+    """The hooks need no torch: where torch cannot even be imported, a script that dies before touching jd still
+    leaves an exit record and a log (the worker's own import of torch at start gives way)."""
+    (tmp_path / "torch.py").write_text("raise ImportError('a broken torch')\n")  # shadows torch for the script
     script = tmp_path / "crash.py"
     script.write_text(
         "import sys\nimport jupyter_dist.worker as jd\n"
@@ -457,6 +459,40 @@ def test_launched_worker_without_torch_records_its_crash_and_redirects_stdio(tmp
     (exit_rec,) = read_records(tmp_path, 0)
     assert exit_rec["kind"] == "exit" and exit_rec["status"] == "error"
     assert exit_rec["error_type"] == "KeyError" and exit_rec["error"] == "'missing-thing'"
+
+
+def test_a_training_process_imports_torch_outside_the_collector_and_a_kernel_imports_none(tmp_path: Path) -> None:
+    """Under torchrun's variables, importing the worker imports torch and dynamo (every optimizer imports dynamo)
+    with the collector paused, then freezes them; the collector is on again, or stays off where the user turned it
+    off. Without them (a kernel) it imports no torch and freezes nothing."""
+    probe = (
+        "import gc, sys\n"
+        "if sys.argv[1] == 'off':\n    gc.disable()\n"
+        "import jupyter_dist.worker\n"
+        "mods = sorted(m for m in ('torch', 'torch._dynamo') if m in sys.modules)\n"
+        "print(mods, gc.isenabled(), gc.get_freeze_count() > 1000)\n"
+    )  # fmt: skip
+    rank = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    got = {}
+    for name, env, arg in (("rank", rank, "on"), ("rank-gc-off", rank, "off"), ("kernel", {}, "on")):
+        out = run_bounded([sys.executable, "-c", probe, arg], clean_env(**env), 120, tmp_path)
+        assert out.returncode == 0, out.stdout
+        got[name] = out.stdout.strip()
+    both = "['torch', 'torch._dynamo']"
+    assert got == {"rank": f"{both} True True", "rank-gc-off": f"{both} False True", "kernel": "[] True False"}
+
+
+def test_the_launch_bootstrap_imports_torch_outside_the_collector_before_the_script(tmp_path: Path) -> None:
+    """A rank started through the bootstrap (``%%dist_train``, ``jupyter-dist launch``) has torch imported and frozen
+    before its script runs (and before the objects shipped from the notebook are unpickled), even when the script
+    never imports jupyter_dist."""
+    (tmp_path / "probe.py").write_text("import gc, sys\nprint('probe', 'torch' in sys.modules, gc.isenabled(), "
+                                       "gc.get_freeze_count() > 1000)\n")  # fmt: skip
+    env = clean_env(JD_RUN_DIR=str(tmp_path), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    out = run_bounded([sys.executable, "-m", "jupyter_dist.launch.bootstrap", str(tmp_path / "probe.py")], env, 120,
+                      tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    assert "probe True True True" in (tmp_path / "logs" / "rank-0.log").read_text()
 
 
 def test_a_bootstrap_that_catches_the_error_reports_it_with_note_exit(tmp_path: Path) -> None:

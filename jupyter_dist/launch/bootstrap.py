@@ -8,6 +8,7 @@ records the rank's exit code and error in ``logs/rank-<k>.exit.json`` for the Ru
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import json
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .._atomic import write_atomic
+from .._startup import import_torch_outside_the_collector
 
 
 def _redirect(log_path: Path) -> None:
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     _enter_project()
     code, error = 0, None
     try:
+        # torch before the shipped objects (their unpickling imports it): outside the collector, a faster start; a
+        # torch that cannot be imported fails again in the script, recorded there
+        with contextlib.suppress(Exception):
+            import_torch_outside_the_collector()
         init = _shipped(run_dir)
         sys.argv = args
         runpy.run_path(args[0], init_globals=init, run_name="__main__")

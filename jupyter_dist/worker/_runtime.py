@@ -21,8 +21,9 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .._startup import import_torch_outside_the_collector
 from ..telemetry.emitter import Emitter, Nvml, cuda_index
-from ._env import WorkerEnv, WorkerError
+from ._env import TORCHRUN_VARS, WorkerEnv, WorkerError
 from ._training import TrainingVerbs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -597,9 +598,18 @@ _PREVIOUS: list[Runtime] = []
 
 
 def on_import() -> None:
-    """Called when ``jupyter_dist.worker`` is imported: a launched worker (``JD_RUN_DIR`` set) installs its hooks.
+    """Called when ``jupyter_dist.worker`` is imported.
 
-    Cheap and side-effect free elsewhere (a notebook kernel has no ``JD_RUN_DIR``).
+    A launched worker (``JD_RUN_DIR``) installs its hooks; then a training process (that, or one started by torchrun
+    or an equivalent launcher) imports torch outside the collector (:func:`import_torch_outside_the_collector`: the
+    process needs torch anyway). A torch that cannot be imported is left to the script's own ``import torch``.
+    Cheap and side-effect free elsewhere: a notebook kernel has neither, and importing ``jupyter_dist.worker`` there
+    loads no torch.
     """
-    if os.environ.get("JD_RUN_DIR"):
+    launched = bool(os.environ.get("JD_RUN_DIR"))
+    if launched:
         get_runtime().install_hooks()
+    if launched or all(os.environ.get(k) for k in TORCHRUN_VARS):
+        # after the hooks: a torch that fails to import fails again at the script's own import, recorded
+        with contextlib.suppress(Exception):
+            import_torch_outside_the_collector()

@@ -28,6 +28,10 @@ output; the result is ``{"script": PATH}``).
 
 from __future__ import annotations
 
+# first, as %%dist_train's preamble does: a rank imports torch outside the collector (a faster start)
+import jupyter_dist.worker as jd
+
+# isort: split
 import json
 import os
 import runpy
@@ -36,8 +40,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import jupyter_dist.worker as jd
 
 VOCAB = 128
 

@@ -12,6 +12,10 @@ by tests/test_rehearse.py.
 
 from __future__ import annotations
 
+# first, as %%dist_train's preamble does: a rank imports torch outside the collector (a faster start)
+import jupyter_dist.worker  # noqa: F401
+
+# isort: split
 import gc
 import json
 import os
