@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from .._startup import import_torch_outside_the_collector
 from ._env import WorkerEnv, WorkerError
 
 __all__ = [
@@ -828,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.load(f)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
+        import_torch_outside_the_collector()  # a rank's start, as a launched one has it (jupyter_dist/_startup.py)
         result = rehearse_rank(spec)
         status = 0
     except BaseException as exc:  # the driver shows one line; the traceback stays in this process's stderr
