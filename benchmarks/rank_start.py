@@ -5,8 +5,8 @@ Run: python benchmarks/rank_start.py [--repeat 5] [--steps 20]
 Each sample is a fresh interpreter that imports torch, builds a small model and its optimizer (which imports
 ``torch._dynamo``), imports FSDP2 and trains ``--steps`` steps, in one process (no process group: the start is what is
 measured). "plain" imports torch first, as a script does; "jupyter-dist" imports ``jupyter_dist.worker`` first, as
-``%%dist_train``'s preamble does, with torchrun's variables set, so torch and dynamo are imported with the cyclic
-collector paused and then frozen (``jupyter_dist.worker._runtime.import_torch_outside_the_collector``). Prints each
+``%%dist_train``'s preamble does, with torchrun's variables set, so torch is imported with the cyclic collector
+paused and then frozen (``jupyter_dist._startup.import_torch_outside_the_collector``). Prints each
 mode's median CPU seconds (user + system of the child) over ``--repeat`` alternating samples, and their ratio.
 """
 

@@ -12,21 +12,22 @@ __all__ = ["import_torch_outside_the_collector"]
 
 
 def import_torch_outside_the_collector() -> None:
-    """Import torch and ``torch._dynamo`` with Python's cyclic collector paused, then freeze what they created.
+    """Import torch with Python's cyclic collector paused, then freeze what it created.
 
-    Every torch optimizer imports ``torch._dynamo`` when it is built, so a training process imports both. With the
-    collector running, each full collection during those imports (and every one afterwards, in training) walks the
-    objects torch already created again; ``gc.freeze()`` moves them to the permanent generation, where collections
-    skip them (module-level objects live as long as the process anyway). Measured on 2 cores
-    (``benchmarks/rank_start.py``, medians): imports, an optimizer and 20 small steps 4.9-5.1 -> 3.4-3.7 CPU-s
-    (x0.65-0.74); a 4-rank launch of the equal-math tests (``tests/numerics/parallel_train.py``) 39-47 -> 34-42
-    CPU-s. Nothing else changes: the collector is as it was afterwards.
+    With the collector running, each full collection during torch's import (and every one afterwards: ``torch._dynamo``,
+    which every torch optimizer imports when it is built, then the training) walks the objects torch already created
+    again; ``gc.freeze()`` moves them to the permanent generation, where collections skip them (module-level objects
+    live as long as the process anyway). Measured on 2 cores (``benchmarks/rank_start.py``, medians): imports, an
+    optimizer and 20 small steps x0.88-0.92 CPU. Nothing else changes: the collector is as it was afterwards.
+
+    ``torch._dynamo`` itself is left to the script: imported here as well (a further ~0.4 CPU-s), it made a plain DDP
+    script that calls ``destroy_process_group()`` hang at exit in 2-3 of 8 runs (the DDP reducer's last reference
+    destroys the gloo group with the GIL held while gloo's thread waits for the GIL to free a tensor; 0 of 8 without).
     """
     was_on = gc.isenabled()
     gc.disable()
     try:
         import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401
     finally:
         if was_on:
             gc.enable()
