@@ -8,7 +8,6 @@ records the rank's exit code and error in ``logs/rank-<k>.exit.json`` for the Ru
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import io
 import json
@@ -175,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     _enter_project()
     code, error = 0, None
     try:
-        # torch before the shipped objects (their unpickling imports it): outside the collector, a faster start; a
-        # torch that cannot be imported fails again in the script, recorded there
-        with contextlib.suppress(Exception):
-            import_torch_outside_the_collector()
+        import_torch_outside_the_collector()  # before the shipped objects, whose unpickling imports torch
         init = _shipped(run_dir)
         sys.argv = args
         runpy.run_path(args[0], init_globals=init, run_name="__main__")

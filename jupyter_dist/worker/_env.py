@@ -16,7 +16,7 @@ from ..plan.training import AC_NAMES, Precision, parse_checkpointing
 
 __all__ = [
     "parse_window", "MAX_WINDOW", "ENV_VARS", "PP_SCHEDULES", "WorkerEnv", "WorkerError", "PRECISIONS", "TORCHRUN_VARS",
-    "SPEED_VALUES", "FP8_RECIPES",
+    "started_by_torchrun", "SPEED_VALUES", "FP8_RECIPES",
 ]  # fmt: skip
 
 PRECISIONS = tuple(p.value for p in Precision)
@@ -31,6 +31,11 @@ SPEED_VALUES = ("auto", "1", "0")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables whose presence means "started by torchrun (or an equivalent launcher)"."""
+
+
+def started_by_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` has every one of :data:`TORCHRUN_VARS` (a rank of torchrun or an equivalent launcher)."""
+    return all(env.get(k) for k in TORCHRUN_VARS)
 
 
 class WorkerError(JupyterDistError, RuntimeError):
@@ -228,7 +233,7 @@ class WorkerEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         """Read the contract from ``environ`` (default ``os.environ``)."""
         env = os.environ if environ is None else environ
-        distributed = all(env.get(k) for k in TORCHRUN_VARS)
+        distributed = started_by_torchrun(env)
         strategy = env.get("JD_STRATEGY", "").strip() or "none"
         if strategy.lower() != "none":
             try:

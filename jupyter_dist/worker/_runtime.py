@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._startup import import_torch_outside_the_collector
 from ..telemetry.emitter import Emitter, Nvml, cuda_index
-from ._env import TORCHRUN_VARS, WorkerEnv, WorkerError
+from ._env import WorkerEnv, WorkerError, started_by_torchrun
 from ._training import TrainingVerbs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -609,7 +609,5 @@ def on_import() -> None:
     launched = bool(os.environ.get("JD_RUN_DIR"))
     if launched:
         get_runtime().install_hooks()
-    if launched or all(os.environ.get(k) for k in TORCHRUN_VARS):
-        # after the hooks: a torch that fails to import fails again at the script's own import, recorded
-        with contextlib.suppress(Exception):
-            import_torch_outside_the_collector()
+    if launched or started_by_torchrun(os.environ):
+        import_torch_outside_the_collector()  # after the hooks: a broken torch fails in the script's import, recorded
