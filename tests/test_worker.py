@@ -464,21 +464,36 @@ def test_launched_worker_without_torch_records_its_crash_and_redirects_stdio(tmp
 def test_a_training_process_imports_torch_outside_the_collector_and_a_kernel_imports_none(tmp_path: Path) -> None:
     """Under torchrun's variables, importing the worker imports torch with the collector paused, then freezes it;
     the collector is on again, or stays off where the user turned it off. Dynamo is left to the script (imported
-    early, it made plain DDP scripts hang at exit). Without them (a kernel) it imports no torch, freezes nothing."""
+    early, it made plain DDP scripts hang at exit), but its import, when the script makes it, runs with the collector
+    paused (one-shot hook, gone after; the module is loaded by its usual loader): at most the one young collection as
+    the import returns, where a plain process sees ~300. Without them (a kernel) it imports no torch, freezes
+    nothing, hooks nothing."""
     probe = (
         "import gc, sys\n"
         "if sys.argv[1] == 'off':\n    gc.disable()\n"
         "import jupyter_dist.worker\n"
         "mods = sorted(m for m in ('torch', 'torch._dynamo') if m in sys.modules)\n"
         "print(mods, gc.isenabled(), gc.get_freeze_count() > 1000)\n"
+        "hooks = [type(f).__name__ for f in sys.meta_path if 'jupyter_dist' in type(f).__module__]\n"
+        "seen = []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append(info['generation']))\n"
+        "import torch._dynamo\n"
+        "gc.callbacks.clear()\n"
+        "left = [f for f in sys.meta_path if 'jupyter_dist' in type(f).__module__]\n"
+        "loader = type(torch._dynamo.__spec__.loader).__name__\n"
+        "print(hooks, len(seen) > 10, left, loader, gc.isenabled(), callable(torch._dynamo.disable))\n"
     )  # fmt: skip
     rank = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     got = {}
     for name, env, arg in (("rank", rank, "on"), ("rank-gc-off", rank, "off"), ("kernel", {}, "on")):
         out = run_bounded([sys.executable, "-c", probe, arg], clean_env(**env), 120, tmp_path)
         assert out.returncode == 0, out.stdout
-        got[name] = out.stdout.strip()
-    assert got == {"rank": "['torch'] True True", "rank-gc-off": "['torch'] False True", "kernel": "[] True False"}
+        got[name] = out.stdout.strip().splitlines()
+    assert got == {
+        "rank": ["['torch'] True True", "['_PausedImport'] False [] SourceFileLoader True True"],
+        "rank-gc-off": ["['torch'] False True", "['_PausedImport'] False [] SourceFileLoader False True"],
+        "kernel": ["[] True False", "[] True [] SourceFileLoader True True"],
+    }
 
 
 def test_the_launch_bootstrap_imports_torch_outside_the_collector_before_the_script(tmp_path: Path) -> None:
