@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from conftest import descendants_gone
 
-from jupyter_dist.telemetry.health import HealthTracker, hang_report, straggler_scores
+from jupyter_dist.telemetry.health import MIN_STRAGGLER_LAG_S, HealthTracker, hang_report, straggler_scores
 
 
 # --------------------------------------------------------------------------- pure
@@ -93,8 +93,12 @@ def test_an_injected_sleep_is_named_as_the_straggler_with_its_slowdown(ip: Any, 
     assert run.wait(150) == "succeeded", run.summary()
     dash = Dashboard(run, widget=False)
     st = dash.model.status()["straggler"]
-    if slow_rank is None:  # same work on both ranks: nobody is named
-        assert st["straggler"] is None and min(st["scores"].values()) > 0.75, st
+    if slow_rank is None:  # same work on both ranks: nobody is named, and both reach each collective together
+        assert st["straggler"] is None and max(st["arrival_lag_s"].values()) < MIN_STRAGGLER_LAG_S, st
+        # busy time alone is scheduling noise on a loaded machine (a fresh-clone run saw 1.0 against 0.57 here): a
+        # gap is reported as unconfirmed, never as a straggler
+        low = min(st["scores"], key=st["scores"].get)
+        assert st.get("unconfirmed") == (low if st["scores"][low] < 0.75 else None), st
         assert "straggler" not in dash.model.status_html()
         return
     assert st["straggler"] == 1, st
