@@ -234,6 +234,21 @@ def test_launch_streams_metrics_back_sdk_boundary(ip: InteractiveShell, runs: Pa
     assert Dashboard(run, widget=False).model.status()["step"] == 4
 
 
+def test_a_stream_cut_inside_lines_loses_no_record_sdk_boundary(ip: InteractiveShell, runs: Path,
+                                                               recorder: Any) -> None:  # fmt: skip
+    """SkyPilot's log stream yields chunks, not lines: a telemetry line cut between two chunks is joined again, so
+    every logged row arrives (a real 2-node run kept 58 of its 60 rows when each chunk was split on its own)."""
+    text = "".join(job_lines(range(5)))
+    pieces = [text[i:i + 37] for i in range(0, len(text), 37)]  # 37 characters: most lines cut, some twice
+    assert sum(1 for p in pieces if not p.endswith("\n")) > 10
+    recorder(SkyRecorder(pieces))
+    run = ip.run_cell_magic("dist_train", "--backend skypilot --nodes 2 --nproc 1 --cluster jd-t", "pass")
+    assert run.wait(30) == "succeeded", run.summary()
+    frame = run.metrics()
+    assert set(frame["rank"]) == {0, 1} and len(frame) == 10
+    assert run.logs(0).splitlines() == ["starting on 2 ranks", "final loss 0.04"]
+
+
 def test_stop_cancels_the_job_sdk_boundary(ip: InteractiveShell, runs: Path, recorder: Any) -> None:
     rec = recorder(SkyRecorder(job_lines(range(3))[:4], block_tail=True))
     run = ip.run_cell_magic("dist_train", "--backend skypilot --nodes 2 --nproc 1 --cluster jd-t", "pass")

@@ -311,13 +311,18 @@ class SkyPilotLauncher(RemoteLauncher):
             else:
                 lines = sky.tail_logs(self.cluster, int(self.job_id), follow=True, preload_content=False)
             batch: list[str] = []
+            cut = ""  # the end of the last chunk when it stopped inside a line: the next chunk completes it
             last = time.monotonic()
             for chunk in lines:  # None: no new output yet (a keep-alive), a chance to hand over what came
                 if chunk is not None:
-                    batch += str(chunk).splitlines()
+                    whole = (cut + str(chunk)).splitlines(keepends=True)
+                    cut = whole.pop() if whole and not whole[-1].endswith(("\n", "\r")) else ""
+                    batch += [ln.rstrip("\r\n") for ln in whole]
                 if batch and (time.monotonic() - last > 0.2 or len(batch) > 200 or chunk is None):
                     on_lines(batch)
                     batch, last = [], time.monotonic()
+            if cut:  # the stream ended inside a line: what there is of it
+                batch.append(cut)
             if batch:
                 on_lines(batch)
 
