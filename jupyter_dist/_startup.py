@@ -7,8 +7,10 @@ before it loads the objects shipped from the notebook.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["import_torch_outside_the_collector"]
@@ -39,19 +41,27 @@ def import_torch_outside_the_collector() -> None:
     global _done
     if _done:
         return
-    was_on = gc.isenabled()
-    gc.disable()
     try:
-        import torch  # noqa: F401
+        with _collector_paused():
+            import torch  # noqa: F401
     except Exception:
         return
-    finally:
-        if was_on:
-            gc.enable()
     gc.freeze()
     _done = True
     if "torch._dynamo" not in sys.modules:
         sys.meta_path.insert(0, _PausedImport("torch._dynamo"))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic collector off inside, then as it was (left off where the user had turned it off)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class _PausedImport:
@@ -81,13 +91,8 @@ class _PausedImport:
             run = loader.exec_module
 
             def exec_module(module: Any) -> None:
-                was_on = gc.isenabled()
-                gc.disable()
-                try:
+                with _collector_paused():
                     run(module)
-                finally:
-                    if was_on:
-                        gc.enable()
 
             loader.exec_module = exec_module  # this module's own loader object (a file finder makes one per module)
         return spec
