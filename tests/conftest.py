@@ -31,6 +31,16 @@ each switch (seen: ``deepspeed_shm_comm`` built five times in one run, two minut
 if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
     os.environ["PATH"] = BIN + os.pathsep + os.environ.get("PATH", "")
 
+SUITE_THREADS = os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""torch's intra-op threads in every process of the suite (the workers, kernels, one-process references, rehearsed
+ranks; torchrun gives its ranks 1 already): the suite runs two workers and their launches on 2 cores, and a process
+with 2 OpenMP threads on a busy machine spins at each parallel region's barrier while its other thread waits for a
+core. Measured on 2 cores kept busy by two other processes (``yes``): ``tests/test_memory_measured.py`` and
+``tests/test_model.py`` (in-process torch) 124 -> 87 CPU-s, 142 -> 91 s, with 1 thread. A value set before the suite
+starts is kept."""
+if "torch" in sys.modules:  # imported before this file (a plugin): its pool is already sized
+    sys.modules["torch"].set_num_threads(int(SUITE_THREADS))
+
 DS_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                                           str(Path.home() / ".cache" / "jupyter-dist" / "torch_extensions")))
 """Where every test and every rank it starts builds and loads DeepSpeed's C++ ops: one folder for the suite."""

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run_singles
+from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, run_singles
 
 torch = pytest.importorskip("torch")
 
@@ -65,7 +65,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["memory"] = (4, "ref", {"JD_STRATEGY": "fsdp2", "JD_CP": "2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
                                     "EQ_STEPS": "2"})  # fmt: skip
     common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
-    configs["ckpt-full"] = (4, "ref", {"JD_CP": "2", "EQ_SAVE_AT": "4", **common})
+    configs["ckpt-full"] = (4, "ref", {"JD_CP": "2", "EQ_SAVE_AT": str(SAVE_AT), **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
     for name, (nproc, degrees, _) in HF_CONFIGS.items():
@@ -100,16 +100,16 @@ def test_adamw_under_dp2_cp2_equals_single_process(single: dict, launches: Launc
 
 
 def test_checkpoint_saved_under_dp2_cp2_resumes_under_dp4_and_under_pp2_cp2(launches: Launches) -> None:
-    """DCP checkpoints under context parallelism hold the whole model's states (sharded over dp x cp): saved at step 4
-    under dp2 x cp2 (AdamW), resumed under plain dp4 and under pp2 x cp2, the next 5 losses equal the uninterrupted
+    """DCP checkpoints under context parallelism hold the whole model's states (sharded over dp x cp): saved at step 2
+    under dp2 x cp2 (AdamW), resumed under plain dp4 and under pp2 x cp2, the next 2 losses equal the uninterrupted
     run's."""
     full = launches["ckpt-full"]
-    assert full["mesh"] == "dp_shard=2 x cp=2" and (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    assert full["mesh"] == "dp_shard=2 x cp=2" and (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
         resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == 5, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
-                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+        assert resumed["first"] == SAVE_AT + 1, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
 
 
 def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, launches: Launches) -> None:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SCRIPT, Launches, assert_equal_math, run_singles
+from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, run_singles
 
 torch = pytest.importorskip("torch")
 
@@ -166,11 +166,12 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
         configs[f"memory-{config}"] = (nproc, "moe", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
                                                       "EQ_STEPS": "2", **degrees})  # fmt: skip
     common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
-    configs["ckpt-full"] = (4, "moe", {"JD_EP": "2", "EQ_SAVE_AT": "4", **common})
+    configs["ckpt-full"] = (4, "moe", {"JD_EP": "2", "EQ_SAVE_AT": str(SAVE_AT), **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
     common = {**common, "EQ_CKPT": str(where / "ckpt-tp")}
-    configs["ckpt-tp-full"] = (4, "moe", {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
+    configs["ckpt-tp-full"] = (4, "moe", {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1",
+                                         "EQ_SAVE_AT": str(SAVE_AT), **common})
     for name, degrees in TP_CKPT_RESUMES.items():
         configs[f"ckpt-tp-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
     # last in the 2-process launch: ep_errors.py run whole, in a fresh runtime
@@ -245,32 +246,32 @@ def test_per_rank_memory_equals_the_plan_to_the_byte(config: str, launches: Laun
 
 @pytest.mark.slow
 def test_checkpoint_saved_under_ep2_dp2_resumes_under_dp4_without_ep_and_under_ep2_dp2(launches: Launches) -> None:
-    """DCP checkpoints of DTensor experts reshard: saved at step 4 under ep2 x dp2, resumed under plain fsdp2 dp4
-    (experts whole on each rank's shard) and under ep2 x dp2; the next 5 losses equal the uninterrupted run's."""
+    """DCP checkpoints of DTensor experts reshard: saved at step 2 under ep2 x dp2, resumed under plain fsdp2 dp4
+    (experts whole on each rank's shard) and under ep2 x dp2; the next 2 losses equal the uninterrupted run's."""
     full = launches["ckpt-full"]
-    assert (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    assert (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
         resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == 5, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
-                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+        assert resumed["first"] == SAVE_AT + 1, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
 
 
 @pytest.mark.slow
 def test_checkpoint_saved_under_tp2_ep2_resumes_under_pp2_ep2_and_under_ep2_dp2(launches: Launches) -> None:
-    """Saved at step 4 under tp2 x ep2 + sp (attention split over tp, experts over ep, routers whole on each tp rank;
+    """Saved at step 2 under tp2 x ep2 + sp (attention split over tp, experts over ep, routers whole on each tp rank;
     AdamW), resumed under pp2 x ep2 (each stage's experts split over ep) and under ep2 x dp2 (experts sharded over
-    efsdp 2): the next 5 losses equal the uninterrupted run's."""
+    efsdp 2): the next 2 losses equal the uninterrupted run's."""
     full = launches["ckpt-tp-full"]
     assert full["mesh"] == "dp_shard=2 x tp=2 (experts: efsdp=1 x ep=2)"
-    assert (launches.where / "ckpt-tp" / "step-4" / "COMPLETE").exists()
+    assert (launches.where / "ckpt-tp" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     meshes = {"pp2xep2": "pp=2 x dp_shard=2 (experts: efsdp=1 x ep=2)",
               "ep2xdp2": "dp_shard=4 (experts: efsdp=2 x ep=2)"}  # fmt: skip
     for name in TP_CKPT_RESUMES:
         resumed = launches[f"ckpt-tp-{name}"]
-        assert (resumed["first"], resumed["mesh"]) == (5, meshes[name]), name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=1e-5,
-                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+        assert (resumed["first"], resumed["mesh"]) == (SAVE_AT + 1, meshes[name]), name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
 
 
 @pytest.mark.slow

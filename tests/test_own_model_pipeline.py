@@ -235,7 +235,7 @@ def gpt_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, object]:
 @pytest.mark.parametrize("config", list(GPT_CONFIGS))
 def test_a_pipelined_nanogpt_equals_one_process(config: str, gpt_runs: tuple[dict, object]) -> None:
     """The nanoGPT-style model (ModuleList blocks, fused qkv, GELU MLP, learned positions), unchanged, under pp2
-    (1F1B; interleaved 1F1B over 2 x 2 stages) and pp2 x dp2: losses of 10 steps and every parameter, gathered
+    (1F1B; interleaved 1F1B over 2 x 2 stages) and pp2 x dp2: losses of 5 steps and every parameter, gathered
     under the whole model's names, equal one process to 1e-5."""
     from test_tensor_parallel import assert_equal_math
 
@@ -253,7 +253,7 @@ def test_a_nanogpt_under_tp2_x_pp2_with_its_derived_layout_equals_one_process(
     """The nanoGPT-style model, no layout written (``jd.wrap`` derives it: fused qkv split per part, HeadLocalOps,
     sequence-parallel boundaries), under tp2 x pp2 on 4 processes (with and without sp; 1F1B, 2 micro-batches; the
     stages keep the block names, so the derived patterns ``blocks.*.attn.qkv`` match each stage's blocks) and
-    under dp2 x tp2 + sp (the fused weights under FSDP2 with dp > 1): 10 losses and every parameter, gathered,
+    under dp2 x tp2 + sp (the fused weights under FSDP2 with dp > 1): 5 losses and every parameter, gathered,
     equal one process to 1e-5 (measured on CPU/gloo: losses 1.1e-7, parameters 6.1e-7 under pp2 x tp2 (+sp),
     5.2e-7 under dp2 x tp2 + sp; pp2 x dp2 x tp2 + sp on 8 processes, run by hand: 1.1e-7 / 6.1e-7)."""
     from test_tensor_parallel import assert_equal_math
@@ -322,7 +322,7 @@ model = GPT(vocab=128, block_size=16, dim=32, n_layer=2, n_head=4)
 opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 model, opt = jd.wrap(model, opt)                # no tp_plan, no stage split written: both derived
 losses = []
-for step in range(10):
+for step in range(5):
     g = torch.Generator().manual_seed(1000 + step)
     tokens = (torch.randint(0, 128, (8, 1), generator=g) + 3 * torch.arange(13)
               + torch.randint(0, 3, (8, 13), generator=g)) % 128
@@ -345,7 +345,7 @@ if jd.rank == 0:
 @pytest.mark.slow
 def test_a_nanogpt_cell_runs_under_dist_train_tp2_x_pp2_sp_equal_to_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
     """The nanoGPT cell, with neither a layout nor a stage split written, under ``%%dist_train --nproc 4 --strategy
-    fsdp2+tp2+pp2+sp`` (the derived layout on each stage's blocks, the ModuleList cut in two): its 10 losses and
+    fsdp2+tp2+pp2+sp`` (the derived layout on each stage's blocks, the ModuleList cut in two): its 5 losses and
     every parameter, gathered from the four ranks, equal the same cell run in one plain process (1e-5 relative)."""
     from conftest import descendants_gone
     from test_tensor_parallel import assert_equal_math

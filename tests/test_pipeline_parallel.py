@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import RTOL, Launches, assert_equal_math, run_singles
+from test_tensor_parallel import RTOL, SAVE_AT, STEPS, Launches, assert_equal_math, run_singles
 
 from jupyter_dist.errors import ParallelismError
 from jupyter_dist.plan.pipeline import stage_bounds, stage_costs
@@ -172,7 +172,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     configs["zero1"] = (8, "ref", {"EQ_OPT": "sgd", "EQ_LAYERS": "4", "EQ_MEASURE": "1", "JD_MICROBATCHES": "4",
                                    **ZERO1})  # fmt: skip
     common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt"), "EQ_LAYERS": "4"}
-    configs["ckpt-full"] = (4, "ref", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": "4", **common})
+    configs["ckpt-full"] = (4, "ref", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": str(SAVE_AT), **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
     hf = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "sgd", "EQ_LAYERS": "4", "EQ_CKPT": str(where / "hf-ckpt")}
@@ -207,14 +207,14 @@ def test_pipelined_run_equals_single_process(config: str, single4: dict, launche
 
 @pytest.mark.slow
 def test_checkpoint_saved_under_pp2_dp2_resumes_without_pipeline_and_under_tp2_pp2(launches: Launches) -> None:
-    """DCP checkpoints of a pipelined model keep the whole model's names: saved at step 4 under pp2 x dp2, resumed
-    under dp4 and under tp2 x pp2, the next 5 losses equal the uninterrupted run's."""
+    """DCP checkpoints of a pipelined model keep the whole model's names: saved at step 2 under pp2 x dp2, resumed
+    under dp4 and under tp2 x pp2, the next 2 losses equal the uninterrupted run's."""
     full = launches["ckpt-full"]
     for name in CKPT_RESUMES:
         resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == 5, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
-                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+        assert resumed["first"] == SAVE_AT + 1, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                                   rtol=RTOL, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
 
 
 # ------------------------------------------------------------------------- Hugging Face causal LMs (slow)
@@ -222,11 +222,11 @@ HF_CONFIGS = {
     # name: (processes, model, JD_* degrees); real transformers models built from small configs (4 layers, fp32)
     "hf-pp2-1f1b": (2, "llama", {"JD_PP": "2", "JD_PP_SCHEDULE": "1f1b", "JD_MICROBATCHES": "4"}),
     "hf-mixtral-pp2-gpipe": (2, "mixtral", {"JD_PP": "2", "JD_PP_SCHEDULE": "gpipe", "JD_MICROBATCHES": "4"}),
-    "hf-pp2xdp2": (4, "llama", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": "4"}),
+    "hf-pp2xdp2": (4, "llama", {"JD_PP": "2", "JD_MICROBATCHES": "2", "EQ_SAVE_AT": str(SAVE_AT)}),
     # 4 stages of one block: each splits its input along the sequence and gathers its output for the next stage
     "hf-tp2xpp2-sp-interleaved": (4, "llama", {"JD_PP": "2", "JD_TP": "2", "JD_SP": "1", "JD_MICROBATCHES": "4",
                                                "JD_PP_SCHEDULE": "interleaved-1f1b", "JD_PP_VIRTUAL": "2"}),
-    "hf-resume-dp4": (4, "llama", {"EQ_RESUME": "1"}),  # from hf-pp2xdp2's checkpoint at step 4
+    "hf-resume-dp4": (4, "llama", {"EQ_RESUME": "1"}),  # from hf-pp2xdp2's checkpoint at step 2
 }  # fmt: skip
 HF_MESH = {"hf-pp2-1f1b": "pp=2 x dp_shard=1", "hf-mixtral-pp2-gpipe": "pp=2 x dp_shard=1",
            "hf-pp2xdp2": "pp=2 x dp_shard=2", "hf-tp2xpp2-sp-interleaved": "pp=2 x dp_shard=1 x tp=2"}  # fmt: skip
@@ -251,11 +251,12 @@ def test_pipelined_hugging_face_model_equals_single_process(config: str, single_
 
 @pytest.mark.slow
 def test_hugging_face_checkpoint_saved_under_pp2_dp2_resumes_under_dp4(launches: Launches) -> None:
-    """The stages keep the whole model's names (``model.layers.2...``): a DCP checkpoint saved at step 4 under pp2 x
-    dp2 resumes into the unsplit Hugging Face model under dp4, and the next 5 losses equal the uninterrupted run's."""
+    """The stages keep the whole model's names (``model.layers.2...``): a DCP checkpoint saved at step 2 under pp2 x
+    dp2 resumes into the unsplit Hugging Face model under dp4, and the next 2 losses equal the uninterrupted run's."""
     full, resumed = launches["hf-pp2xdp2"], launches["hf-resume-dp4"]
-    assert resumed["first"] == 5 and resumed["mesh"] == "dp_shard=4"
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL, atol=0)
+    assert resumed["first"] == SAVE_AT + 1 and resumed["mesh"] == "dp_shard=4"
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                               rtol=RTOL, atol=0)  # fmt: skip
 
 
 def _hf(kind: str, layers: int = 4, **extra: object) -> torch.nn.Module:
@@ -325,7 +326,7 @@ def test_train_step_accumulation_equals_one_big_step_with_one_reduction(
     config: str, single4: dict, launches: Launches
 ) -> None:
     """``jd.train_step`` over 4 micro-batches per rank (``JD_MICROBATCHES=4``, 2 ranks) equals one process taking the
-    global batch of 8 in one step (losses of 10 steps, parameters element-wise, 1e-5), and each step reduces the
+    global batch of 8 in one step (losses of 5 steps, parameters element-wise, 1e-5), and each step reduces the
     gradients once (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``): the comm stats count one bucket
     all-reduce (DDP) or one reduce-scatter per FSDP2 group, not one per micro-batch. The count can fail: with those
     two made no-ops (the math unchanged), every micro-batch reduces, 4 times as often."""
@@ -333,7 +334,7 @@ def test_train_step_accumulation_equals_one_big_step_with_one_reduction(
     got = launches[config]
     assert got["mesh"] == ("dp_shard=2" if strategy == "fsdp2" else "None")
     assert_equal_math(single4["sgd"], got)
-    assert [c.get(op) for c in got["comm"]] == [per_step] * 10, got["comm"]
+    assert [c.get(op) for c in got["comm"]] == [per_step] * STEPS, got["comm"]
     every = launches[f"{config}-sync-every"]
     assert [c.get(op) for c in every["comm"]] == [4 * per_step] * 2, every["comm"]
     torch.testing.assert_close(torch.tensor(every["losses"]), torch.tensor(got["losses"][:2]), rtol=RTOL, atol=0)
@@ -343,11 +344,11 @@ def test_train_step_accumulation_equals_one_big_step_with_one_reduction(
 @pytest.mark.deepspeed
 def test_train_step_under_deepspeed_accumulation_equals_one_big_step(single4: dict, launches: Launches) -> None:
     """DeepSpeed ZeRO-2 with ``gradient_accumulation_steps=4`` (the config ``%%dist_train`` writes) through
-    ``jd.train_step``: the engine takes the 4 micro-batches (40 micro-steps, 10 optimizer steps) and the run equals one
-    process taking the global batch in one step (losses and parameters, 1e-5)."""
+    ``jd.train_step``: the engine takes the 4 micro-batches (``4 * STEPS`` micro-steps, ``STEPS`` optimizer steps)
+    and the run equals one process taking the global batch in one step (losses and parameters, 1e-5)."""
     pytest.importorskip("deepspeed")
     got = launches["zero2-accum4"]
-    assert got["engine_steps"] == [10, 40]
+    assert got["engine_steps"] == [STEPS, 4 * STEPS]
     assert_equal_math(single4["sgd"], got)
 
 

@@ -25,6 +25,10 @@ torch = pytest.importorskip("torch")
 SCRIPT = Path(__file__).resolve().parent / "numerics" / "parallel_train.py"
 MODELS = ("ref", "llama")
 RTOL = 1e-5
+STEPS = 5
+"""Steps of every equal-math run (``parallel_train.py``'s default ``EQ_STEPS``; the hand-written cells' loops)."""
+SAVE_AT = 2
+"""The step a checkpoint-resume configuration saves at: its resume trains steps ``SAVE_AT + 1`` to ``STEPS - 1``."""
 TP_ERRORS = SCRIPT.parent / "tp_errors.py"
 
 pytestmark = pytest.mark.slow
@@ -58,7 +62,7 @@ def run_singles(where: Path, refs: dict[str, tuple[str, dict[str, str]]], timeou
 
 def assert_equal_math(ref: dict, got: dict, *, elementwise: bool = True) -> None:
     ref_l, got_l = torch.tensor(ref["losses"]), torch.tensor(got["losses"])
-    assert len(got_l) == len(ref_l) == 10
+    assert len(got_l) == len(ref_l) == STEPS
     torch.testing.assert_close(got_l, ref_l, rtol=RTOL, atol=0)
     assert sorted(got["params"]) == sorted(ref["params"])
     for name, want in ref["params"].items():
@@ -166,7 +170,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
         configs[f"memory-{config}"] = (nproc, "ref", {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_MEASURE": "1",
                                                       "EQ_STEPS": "2", **degrees})  # fmt: skip
     common = {"JD_STRATEGY": "fsdp2", "EQ_OPT": "adamw", "EQ_CKPT": str(where / "ckpt")}
-    configs["ckpt-full"] = (4, "ref", {"JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": "4", **common})
+    configs["ckpt-full"] = (4, "ref", {"JD_TP": "2", "JD_SP": "1", "EQ_SAVE_AT": str(SAVE_AT), **common})
     for name, degrees in CKPT_RESUMES.items():  # after the save, in the same launch
         configs[f"ckpt-{name}"] = (4, "ref", {"EQ_RESUME": "1", **degrees, **common})
     torch.manual_seed(1)  # not the workers' seed: the weights must come from the folder
@@ -250,15 +254,15 @@ def test_pretrained_hf_checkpoint_loads_sharded_from_meta_with_the_same_logits(l
 
 
 def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(launches: Launches) -> None:
-    """DCP checkpoints reshard: saved at step 4 under dp2 x tp2 + sp, resumed under dp4 (no tp) and under dp2 x tp2;
-    the next 5 losses equal the uninterrupted run's."""
+    """DCP checkpoints reshard: saved at step 2 under dp2 x tp2 + sp, resumed under dp4 (no tp) and under dp2 x tp2;
+    the next 2 losses equal the uninterrupted run's."""
     full = launches["ckpt-full"]
-    assert (launches.where / "ckpt" / "step-4" / "COMPLETE").exists()
+    assert (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
         resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == 5, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][5:]), rtol=RTOL,
-                                   atol=0, msg=lambda m, name=name: f"resumed under {name}: {m}")  # fmt: skip
+        assert resumed["first"] == SAVE_AT + 1, name
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                                   rtol=RTOL, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
 
 
 def test_wrong_tensor_parallel_inputs_get_one_line_each(launches: Launches) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,19 @@ def test_ruff_is_clean() -> None:
 def test_mypy_strict_on_pure_layers() -> None:
     res = subprocess.run([*_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_suites_processes_run_torch_on_one_thread_each() -> None:
+    """The worker and what it starts inherit ``OMP_NUM_THREADS=1`` (``conftest.SUITE_THREADS``); torch uses it."""
+    torch = pytest.importorskip("torch")
+    from conftest import SUITE_THREADS
+
+    if SUITE_THREADS != "1":
+        pytest.skip(f"OMP_NUM_THREADS={SUITE_THREADS} was set before the suite started")
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert child.stdout.strip() == "1"
 
 
 def test_the_suites_op_builds_compile_without_debug_info_under_the_same_command(

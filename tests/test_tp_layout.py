@@ -86,7 +86,7 @@ model = GPT()
 opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 model, opt = jd.wrap(model, opt)                 # no tp_plan: the layout is derived from the model
 losses = []
-for step in range(10):
+for step in range(5):
     g = torch.Generator().manual_seed(1000 + step)
     tokens = (torch.randint(0, 128, (8, 1), generator=g) + 3 * torch.arange(17)
               + torch.randint(0, 3, (8, 17), generator=g)) % 128
@@ -470,7 +470,7 @@ def test_the_wizard_says_in_one_line_why_a_module_gets_no_layout() -> None:
 
 @pytest.mark.slow
 def test_nanogpt_cell_under_fsdp2_tp2_sp_equals_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
-    """The nanoGPT cell, no layout written, under `%%dist_train --nproc 2 --strategy fsdp2+tp2+sp`: its 10 losses
+    """The nanoGPT cell, no layout written, under `%%dist_train --nproc 2 --strategy fsdp2+tp2+sp`: its 5 losses
     and final parameters equal the same cell run in one plain process (SGD with momentum, 1e-5 relative)."""
     from test_tensor_parallel import assert_equal_math
     from test_worker import clean_env, run_bounded
@@ -505,7 +505,7 @@ for kind in ATTENTIONS:
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     model, opt = jd.wrap(model, opt)
     losses = []
-    for step in range(10):
+    for step in range(5):
         g = torch.Generator().manual_seed(1000 + step)
         tokens = (torch.randint(0, 64, (4, 1), generator=g) + 3 * torch.arange(13)) % 64
         loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
@@ -524,7 +524,7 @@ for kind in ATTENTIONS:
 def test_hand_written_attention_cells_under_fsdp2_tp2_sp_equal_one_process(ip, runs, tmp_path: Path) -> None:  # noqa: ANN001
     """nanoGPT's attention without the flash path (its causal-mask buffer), a mask made in the forward, rotary
     tables: whole-width code on DTensors meeting plain tensors, under ``%%dist_train --nproc 2 --strategy
-    fsdp2+tp2+sp`` with no layout written -- 10 losses and every parameter equal one plain process (1e-5)."""
+    fsdp2+tp2+sp`` with no layout written -- 5 losses and every parameter equal one plain process (1e-5)."""
     from test_tensor_parallel import assert_equal_math
     from test_worker import clean_env, run_bounded
 

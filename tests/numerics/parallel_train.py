@@ -10,7 +10,7 @@ same process group -- what the tests do to pay torchrun's start once per world s
 same global batch each step: rank ``r`` takes the ``jd.dp_rank``-th of ``jd.dp_size`` equal slices. Adding a model
 to the equal-math tests = adding a builder to ``MODELS``.
 
-Environment: ``EQ_STEPS`` (10), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
+Environment: ``EQ_STEPS`` (5), ``EQ_BATCH`` (global batch, 8), ``EQ_SEQ`` (16), ``EQ_SAVE_AT``/``EQ_RESUME``
 (checkpoint at a step / resume from the newest checkpoint in ``EQ_CKPT``), ``EQ_META=1`` (build on the meta device),
 ``EQ_BAD_POSITIONS=1`` (under cp: rotary angles from the local chunk, a mistake the equal-math check must catch),
 ``EQ_PRETRAINED=DIR`` (load weights from a save_pretrained folder), ``EQ_EP_EFSDP_DIVIDE=1`` (a deliberate mistake:
@@ -201,7 +201,7 @@ def main_many(spec_path: str) -> None:
 
 
 def train(out_path: str, kind: str) -> None:
-    steps = int(os.environ.get("EQ_STEPS", "10"))
+    steps = int(os.environ.get("EQ_STEPS", "5"))
     n, seq = int(os.environ.get("EQ_BATCH", "8")), int(os.environ.get("EQ_SEQ", "16"))
     torch.manual_seed(0)
     if os.environ.get("EQ_META") == "1":
