@@ -300,7 +300,7 @@ def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for
     magics.dashboard = "on"
     try:
         run = ip.run_cell_magic("dist_train", "--plan tp_plan_p --nproc 4 --name tp_magic --heartbeat 0.25 "
-                                "--telemetry-interval 0.2 --timeout 240", DEMO_CELL.format(steps=40))  # fmt: skip
+                                "--telemetry-interval 0.2 --timeout 240", DEMO_CELL.format(steps=12))  # fmt: skip
     finally:
         magics.dashboard = "auto"
     assert run.wait(240) == "succeeded", run.logs()
@@ -310,7 +310,7 @@ def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for
     assert dash is not None and dash.finished.wait(30)
     loss = {t["name"]: t for t in {f["id"]: f for f in dash.figures()}["loss"]["traces"]}
     for rank in range(4):
-        assert loss[f"rank {rank}"]["x"][-1] == 39, sorted(loss)
+        assert loss[f"rank {rank}"]["x"][-1] == 11, sorted(loss)
     assert loss["rank 0"]["y"][-1] < loss["rank 0"]["y"][0]
     # ranks of one tensor-parallel group compute the same loss on the same batch; the two groups differ
     last = {r: loss[f"rank {r}"]["y"][-1] for r in range(4)}
@@ -319,7 +319,7 @@ def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for
     assert descendants_gone(run)
 
     w = Wizard(model=Transformer, gpu="cpu", gpus_per_node=4, seq_len=32, micro_batch=16, precision="fp32",
-               runs_dir=runs, shell=ip, code=DEMO_CELL.format(steps=20))  # fmt: skip
+               runs_dir=runs, shell=ip, code=DEMO_CELL.format(steps=6))  # fmt: skip
     w.candidate.value = "fsdp2+tp2+sp"
     w.run_name.value = "tp_wizard"
     w.nproc.value = 4
