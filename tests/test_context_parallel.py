@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, run_singles
+from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, assert_resumed, run_singles
 
 torch = pytest.importorskip("torch")
 
@@ -106,10 +106,7 @@ def test_checkpoint_saved_under_dp2_cp2_resumes_under_dp4_and_under_pp2_cp2(laun
     full = launches["ckpt-full"]
     assert full["mesh"] == "dp_shard=2 x cp=2" and (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
-        resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == SAVE_AT + 1, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
-                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
+        assert_resumed(full, launches[f"ckpt-{name}"], name)
 
 
 def test_the_check_catches_rotary_angles_from_the_local_chunk(single: dict, launches: Launches) -> None:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, run_singles
+from test_tensor_parallel import SAVE_AT, SCRIPT, Launches, assert_equal_math, assert_resumed, run_singles
 
 torch = pytest.importorskip("torch")
 
@@ -171,7 +171,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
         configs[f"ckpt-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
     common = {**common, "EQ_CKPT": str(where / "ckpt-tp")}
     configs["ckpt-tp-full"] = (4, "moe", {"JD_EP": "2", "JD_TP": "2", "JD_SP": "1",
-                                         "EQ_SAVE_AT": str(SAVE_AT), **common})
+                                         "EQ_SAVE_AT": str(SAVE_AT), **common})  # fmt: skip
     for name, degrees in TP_CKPT_RESUMES.items():
         configs[f"ckpt-tp-{name}"] = (4, "moe", {"EQ_RESUME": "1", **degrees, **common})
     # last in the 2-process launch: ep_errors.py run whole, in a fresh runtime
@@ -251,10 +251,7 @@ def test_checkpoint_saved_under_ep2_dp2_resumes_under_dp4_without_ep_and_under_e
     full = launches["ckpt-full"]
     assert (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
-        resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == SAVE_AT + 1, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
-                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
+        assert_resumed(full, launches[f"ckpt-{name}"], name)
 
 
 @pytest.mark.slow
@@ -269,9 +266,8 @@ def test_checkpoint_saved_under_tp2_ep2_resumes_under_pp2_ep2_and_under_ep2_dp2(
               "ep2xdp2": "dp_shard=4 (experts: efsdp=2 x ep=2)"}  # fmt: skip
     for name in TP_CKPT_RESUMES:
         resumed = launches[f"ckpt-tp-{name}"]
-        assert (resumed["first"], resumed["mesh"]) == (SAVE_AT + 1, meshes[name]), name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
-                                   rtol=1e-5, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
+        assert resumed["mesh"] == meshes[name], name
+        assert_resumed(full, resumed, name)
 
 
 @pytest.mark.slow

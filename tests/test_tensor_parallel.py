@@ -76,6 +76,14 @@ def assert_equal_math(ref: dict, got: dict, *, elementwise: bool = True) -> None
         assert err <= RTOL, f"{name}: relative error {err:.2e} > {RTOL:.0e} under mesh {got['mesh']}"
 
 
+def assert_resumed(full: dict, resumed: dict, label: str) -> None:
+    """A configuration resumed from ``full``'s checkpoint at step :data:`SAVE_AT` starts at the next step and trains
+    the losses the uninterrupted run trained from there (1e-5 relative)."""
+    assert resumed["first"] == SAVE_AT + 1, label
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
+                               rtol=RTOL, atol=0, msg=lambda m: f"resumed under {label}: {m}")  # fmt: skip
+
+
 class Launches:
     """Equal-math configurations of one test module, run in one torchrun launch per world size.
 
@@ -259,10 +267,7 @@ def test_checkpoint_saved_under_tp2_dp2_resumes_under_dp4_and_tp2_dp2(launches: 
     full = launches["ckpt-full"]
     assert (launches.where / "ckpt" / f"step-{SAVE_AT}" / "COMPLETE").exists()
     for name in CKPT_RESUMES:
-        resumed = launches[f"ckpt-{name}"]
-        assert resumed["first"] == SAVE_AT + 1, name
-        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][SAVE_AT + 1 :]),
-                                   rtol=RTOL, atol=0, msg=lambda m, n=name: f"resumed under {n}: {m}")  # fmt: skip
+        assert_resumed(full, launches[f"ckpt-{name}"], name)
 
 
 def test_wrong_tensor_parallel_inputs_get_one_line_each(launches: Launches) -> None:
@@ -298,9 +303,10 @@ def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for
     ip.user_ns["tp_plan_p"] = p
     magics = ip.magics_manager.registry["DistMagics"]
     magics.dashboard = "on"
+    steps = 12
     try:
         run = ip.run_cell_magic("dist_train", "--plan tp_plan_p --nproc 4 --name tp_magic --heartbeat 0.25 "
-                                "--telemetry-interval 0.2 --timeout 240", DEMO_CELL.format(steps=12))  # fmt: skip
+                                "--telemetry-interval 0.2 --timeout 240", DEMO_CELL.format(steps=steps))  # fmt: skip
     finally:
         magics.dashboard = "auto"
     assert run.wait(240) == "succeeded", run.logs()
@@ -310,7 +316,7 @@ def test_fsdp2_tp2_sp_from_dist_train_plan_and_the_wizard_launch_with_panels_for
     assert dash is not None and dash.finished.wait(30)
     loss = {t["name"]: t for t in {f["id"]: f for f in dash.figures()}["loss"]["traces"]}
     for rank in range(4):
-        assert loss[f"rank {rank}"]["x"][-1] == 11, sorted(loss)
+        assert loss[f"rank {rank}"]["x"][-1] == steps - 1, sorted(loss)
     assert loss["rank 0"]["y"][-1] < loss["rank 0"]["y"][0]
     # ranks of one tensor-parallel group compute the same loss on the same batch; the two groups differ
     last = {r: loss[f"rank {r}"]["y"][-1] for r in range(4)}
