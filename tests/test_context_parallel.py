@@ -153,7 +153,8 @@ def test_everything_around_the_attention_and_one_line_errors(launches: Launches)
     assert "same sequence length on dim 1 (8); got shape (2, 16)" in lines["lengths-differ"]
     assert "give at least one tensor" in lines["nothing"]
     checks = {ln for ln in out if ln.startswith("CHECK ")}
-    assert checks == {f"CHECK {c}: ok" for c in ("dp-rank", "chunks", "positions", "round-trip")}, checks
+    names = ("dp-rank", "chunks", "positions", "round-trip", "blocking-ring")
+    assert checks == {f"CHECK {c}: ok" for c in names}, checks
 
 
 def test_context_parallel_with_a_strategy_other_than_fsdp2_is_one_line(launches: Launches) -> None:

@@ -4,10 +4,10 @@ PyTorch's own context-parallel attention does the work (``torch.distributed.tens
 2.13's ``_context_parallel/``): the ``_ContextParallel`` style hooks each attention core so its q, k, v become
 DTensors sharded on the sequence (dim 2); ``F.scaled_dot_product_attention`` on them reaches DTensor's dispatcher,
 whose context-parallel handlers run ``_templated_ring_attention`` -- each rank attends its queries to every rank's
-keys/values (gathered once, all-gather rotation), merges the partial results with their log-sum-exps, and in
-backward sends the key/value gradients home (all-to-all). The sequence is laid out with the head-tail load balancer
-(``_HeadTailLoadBalancer``): cut into ``2 x cp`` chunks, rank ``r`` holds chunks ``r`` and ``2cp-1-r``, so every
-rank does the same causal work.
+keys/values (on CUDA gathered once, all-gather rotation; on CPU passed round the ring, see below), merges the
+partial results with their log-sum-exps, and in backward sends the key/value gradients home (all-to-all).
+The sequence is laid out with the head-tail load balancer (``_HeadTailLoadBalancer``): cut into ``2 x cp`` chunks,
+rank ``r`` holds chunks ``r`` and ``2cp-1-r``, so every rank does the same causal work.
 
 On CPU, PyTorch 2.13 does not run it as shipped (``benchmarks/cp_cpu_probe.py`` prints the evidence): its handlers
 cover only the CUDA kernels (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
@@ -16,7 +16,9 @@ which has no DTensor sharding strategy ("does not have a sharding strategy regis
 plain tensors into DTensor ops. The CPU kernel has the same contract as the CUDA flash kernel (returns the output and
 the log-sum-exp; its backward takes them back), so this module registers the CPU pair into the same dispatcher table,
 running through PyTorch's own ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` -- same ring,
-same merge, same load balancing; nothing of the algorithm is reimplemented here. On CUDA nothing is added.
+same merge, same load balancing; nothing of the algorithm is reimplemented here. Only the exchange differs: inside
+these handlers the ring's rotater is :class:`BlockingRotater` (blocking ``dist.all_to_all_single`` to the next cp
+rank) instead of PyTorch's async functional collectives, which corrupted the heap on gloo. On CUDA nothing is added.
 
 Model states are sharded by FSDP2 over ``dp_shard x cp`` (torchtitan's ``dp_shard_cp``): cp ranks hold different
 tokens of the same batch, so their gradients average like data-parallel ones, and the planner counts them the same
@@ -25,7 +27,9 @@ way (``ParallelDims.shard_size = dp x cp``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._env import WorkerEnv, WorkerError
@@ -167,6 +171,7 @@ def _cp_handlers() -> dict[Any, Any]:
     """DTensor custom-op handlers that route the CPU flash kernel pair through PyTorch's ring attention."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
     from torch.distributed.tensor.experimental._context_parallel._attention import (
         _templated_ring_attention,
         _templated_ring_attention_backward,
@@ -195,27 +200,75 @@ def _cp_handlers() -> dict[Any, Any]:
         if kwargs.get("attn_mask") is not None:
             raise WorkerError("context parallelism: attention with an attn_mask is not supported; use is_causal=True")
         mesh = mesh_of(q, k, v)
-        out, lse = _templated_ring_attention(
-            mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, q.to_local(), k.to_local(),
-            v.to_local(), is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
-        )  # fmt: skip
+        with _blocking_ring(cp_attention):
+            out, lse = _templated_ring_attention(
+                mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, q.to_local(),
+                k.to_local(), v.to_local(), is_causal=is_causal, dropout_p=dropout_p, scale=kwargs.get("scale"),
+            )  # fmt: skip
         return wrap(mesh, out, lse)
 
     def backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad_out, q, k, v, out, lse, dropout_p, is_causal = args[:8]
         mesh = mesh_of(grad_out, q, k, v, out, lse)
-        grads = _templated_ring_attention_backward(
-            mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-            grad_out=grad_out.to_local(), grad_out_name="grad_out", query=q.to_local(), key=k.to_local(),
-            value=v.to_local(), out=out.to_local(), logsumexp=lse.to_local(), is_causal=is_causal,
-            dropout_p=dropout_p, scale=kwargs.get("scale"),
-        )  # fmt: skip
+        with _blocking_ring(cp_attention):
+            grads = _templated_ring_attention_backward(
+                mesh.get_group(), SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                grad_out=grad_out.to_local(), grad_out_name="grad_out", query=q.to_local(), key=k.to_local(),
+                value=v.to_local(), out=out.to_local(), logsumexp=lse.to_local(), is_causal=is_causal,
+                dropout_p=dropout_p, scale=kwargs.get("scale"),
+            )  # fmt: skip
         return wrap(mesh, *grads[:3])
 
     return {
         aten._scaled_dot_product_flash_attention_for_cpu.default: forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: backward,
     }
+
+
+class BlockingRotater:
+    """The ring's exchange on CPU: one blocking ``dist.all_to_all_single`` per step of the ring.
+
+    Each call sends this rank's buffer to the next cp rank and receives the previous rank's, on the gloo group.
+
+    PyTorch's rotaters exchange through the functional collectives (``permute_tensor``, ``all_gather_single``): async
+    work finished on gloo's threads and waited later. On gloo that corrupted the heap: about one launch in 30-50 of
+    30 context-parallel configurations aborted (``malloc(): unaligned tcache chunk detected``, on the main thread or
+    a gloo worker; the corrupted free chunk held the bytes ``ALLTOALL``), never with this blocking exchange (see
+    docs/development.md, session 22). The math is the same exchange; on CPU there is no stream to overlap with anyway.
+    """
+
+    def __init__(self, pg: Any, seq_dim: int, method: Any = None) -> None:
+        self._pg = pg
+        self._buffer: Any = None
+
+    def exchange_buffers(self, buffer: torch.Tensor) -> None:
+        import torch
+        import torch.distributed as dist
+
+        buffer = buffer.contiguous()
+        size, rank = dist.get_world_size(self._pg), dist.get_rank(self._pg)
+        sends, receives = [0] * size, [0] * size
+        sends[(rank + 1) % size] = buffer.numel()
+        receives[(rank - 1) % size] = buffer.numel()
+        out = torch.empty_like(buffer)
+        dist.all_to_all_single(out, buffer, receives, sends, group=self._pg)
+        self._buffer = out
+
+    def next_buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            raise RuntimeError("BlockingRotater.next_buffer before exchange_buffers")
+        return self._buffer
+
+
+@contextlib.contextmanager
+def _blocking_ring(cp_attention: Any) -> Iterator[None]:
+    """PyTorch's ring functions, with :class:`BlockingRotater` for every exchange they make inside the block."""
+    saved = cp_attention._create_rotater
+    cp_attention._create_rotater = BlockingRotater
+    try:
+        yield
+    finally:
+        cp_attention._create_rotater = saved
 
 
 def enable_dispatcher(device_type: str) -> None:

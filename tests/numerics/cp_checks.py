@@ -86,3 +86,34 @@ one = jd.cp_unshard(xs)
 assert torch.equal(one, x)
 if jd.rank == 0:
     print("CHECK round-trip: ok", flush=True)
+
+# on CPU the ring exchanges key/value blocks (and their gradients) through blocking c10d all-to-alls
+# (worker/_context.py's BlockingRotater), never through the functional collectives' async work
+import torch.distributed._functional_collectives as ft_c  # noqa: E402
+
+from jupyter_dist.worker._context import BlockingRotater  # noqa: E402
+
+counts = {"functional": 0, "blocking": 0}
+saved = ft_c.permute_tensor, ft_c.all_gather_single, BlockingRotater.exchange_buffers
+
+
+def counted(name: str, fn):  # noqa: ANN001, ANN202
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return call
+
+
+ft_c.permute_tensor = counted("functional", saved[0])
+ft_c.all_gather_single = counted("functional", saved[1])
+BlockingRotater.exchange_buffers = counted("blocking", saved[2])
+try:
+    model(ts % 64).float().sum().backward()
+finally:
+    ft_c.permute_tensor, ft_c.all_gather_single, BlockingRotater.exchange_buffers = saved
+n_layers = len(model.layers)
+# per layer: forward 1 key/value exchange (cp=2), backward 1 key/value and 2 gradient exchanges
+assert counts == {"functional": 0, "blocking": 4 * n_layers}, counts
+if jd.rank == 0:
+    print("CHECK blocking-ring: ok", flush=True)
