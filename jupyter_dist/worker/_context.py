@@ -233,8 +233,10 @@ class BlockingRotater:
     PyTorch's rotaters exchange through the functional collectives (``permute_tensor``, ``all_gather_single``): async
     work finished on gloo's threads and waited later. On gloo that corrupted the heap: about one launch in 30-50 of
     30 context-parallel configurations aborted (``malloc(): unaligned tcache chunk detected``, on the main thread or
-    a gloo worker; the corrupted free chunk held the bytes ``ALLTOALL``), never with this blocking exchange (see
-    docs/development.md, session 22). The math is the same exchange; on CPU there is no stream to overlap with anyway.
+    a gloo worker; the corrupted free chunk held the bytes ``ALLTOALL``); with this blocking exchange 0 of 120 such
+    launches did (docs/development.md, session 22). The math is the same exchange; on CPU there is no stream to
+    overlap with anyway. Built as PyTorch's ``_create_rotater(pg, seq_dim, method)`` is called; every rotation method
+    (all-gather or all-to-all) becomes this ring step, which the ring functions accept for either.
     """
 
     def __init__(self, pg: Any, seq_dim: int, method: Any = None) -> None:
